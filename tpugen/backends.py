@@ -1,0 +1,138 @@
+"""The device seam: the only module that imports torch_xla, and only inside functions."""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import asdict, dataclass
+from importlib import metadata
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Exact XLA counters (process-wide); subtract two readings to get what happened in between."""
+
+    compiles: int
+    compile_seconds: float
+    executions: int
+    transfers_to_host: int
+    persistent_cache_hits: int = 0
+    persistent_cache_misses: int = 0
+
+    def __sub__(self, other: Counters) -> Counters:
+        return Counters(**{k: v - getattr(other, k) for k, v in asdict(self).items()})
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def versions() -> dict:
+    """Versions of the packages that decide what gets compiled and how."""
+    out = {}
+    for name in ("tpugen", "torch", "torch_xla", "diffusers", "transformers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def tpu_present() -> bool:
+    """A TPU VM exposes its chips as /dev/accel* (v4, v5p) or VFIO devices (v5e, v6e)."""
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+class Backend:
+    """Eager PyTorch on the host CPU: the reference every other backend is compared against."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        import torch
+
+        self.device = torch.device("cpu")
+
+    def sync(self) -> None:
+        """Cut the lazy graph here (a no-op for eager backends)."""
+
+    def wait(self) -> None:
+        """Block until the device has finished everything queued."""
+
+    def counters(self) -> Counters | None:
+        return None
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "device": str(self.device), "device_kind": "CPU", "world_size": 1}
+
+
+class XlaBackend(Backend):
+    """torch_xla's lazy tensors: traced per step, compiled by XLA, executed on TPU (or XLA:CPU)."""
+
+    name = "xla"
+
+    def __init__(self) -> None:
+        if "PJRT_DEVICE" not in os.environ:
+            # Say it ourselves, so torch_xla does not guess (and warn) on a machine without a TPU.
+            os.environ["PJRT_DEVICE"] = "TPU" if tpu_present() else "CPU"
+        try:
+            import torch_xla
+            import torch_xla.core.xla_model as xm
+            import torch_xla.debug.metrics as met
+            import torch_xla.runtime as xr
+        except ImportError as exc:
+            from tpugen.errors import InputError
+
+            raise InputError(
+                f"execution.backend: xla needs torch_xla ({exc}); install tpugen[tpu] on a TPU VM "
+                "or tpugen[xla] elsewhere"
+            ) from None
+        self._torch_xla, self._xm, self._met, self._xr = torch_xla, xm, met, xr
+        self.device = torch_xla.device()
+
+    def sync(self) -> None:
+        self._torch_xla.sync()
+
+    def wait(self) -> None:
+        self._xm.wait_device_ops()
+
+    def counters(self) -> Counters:
+        met = self._met
+
+        def count(metric: str) -> int:
+            data = met.metric_data(metric)
+            return int(data[0]) if data else 0
+
+        compile_data = met.metric_data("CompileTime")
+        return Counters(
+            compiles=count("CompileTime"),
+            compile_seconds=(compile_data[1] / 1e9) if compile_data else 0.0,
+            # SPMD runs are counted under ExecuteReplicatedTime, so both are summed.
+            executions=count("ExecuteTime") + count("ExecuteReplicatedTime"),
+            transfers_to_host=count("TransferFromDeviceTime"),
+            persistent_cache_hits=int(met.counter_value("PersistentCacheHit") or 0),
+            persistent_cache_misses=int(met.counter_value("PersistentCacheMiss") or 0),
+        )
+
+    def describe(self) -> dict:
+        kind = self._xm.xla_device_hw(self.device)
+        if kind == "TPU":
+            try:
+                kind = f"TPU v{self._torch_xla.tpu.version()}"
+            except Exception:  # the version probe is informational only
+                pass
+        return {
+            "backend": self.name,
+            "device": str(self.device),
+            "device_kind": kind,
+            "pjrt_device": os.environ.get("PJRT_DEVICE"),
+            "world_size": self._xr.world_size(),
+        }
+
+
+def make_backend(name: str) -> Backend:
+    """The backend a config names. Importing torch_xla happens here, not at tpugen import time."""
+    if name == "xla":
+        return XlaBackend()
+    if name == "cpu":
+        return Backend()
+    raise ValueError(f"unknown backend {name!r}")

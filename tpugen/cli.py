@@ -1,0 +1,202 @@
+"""The `tpugen` command line: each command converts its options and calls one plain function."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tpugen import __version__
+from tpugen.errors import TpugenError
+
+app = typer.Typer(
+    help="Text-to-image generation on Cloud TPU VMs through torch_xla: each compile paid once, every second accounted for.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+ConfigPath = Annotated[Path, typer.Argument(help="The YAML run config.", show_default=False)]
+Overrides = Annotated[
+    Optional[list[str]],
+    typer.Argument(help="key=value overrides after the config, e.g. steps=30 model.dtype=bfloat16.", show_default=False),
+]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; print only where the results went.")]
+
+
+def _boundary(command):
+    """The one place errors become messages: one line per problem, no traceback unless TPUGEN_DEBUG=1."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except TpugenError as exc:
+            if os.environ.get("TPUGEN_DEBUG") == "1":
+                traceback.print_exc()
+            for line in exc.lines:
+                typer.echo(f"error: {line}", err=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            typer.echo("error: interrupted", err=True)
+            raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as exc:  # anything unforeseen still gets one line and exit 1
+            if os.environ.get("TPUGEN_DEBUG") == "1":
+                traceback.print_exc()
+            first = (str(exc).strip().splitlines() or [""])[0]
+            typer.echo(f"error: {type(exc).__name__}: {first} (set TPUGEN_DEBUG=1 for the traceback)", err=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"tpugen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """tpugen: YAML run configs in, images plus a manifest and a timing report out."""
+
+
+@app.command()
+@_boundary
+def validate(config: ConfigPath, overrides: Overrides = None) -> None:
+    """Check a config (with overrides) and print it fully resolved as YAML, or every problem found."""
+    from tpugen.config import load_config
+
+    run = load_config(config, overrides or [])
+    typer.echo(run.to_yaml(), nl=False)
+
+
+@app.command()
+@_boundary
+def plan(config: ConfigPath, overrides: Overrides = None) -> None:
+    """Print the shape keys, batches and padding a run would use, without loading a model."""
+    from tpugen.config import load_config
+    from tpugen.plan import plan_run
+
+    run_plan = plan_run(load_config(config, overrides or []))
+    _print_plan(run_plan)
+
+
+def _print_plan(run_plan) -> None:
+    table = Table(title="shape keys (each one is compiled once)")
+    for column in ("shape key", "batches", "images", "padding rows"):
+        table.add_column(column)
+    for key in run_plan.shape_keys:
+        batches = [b for b in run_plan.batches if b.shape == key]
+        table.add_row(
+            str(key), str(len(batches)), str(sum(len(b.items) for b in batches)), str(sum(b.padding for b in batches))
+        )
+    out.print(table)
+    out.print(f"{len(run_plan.items)} images in {len(run_plan.batches)} batches")
+
+
+class _RichDisplay:
+    """Progress on stderr while the run goes; silent under --quiet."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.progress = None
+        self.task = None
+
+    def phase(self, text: str) -> None:
+        if not self.quiet:
+            err.print(f"[dim]{text}[/dim]")
+
+    def batches_started(self, total: int) -> None:
+        if self.quiet:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("generating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("batches"),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[last]}"),
+            console=err,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("generate", total=total, last="")
+
+    def batch_done(self, batch, seconds: float) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, advance=1, last=f"last: {batch.shape} {seconds:.2f}s")
+
+    def finished(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def _print_summary(report: dict) -> None:
+    timed = report["timed_phase"]
+    table = Table(title=f"run {report['run_id']}")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("images", str(report["images"]))
+    table.add_row("model load s", f"{report['model_load_seconds']:.2f}")
+    for entry in report["warmup"]:
+        compiles = "" if entry["compiles"] is None else f", {entry['compiles']} graphs"
+        table.add_row(f"warmup {entry['shape_key']} s", f"{entry['seconds']:.2f}{compiles}")
+    table.add_row("timed phase s", f"{timed['wall_seconds']:.2f}")
+    table.add_row("per image s (mean)", f"{timed['per_image_seconds']['mean']:.3f}")
+    table.add_row("images per s", f"{timed['images_per_second']:.2f}")
+    after = report["compiles_after_warmup"]
+    table.add_row("compiles after warmup", "n/a (eager)" if after is None else str(after))
+    out.print(table)
+
+
+@app.command()
+@_boundary
+def generate(
+    config: ConfigPath,
+    overrides: Overrides = None,
+    quiet: Quiet = False,
+    skip_warmup: Annotated[
+        bool, typer.Option("--skip-warmup", help="No compile pass before timing (first batches then include compiles).")
+    ] = False,
+    show_plan: Annotated[bool, typer.Option("--plan", help="Print the plan and exit; loads no model.")] = False,
+) -> None:
+    """Generate the config's images: load, compile each shape once, run timed, write images and a report."""
+    from tpugen.config import load_config
+
+    run = load_config(config, overrides or [])
+    if show_plan:
+        from tpugen.plan import plan_run
+
+        _print_plan(plan_run(run))
+        return
+    from tpugen.runner import generate as run_generate
+
+    report = run_generate(run, display=_RichDisplay(quiet), skip_warmup=skip_warmup)
+    if not quiet:
+        _print_summary(report)
+    run_dir = report["run_dir"]
+    typer.echo(f"images: {run_dir}")
+    typer.echo(f"report: {Path(run_dir) / 'report.md'}")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    sys.exit(app())

@@ -1,0 +1,460 @@
+"""The YAML run config: schema, key=value overrides, prompt files, and every check made at the door."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tpugen.errors import InputError
+from tpugen.models import BUILTINS, ModelSource, classify_model_id, default_size
+from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
+
+
+class _Section(BaseModel):
+    # strict: YAML already types its values, so "20" for steps is a mistake worth naming, not coercing.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelConfig(_Section):
+    id: str
+    revision: str | None = None
+    variant: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    scheduler: str | None = None
+
+    @field_validator("scheduler")
+    @classmethod
+    def _known_scheduler(cls, value: str | None) -> str | None:
+        if value is not None and find_scheduler(value) is None:
+            raise ValueError(f"unknown scheduler {value!r}; valid names: {', '.join(SCHEDULER_NAMES)}")
+        return value
+
+
+class ExecutionConfig(_Section):
+    backend: Literal["xla", "cpu"] = "xla"
+    mode: Literal["single"] = "single"
+
+
+class OutputConfig(_Section):
+    dir: str = "outputs"
+    run_id: str | None = None
+
+    @field_validator("run_id")
+    @classmethod
+    def _safe_run_id(cls, value: str | None) -> str | None:
+        if value is not None:
+            if not value or value.startswith(".") or "/" in value or "\\" in value or "\0" in value:
+                raise ValueError("must be a plain directory name (no '/', no leading '.')")
+        return value
+
+
+def _non_empty_prompt(text: str) -> str:
+    if not text.strip():
+        raise ValueError("prompt is empty")
+    return text
+
+
+Prompt = Annotated[str, AfterValidator(_non_empty_prompt)]
+
+
+class RunConfig(_Section):
+    model: ModelConfig
+    prompts: list[Prompt] | None = None
+    prompts_file: str | None = None
+    negative_prompt: str = ""
+    height: int | None = Field(default=None, gt=0)
+    width: int | None = Field(default=None, gt=0)
+    steps: int = Field(default=20, ge=1, le=1000)
+    guidance_scale: float = Field(default=7.5, ge=0)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    batch_size: int = Field(default=1, ge=1)
+    images_per_prompt: int = Field(default=1, ge=1)
+    execution: ExecutionConfig = ExecutionConfig()
+    output: OutputConfig = OutputConfig()
+
+    @field_validator("height", "width")
+    @classmethod
+    def _multiple_of_8(cls, value: int | None) -> int | None:
+        if value is not None and value % 8:
+            raise ValueError(f"must be a multiple of 8 (the VAE downsamples by 8), got {value}")
+        return value
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts_not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("the list is empty; give at least one prompt")
+        return value
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One prompt of the run, with its per-prompt overrides already applied."""
+
+    prompt: str
+    negative_prompt: str
+    seed: int | None  # None: the run's seed + image index
+    steps: int
+    guidance_scale: float
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A config that passed every check, with defaults filled and paths made absolute."""
+
+    config: RunConfig
+    prompts: list[PromptSpec]
+    model_source: ModelSource
+    config_hash: str
+
+    def to_yaml(self) -> str:
+        return dump_config(self.config)
+
+
+# ---------------------------------------------------------------- schema walking
+
+
+def _field_names(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def _section_at(path: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] = RunConfig
+    for part in path:
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        inner = _model_type(field.annotation)
+        if inner is None:
+            return None
+        model = inner
+    return model
+
+
+def _model_type(annotation: Any) -> type[BaseModel] | None:
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _is_text_field(annotation: Any) -> bool:
+    options = typing.get_args(annotation) or (annotation,)
+    return str in options or (typing.get_origin(annotation) is Literal)
+
+
+def all_keys(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted key the schema accepts, for suggestions and docs."""
+    keys = []
+    for name, field in model.model_fields.items():
+        inner = _model_type(field.annotation)
+        if inner is not None:
+            keys.extend(all_keys(inner, f"{prefix}{name}."))
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---------------------------------------------------------------- overrides
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> list[str]:
+    """Set each `key.sub=value` into `data`, typed by the schema. Returns the problems found."""
+    problems = []
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            problems.append(f"{text}: an override must look like key=value (for example steps=30)")
+            continue
+        parts = key.split(".")
+        section = _section_at(parts[:-1])
+        if section is None or parts[-1] not in section.model_fields:
+            problems.append(f"{key}: unknown key{_suggest(key, all_keys())}")
+            continue
+        field = section.model_fields[parts[-1]]
+        if _model_type(field.annotation) is not None:
+            problems.append(f"{key}: is a section; set one of its keys, e.g. {key}.{_field_names(_model_type(field.annotation))[0]}=...")
+            continue
+        if _is_text_field(field.annotation) and raw.strip().lower() not in ("null", "~"):
+            value: Any = raw
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw.strip() else None
+            except yaml.YAMLError:
+                problems.append(f"{key}: cannot read the value {raw!r}")
+                continue
+        target = data
+        for part in parts[:-1]:
+            if not isinstance(target.get(part), dict):
+                target[part] = {}
+            target = target[part]
+        target[parts[-1]] = value
+        # One prompt source wins: an override of one replaces the other from the file.
+        if key == "prompts":
+            data.pop("prompts_file", None)
+        elif key == "prompts_file":
+            data.pop("prompts", None)
+    return problems
+
+
+# ---------------------------------------------------------------- error formatting
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "config"
+
+
+_TYPE_NAMES = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "true or false",
+    "list_type": "a list",
+    "model_type": "a mapping of keys",
+    "dict_type": "a mapping of keys",
+}
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{value!r}"
+
+
+def _format_error(err: dict) -> str:
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    where = _dotted(loc)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        section = _section_at([p for p in loc[:-1] if isinstance(p, str)]) or RunConfig
+        return f"{where}: unknown key{_suggest(str(loc[-1]), _field_names(section))}"
+    if kind == "missing":
+        return f"{where}: required key is missing"
+    if kind in _TYPE_NAMES:
+        return f"{where}: expected {_TYPE_NAMES[kind]}, got {_describe(err.get('input'))}"
+    if kind == "literal_error":
+        return f"{where}: {err['msg'].replace('Input should be', 'must be')}, got {_describe(err.get('input'))}"
+    if kind == "value_error":
+        return f"{where}: {err['msg'].removeprefix('Value error, ')}"
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        return f"{where}: {err['msg'].replace('Input should be', 'must be')}, got {_describe(err.get('input'))}"
+    return f"{where}: {err['msg']}"
+
+
+# ---------------------------------------------------------------- prompt files
+
+_JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale"}
+
+
+def _read_prompt_file(path: Path, problems: list[str]) -> list[dict]:
+    where = "prompts_file"
+    if not path.is_file():
+        problems.append(f"{where}: {str(path)!r} does not exist" if not path.exists() else f"{where}: {str(path)!r} is not a file")
+        return []
+    if path.suffix not in (".txt", ".jsonl"):
+        problems.append(f"{where}: {path.name!r} must end in .txt (one prompt per line) or .jsonl")
+        return []
+    raw = path.read_bytes()
+    if b"\0" in raw:
+        problems.append(f"{where}: {str(path)!r} is binary, not a text file")
+        return []
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        problems.append(f"{where}: {str(path)!r} is not UTF-8 (bad byte at offset {exc.start})")
+        return []
+    entries: list[dict] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if path.suffix == ".txt":
+            entries.append({"prompt": line.strip(), "_line": number})
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.append(f"{where}:{number}: not valid JSON ({exc.msg})")
+            continue
+        if not isinstance(entry, dict):
+            problems.append(f"{where}:{number}: expected a JSON object with a 'prompt' key")
+            continue
+        unknown = sorted(set(entry) - _JSONL_KEYS)
+        if unknown:
+            problems.append(
+                f"{where}:{number}: unknown key {unknown[0]!r}{_suggest(unknown[0], sorted(_JSONL_KEYS))}"
+            )
+            continue
+        entry["_line"] = number
+        entries.append(entry)
+    if not entries and not problems:
+        problems.append(f"{where}: {str(path)!r} has no prompts")
+    return entries
+
+
+def _check_prompt_entry(entry: dict, where: str, run: RunConfig, problems: list[str]) -> PromptSpec | None:
+    prompt = entry.get("prompt")
+    if not isinstance(prompt, str):
+        problems.append(f"{where}: 'prompt' must be a string" if "prompt" in entry else f"{where}: 'prompt' is missing")
+        return None
+    if not prompt.strip():
+        problems.append(f"{where}: prompt is empty")
+        return None
+    checks = {
+        "negative_prompt": (str, lambda v: True, "a string"),
+        "seed": (int, lambda v: 0 <= v < 2**63, "an integer >= 0"),
+        "steps": (int, lambda v: 1 <= v <= 1000, "an integer from 1 to 1000"),
+        "guidance_scale": ((int, float), lambda v: v >= 0, "a number >= 0"),
+    }
+    for key, (kind, ok, wanted) in checks.items():
+        if key in entry:
+            value = entry[key]
+            if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
+                problems.append(f"{where}: {key} must be {wanted}, got {value!r}")
+                return None
+    return PromptSpec(
+        prompt=prompt,
+        negative_prompt=entry.get("negative_prompt", run.negative_prompt),
+        seed=entry.get("seed"),
+        steps=entry.get("steps", run.steps),
+        guidance_scale=float(entry.get("guidance_scale", run.guidance_scale)),
+    )
+
+
+# ---------------------------------------------------------------- loading
+
+
+def read_yaml(path: Path) -> dict:
+    """The config file as a mapping, or an InputError naming what is wrong with it."""
+    if not path.exists():
+        raise InputError(f"{path}: config file does not exist")
+    if not path.is_file():
+        raise InputError(f"{path}: is not a file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: is not UTF-8 text") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"{path}: malformed YAML{where}: {problem}") from None
+    if data is None:
+        raise InputError(f"{path}: the config is empty")
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: the config must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> ResolvedRun:
+    """Read, override, validate and resolve a run config. Raises InputError listing every problem."""
+    path = Path(path)
+    data = read_yaml(path)
+    return resolve(data, overrides, base_dir=path.resolve().parent)
+
+
+def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> ResolvedRun:
+    """Validate a config mapping; fill defaults; make paths absolute; read the prompts."""
+    data = json.loads(json.dumps(data, default=str))  # a deep copy we may edit
+    problems = apply_overrides(data, list(overrides))
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        problems.extend(_format_error(err) for err in exc.errors())
+        raise InputError(*problems) from None
+    if problems:
+        raise InputError(*problems)
+
+    source = classify_model_id(config.model.id, base_dir)
+    if isinstance(source, str):
+        problems.append(f"model.id: {source}")
+    elif source.kind == "local":
+        config.model.id = source.ref
+
+    prompts: list[PromptSpec] = []
+    if config.prompts is not None and config.prompts_file is not None:
+        problems.append("prompts: give either prompts or prompts_file, not both")
+    elif config.prompts is None and config.prompts_file is None:
+        problems.append("prompts: no prompts given; set prompts (a list) or prompts_file (.txt or .jsonl)")
+    elif config.prompts is not None:
+        for i, text in enumerate(config.prompts):
+            spec = _check_prompt_entry({"prompt": text}, f"prompts[{i}]", config, problems)
+            if spec:
+                prompts.append(spec)
+    else:
+        file = Path(config.prompts_file).expanduser()
+        file = file if file.is_absolute() else base_dir / file
+        for entry in _read_prompt_file(file, problems):
+            spec = _check_prompt_entry(entry, f"prompts_file:{entry['_line']}", config, problems)
+            if spec:
+                prompts.append(spec)
+        config.prompts_file = str(file.resolve())
+
+    out_dir = Path(config.output.dir).expanduser()
+    out_dir = out_dir if out_dir.is_absolute() else Path.cwd() / out_dir
+    problem = _output_dir_problem(out_dir)
+    if problem:
+        problems.append(f"output.dir: {problem}")
+    config.output.dir = str(out_dir)
+
+    if problems:
+        raise InputError(*problems)
+
+    if config.height is None or config.width is None:
+        height, width = default_size(config.model.id)
+        config.height = config.height or height
+        config.width = config.width or width
+    return ResolvedRun(config, prompts, source, config_hash(config, prompts))
+
+
+def _output_dir_problem(out_dir: Path) -> str | None:
+    probe = out_dir
+    while not probe.exists():
+        if probe.parent == probe:
+            return f"{str(out_dir)!r} cannot be created"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{str(probe)!r} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{str(probe)!r} is not writable"
+    return None
+
+
+def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
+    """8 hex digits naming everything that changes the images (not where they are written)."""
+    payload = config.model_dump(exclude={"output"})
+    payload["prompts"] = [p.__dict__ for p in prompts]
+    payload.pop("prompts_file", None)
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return digest[:8]
+
+
+def dump_config(config: RunConfig) -> str:
+    """The resolved config as YAML, keys in schema order."""
+    return yaml.safe_dump(config.model_dump(), sort_keys=False, allow_unicode=True, width=1000)
+
+
+def builtin_names() -> list[str]:
+    return list(BUILTINS)

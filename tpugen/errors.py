@@ -1,0 +1,25 @@
+"""The errors tpugen reports to users: one base class, two exit codes."""
+
+from __future__ import annotations
+
+
+class TpugenError(Exception):
+    """A problem tpugen can explain in a line; main() prints it without a traceback."""
+
+    exit_code = 1
+
+    def __init__(self, *lines: str) -> None:
+        self.lines = [line for line in lines if line]
+        super().__init__("\n".join(self.lines))
+
+
+class InputError(TpugenError):
+    """Bad input: a config, a prompts file, a model path or an output dir. Nothing was written."""
+
+    exit_code = 2
+
+
+class RunError(TpugenError):
+    """A failure while the run was under way (loading, compiling, generating, writing)."""
+
+    exit_code = 1

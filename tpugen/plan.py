@@ -1,0 +1,125 @@
+"""Turning a resolved config into work: image indices, seeds, shape keys and padded batches (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpugen.config import ResolvedRun
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One image to make. Its index, seed and file name never depend on batching or on the device."""
+
+    index: int
+    prompt_index: int
+    prompt: str
+    negative_prompt: str
+    seed: int
+    steps: int
+    guidance_scale: float
+    height: int
+    width: int
+
+    @property
+    def cfg(self) -> bool:
+        # Classifier-free guidance doubles the UNet batch, so it is part of the compiled shape.
+        return self.guidance_scale > 1.0
+
+
+@dataclass(frozen=True, order=True)
+class ShapeKey:
+    """What a compiled graph depends on: a new value of any field means a new XLA compile."""
+
+    height: int
+    width: int
+    batch_size: int
+    cfg: bool
+
+    def __str__(self) -> str:
+        return f"{self.height}x{self.width} b{self.batch_size} {'cfg' if self.cfg else 'nocfg'}"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One pipeline call: real items first, then `padding` copies of the last one (never written)."""
+
+    number: int
+    shape: ShapeKey
+    items: tuple[WorkItem, ...]
+    padding: int
+
+    @property
+    def rows(self) -> tuple[WorkItem, ...]:
+        return self.items + (self.items[-1],) * self.padding
+
+    @property
+    def steps(self) -> int:
+        return self.items[0].steps
+
+    @property
+    def guidance_scale(self) -> float:
+        return self.items[0].guidance_scale
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    items: tuple[WorkItem, ...]
+    batches: tuple[Batch, ...]
+
+    @property
+    def shape_keys(self) -> list[ShapeKey]:
+        """The distinct shapes in the order the run first needs them."""
+        return list(dict.fromkeys(b.shape for b in self.batches))
+
+    @property
+    def padding_rows(self) -> int:
+        return sum(b.padding for b in self.batches)
+
+
+def work_items(run: ResolvedRun) -> list[WorkItem]:
+    """Every image of the run in index order: prompt p's k-th image has index p * images_per_prompt + k."""
+    cfg = run.config
+    items = []
+    for p, spec in enumerate(run.prompts):
+        for k in range(cfg.images_per_prompt):
+            index = p * cfg.images_per_prompt + k
+            seed = spec.seed + k if spec.seed is not None else cfg.seed + index
+            items.append(
+                WorkItem(
+                    index=index,
+                    prompt_index=p,
+                    prompt=spec.prompt,
+                    negative_prompt=spec.negative_prompt,
+                    seed=seed,
+                    steps=spec.steps,
+                    guidance_scale=spec.guidance_scale,
+                    height=cfg.height,
+                    width=cfg.width,
+                )
+            )
+    return items
+
+
+def plan_batches(items: list[WorkItem], batch_size: int) -> list[Batch]:
+    """Group items into full batches of one shape; a pipeline call also needs one step count and guidance.
+
+    Items keep index order inside each group; groups come in the order of their first item. The last
+    batch of a group is padded to `batch_size`, so every call has a planned shape and nothing recompiles.
+    """
+    groups: dict[tuple, list[WorkItem]] = {}
+    for item in items:
+        groups.setdefault((item.height, item.width, item.cfg, item.steps, item.guidance_scale), []).append(item)
+    batches = []
+    for (height, width, cfg, _steps, _guidance), members in groups.items():
+        shape = ShapeKey(height, width, batch_size, cfg)
+        for start in range(0, len(members), batch_size):
+            chunk = tuple(members[start : start + batch_size])
+            batches.append(Batch(len(batches), shape, chunk, batch_size - len(chunk)))
+    return batches
+
+
+def plan_run(run: ResolvedRun) -> RunPlan:
+    """The whole run as data: what each pipeline call makes, at which shape."""
+    items = work_items(run)
+    return RunPlan(tuple(items), tuple(plan_batches(items, run.config.batch_size)))

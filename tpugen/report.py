@@ -1,0 +1,93 @@
+"""The timing report: statistics over batches, report.json's layout, and report.md for people."""
+
+from __future__ import annotations
+
+import math
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100), as numpy's default computes it."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def latency_summary(per_image: list[float]) -> dict:
+    if not per_image:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    return {
+        "mean": sum(per_image) / len(per_image),
+        "p50": percentile(per_image, 50),
+        "p90": percentile(per_image, 90),
+        "p99": percentile(per_image, 99),
+    }
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def render_markdown(report: dict) -> str:
+    """report.md: the same facts as report.json, laid out for a person."""
+    timed = report["timed_phase"]
+    lat = timed["per_image_seconds"]
+    device = report["device"]
+    lines = [
+        f"# tpugen run {report['run_id']}",
+        "",
+        f"- status: {'complete' if report['complete'] else 'INCOMPLETE'}",
+        f"- model: {report['model']['id']} ({report['model']['dtype']}, scheduler {report['model']['scheduler']})",
+        f"- backend: {device['backend']} on {device['device_kind']} (world size {device['world_size']})",
+        f"- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
+        f"- config hash: {report['config_hash']}",
+        f"- images: {report['images']} in {report['batches']} batches ({report['padding_rows']} padding rows)",
+        f"- model load: {_fmt(report['model_load_seconds'], 2)} s",
+        "",
+        "## Warmup (compile) per shape key",
+        "",
+        "| shape key | wall s | graphs compiled | compile s |",
+        "| --- | --- | --- | --- |",
+    ]
+    for entry in report["warmup"]:
+        lines.append(
+            f"| {entry['shape_key']} | {_fmt(entry['seconds'], 2)} | {_fmt(entry['compiles'])} "
+            f"| {_fmt(entry['compile_seconds'], 2)} |"
+        )
+    if not report["warmup"]:
+        lines.append("| (skipped) | | | |")
+    lines += [
+        "",
+        "## Timed phase",
+        "",
+        f"- wall: {_fmt(timed['wall_seconds'], 2)} s (generation {_fmt(timed['generate_seconds'], 2)} s, "
+        f"writing files {_fmt(timed['write_seconds'], 2)} s)",
+        f"- images per second: {_fmt(timed['images_per_second'], 2)}",
+        f"- seconds per image: mean {_fmt(lat['mean'])}, p50 {_fmt(lat['p50'])}, p90 {_fmt(lat['p90'])}, "
+        f"p99 {_fmt(lat['p99'])}",
+        f"- seconds per denoising step (batch latency / steps, incl. text encoding and decoding): "
+        f"{_fmt(timed['seconds_per_step'], 4)}",
+        f"- compiles after warmup: {_fmt(report['compiles_after_warmup'])}",
+    ]
+    counters = report["xla_counters"]
+    if counters:
+        t = counters["timed_phase"]
+        lines.append(
+            f"- XLA counters of the timed phase ({counters['scope']}): {t['compiles']} compiles, "
+            f"{t['executions']} graph executions, {t['transfers_to_host']} device-to-host transfers"
+        )
+    for event in report["recompiles"]:
+        lines.append(f"- recompile: batch {event['batch']} ({event['shape_key']}) compiled {event['compiles']} graphs")
+    lines += ["", "| batch | shape key | images | seconds | compiles |", "| --- | --- | --- | --- | --- |"]
+    for b in timed["batches"]:
+        lines.append(
+            f"| {b['batch']} | {b['shape_key']} | {b['images']} | {_fmt(b['seconds'])} | {_fmt(b['compiles'])} |"
+        )
+    lines.append("")
+    return "\n".join(lines)
