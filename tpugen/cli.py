@@ -7,7 +7,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -27,8 +27,10 @@ err = Console(stderr=True)
 
 ConfigPath = Annotated[Path, typer.Argument(help="The YAML run config.", show_default=False)]
 Overrides = Annotated[
-    Optional[list[str]],
-    typer.Argument(help="key=value overrides after the config, e.g. steps=30 model.dtype=bfloat16.", show_default=False),
+    list[str] | None,
+    typer.Argument(
+        help="key=value overrides after the config, e.g. steps=30 model.dtype=bfloat16.", show_default=False
+    ),
 ]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; print only where the results went.")]
 

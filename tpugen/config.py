@@ -188,7 +188,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> list[str]:
             continue
         field = section.model_fields[parts[-1]]
         if _model_type(field.annotation) is not None:
-            problems.append(f"{key}: is a section; set one of its keys, e.g. {key}.{_field_names(_model_type(field.annotation))[0]}=...")
+            problems.append(
+                f"{key}: is a section; set one of its keys, e.g. {key}.{_field_names(_model_type(field.annotation))[0]}=..."
+            )
             continue
         if _is_text_field(field.annotation) and raw.strip().lower() not in ("null", "~"):
             value: Any = raw
@@ -272,7 +274,9 @@ _JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale"}
 def _read_prompt_file(path: Path, problems: list[str]) -> list[dict]:
     where = "prompts_file"
     if not path.is_file():
-        problems.append(f"{where}: {str(path)!r} does not exist" if not path.exists() else f"{where}: {str(path)!r} is not a file")
+        problems.append(
+            f"{where}: {str(path)!r} does not exist" if not path.exists() else f"{where}: {str(path)!r} is not a file"
+        )
         return []
     if path.suffix not in (".txt", ".jsonl"):
         problems.append(f"{where}: {path.name!r} must end in .txt (one prompt per line) or .jsonl")
@@ -303,9 +307,7 @@ def _read_prompt_file(path: Path, problems: list[str]) -> list[dict]:
             continue
         unknown = sorted(set(entry) - _JSONL_KEYS)
         if unknown:
-            problems.append(
-                f"{where}:{number}: unknown key {unknown[0]!r}{_suggest(unknown[0], sorted(_JSONL_KEYS))}"
-            )
+            problems.append(f"{where}:{number}: unknown key {unknown[0]!r}{_suggest(unknown[0], sorted(_JSONL_KEYS))}")
             continue
         entry["_line"] = number
         entries.append(entry)

@@ -45,7 +45,7 @@ def render_markdown(report: dict) -> str:
         f"- status: {'complete' if report['complete'] else 'INCOMPLETE'}",
         f"- model: {report['model']['id']} ({report['model']['dtype']}, scheduler {report['model']['scheduler']})",
         f"- backend: {device['backend']} on {device['device_kind']} (world size {device['world_size']})",
-        f"- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         f"- config hash: {report['config_hash']}",
         f"- images: {report['images']} in {report['batches']} batches ({report['padding_rows']} padding rows)",
         f"- model load: {_fmt(report['model_load_seconds'], 2)} s",

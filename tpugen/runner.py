@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -118,8 +119,157 @@ def _record(run: ResolvedRun, loaded, item, batch: Batch, file: str, latency: fl
     }
 
 
+@dataclass
+class TimedPhase:
+    """What the timed phase has done so far; enough to write a report at any point, even after a failure."""
+
+    batches: list[dict] = field(default_factory=list)
+    recompiles: list[dict] = field(default_factory=list)
+    written: list[Path] = field(default_factory=list)
+    generate_seconds: float = 0.0
+    write_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    counters: Counters | None = None
+
+
+def run_batches(run: ResolvedRun, loaded, plan: RunPlan, run_dir: Path, phase: TimedPhase, display: RunDisplay) -> None:
+    """The timed phase: each batch generated, then its images and manifest lines written."""
+    backend = loaded.backend
+    manifest = Manifest(run_dir / "manifest.jsonl")
+    phase_before = backend.counters()
+    phase_start = time.perf_counter()
+    display.batches_started(len(plan.batches))
+    try:
+        for batch in plan.batches:
+            before = backend.counters()
+            start = time.perf_counter()
+            pixels = loaded.generate(batch)
+            backend.wait()  # the clock is read only after the device has finished
+            seconds = time.perf_counter() - start
+            delta = _delta(backend, before)
+            phase.generate_seconds += seconds
+            if delta and delta.compiles:
+                phase.recompiles.append(
+                    {"batch": batch.number, "shape_key": str(batch.shape), "compiles": delta.compiles}
+                )
+
+            start = time.perf_counter()
+            share = seconds / len(batch.items)
+            records = []
+            for item, image in zip(batch.items, pixels, strict=True):
+                name = image_filename(item.index, item.seed, item.prompt)
+                record = _record(run, loaded, item, batch, name, share)
+                save_png(inside(run_dir, name), Image.fromarray(image), record)
+                records.append(record)
+                phase.written.append(run_dir / name)
+            manifest.append(records)
+            phase.write_seconds += time.perf_counter() - start
+
+            phase.batches.append(
+                {
+                    "batch": batch.number,
+                    "shape_key": str(batch.shape),
+                    "images": len(batch.items),
+                    "padding": batch.padding,
+                    "steps": batch.steps,
+                    "seconds": seconds,
+                    "compiles": delta.compiles if delta else None,
+                    "executions": delta.executions if delta else None,
+                    "transfers_to_host": delta.transfers_to_host if delta else None,
+                }
+            )
+            display.batch_done(batch, seconds)
+    finally:
+        manifest.close()
+        display.finished()
+        phase.wall_seconds = time.perf_counter() - phase_start
+        phase.counters = _delta(backend, phase_before)
+
+
+def build_report(
+    run: ResolvedRun,
+    *,
+    run_id: str,
+    run_dir: Path,
+    plan: RunPlan,
+    device: dict,
+    scheduler: str,
+    load_seconds: float,
+    warmup_results: list[dict],
+    phase: TimedPhase,
+    error: str | None = None,
+) -> dict:
+    """report.json's content. `error` marks a run that stopped early; what it finished is still listed."""
+    rows = phase.batches
+    per_image = [row["seconds"] / row["images"] for row in rows for _ in range(row["images"])]
+    images = len(phase.written)
+    wall = phase.wall_seconds
+    counters = phase.counters
+    return {
+        "tpugen_report": 1,
+        "complete": error is None,
+        "error": error,
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        "device": device,
+        "config_hash": run.config_hash,
+        "model": {"id": run.config.model.id, "dtype": run.config.model.dtype, "scheduler": scheduler},
+        "images": images,
+        "images_planned": len(plan.items),
+        "batches": len(plan.batches),
+        "padding_rows": plan.padding_rows,
+        "shape_keys": [str(k) for k in plan.shape_keys],
+        "model_load_seconds": load_seconds,
+        "warmup": warmup_results,
+        "warmup_seconds": sum(w["seconds"] for w in warmup_results),
+        "timed_phase": {
+            "wall_seconds": wall,
+            "generate_seconds": phase.generate_seconds,
+            "write_seconds": phase.write_seconds,
+            "images_per_second": images / wall if wall > 0 and images else None,
+            "per_image_seconds": latency_summary(per_image),
+            "seconds_per_step": sum(r["seconds"] / r["steps"] for r in rows) / len(rows) if rows else None,
+            "batches": rows,
+        },
+        "compiles_after_warmup": counters.compiles if counters else None,
+        "recompiles": phase.recompiles,
+        "xla_counters": (
+            {
+                "scope": "process-wide, read before and after each phase; one device in this process",
+                "warmup": {
+                    "compiles": sum(w["compiles"] for w in warmup_results),
+                    "compile_seconds": sum(w["compile_seconds"] for w in warmup_results),
+                },
+                "timed_phase": counters.as_dict(),
+            }
+            if counters
+            else None
+        ),
+        "files": {"manifest": "manifest.jsonl", "config": "config.yaml", "grid": "grid.png"},
+    }
+
+
+def write_report(run_dir: Path, report: dict) -> None:
+    write_json(run_dir / "report.json", report)
+    atomic_write_text(run_dir / "report.md", render_markdown(report))
+
+
+def write_grid(run_dir: Path, images: list[Path]) -> None:
+    sheet = contact_sheet(images)
+    if sheet is not None:
+        buffer = io.BytesIO()
+        sheet.save(buffer, format="PNG")
+        atomic_write_bytes(run_dir / "grid.png", buffer.getvalue())
+
+
 def generate(run: ResolvedRun, *, display: RunDisplay | None = None, skip_warmup: bool = False) -> dict:
-    """The whole `tpugen generate`: returns the report (also written to the run directory)."""
+    """The whole `tpugen generate`: returns the report, also written to the run directory.
+
+    The run directory is created only once the model has loaded, so a bad model id leaves nothing behind;
+    from then on a failure still leaves every finished image, the manifest and a report marked incomplete.
+    """
     display = display or RunDisplay()
     plan = plan_run(run)
     backend = make_backend(run.config.execution.backend)
@@ -136,113 +286,43 @@ def generate(run: ResolvedRun, *, display: RunDisplay | None = None, skip_warmup
     run_dir = make_run_dir(run, run_id)
     atomic_write_text(run_dir / "config.yaml", dump_config(run.config))
 
-    warmup_results = [] if skip_warmup else warmup(loaded, plan, display)
+    warmup_results: list[dict] = []
+    phase = TimedPhase()
 
-    manifest = Manifest(run_dir / "manifest.jsonl")
-    batch_rows, recompiles, written = [], [], []
-    timed_before = backend.counters()
-    generate_seconds = write_seconds = 0.0
-    display.batches_started(len(plan.batches))
-    phase_start = time.perf_counter()
+    def report(error: str | None = None) -> dict:
+        return build_report(
+            run,
+            run_id=run_id,
+            run_dir=run_dir,
+            plan=plan,
+            device=backend.describe(),
+            scheduler=loaded.scheduler_name,
+            load_seconds=load_seconds,
+            warmup_results=warmup_results,
+            phase=phase,
+            error=error,
+        )
+
     try:
-        for batch in plan.batches:
-            before = backend.counters()
-            start = time.perf_counter()
-            pixels = loaded.generate(batch)
-            backend.wait()
-            seconds = time.perf_counter() - start
-            delta = _delta(backend, before)
-            generate_seconds += seconds
-            if delta and delta.compiles:
-                recompiles.append({"batch": batch.number, "shape_key": str(batch.shape), "compiles": delta.compiles})
-
-            start = time.perf_counter()
-            share = seconds / len(batch.items)
-            records = []
-            for item, image in zip(batch.items, pixels):
-                name = image_filename(item.index, item.seed, item.prompt)
-                record = _record(run, loaded, item, batch, name, share)
-                save_png(inside(run_dir, name), Image.fromarray(image), record)
-                records.append(record)
-                written.append(run_dir / name)
-            manifest.append(records)
-            write_seconds += time.perf_counter() - start
-
-            batch_rows.append(
-                {
-                    "batch": batch.number,
-                    "shape_key": str(batch.shape),
-                    "images": len(batch.items),
-                    "padding": batch.padding,
-                    "steps": batch.steps,
-                    "seconds": seconds,
-                    "compiles": delta.compiles if delta else None,
-                    "executions": delta.executions if delta else None,
-                    "transfers_to_host": delta.transfers_to_host if delta else None,
-                }
-            )
-            display.batch_done(batch, seconds)
-    except OSError as exc:
-        raise RunError(f"writing {exc.filename or run_dir}: {exc.strerror or exc}") from exc
-    finally:
-        manifest.close()
-    backend.wait()
-    wall = time.perf_counter() - phase_start
-    timed_delta = _delta(backend, timed_before)
-    display.finished()
-
-    sheet = contact_sheet(written)
-    if sheet is not None:
-        buffer = io.BytesIO()
-        sheet.save(buffer, format="PNG")
-        atomic_write_bytes(run_dir / "grid.png", buffer.getvalue())
-
-    per_image = [row["seconds"] / row["images"] for row in batch_rows for _ in range(row["images"])]
-    images = len(written)
-    report = {
-        "tpugen_report": 1,
-        "complete": True,
-        "run_id": run_id,
-        "run_dir": str(run_dir),
-        "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "versions": versions(),
-        "device": backend.describe(),
-        "config_hash": run.config_hash,
-        "model": {"id": run.config.model.id, "dtype": run.config.model.dtype, "scheduler": loaded.scheduler_name},
-        "images": images,
-        "batches": len(plan.batches),
-        "padding_rows": plan.padding_rows,
-        "shape_keys": [str(k) for k in plan.shape_keys],
-        "model_load_seconds": load_seconds,
-        "warmup": warmup_results,
-        "warmup_seconds": sum(w["seconds"] for w in warmup_results),
-        "timed_phase": {
-            "wall_seconds": wall,
-            "generate_seconds": generate_seconds,
-            "write_seconds": write_seconds,
-            "images_per_second": images / wall if wall > 0 else None,
-            "per_image_seconds": latency_summary(per_image),
-            "seconds_per_step": (
-                sum(row["seconds"] / row["steps"] for row in batch_rows) / len(batch_rows) if batch_rows else None
-            ),
-            "batches": batch_rows,
-        },
-        "compiles_after_warmup": timed_delta.compiles if timed_delta else None,
-        "recompiles": recompiles,
-        "xla_counters": (
-            {
-                "scope": "process-wide, read before and after the phase on one device",
-                "warmup": {
-                    "compiles": sum(w["compiles"] for w in warmup_results),
-                    "compile_seconds": sum(w["compile_seconds"] for w in warmup_results),
-                },
-                "timed_phase": timed_delta.as_dict(),
-            }
-            if timed_delta
-            else None
-        ),
-        "files": {"manifest": "manifest.jsonl", "config": "config.yaml", "grid": "grid.png" if sheet else None},
-    }
-    write_json(run_dir / "report.json", report)
-    atomic_write_text(run_dir / "report.md", render_markdown(report))
-    return report
+        if not skip_warmup:
+            warmup_results.extend(warmup(loaded, plan, display))
+        run_batches(run, loaded, plan, run_dir, phase, display)
+        write_grid(run_dir, phase.written)
+    except BaseException as exc:
+        reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+        write_report(run_dir, report(error=reason.splitlines()[0] if reason else reason))
+        if isinstance(exc, OSError):
+            where = exc.filename or run_dir
+            raise RunError(
+                f"writing {where}: {exc.strerror or exc}",
+                f"{len(phase.written)} finished images and the manifest are in {run_dir}",
+            ) from exc
+        if isinstance(exc, Exception) and not isinstance(exc, RunError):
+            raise RunError(
+                f"the run failed: {reason.splitlines()[0]}",
+                f"{len(phase.written)} finished images, the manifest and report.json are in {run_dir}",
+            ) from exc
+        raise
+    final = report()
+    write_report(run_dir, final)
+    return final

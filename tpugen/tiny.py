@@ -48,9 +48,7 @@ def _build_tiny_sd(target: Path) -> None:
     vocab_dir = target.parent / (target.name + ".vocab")
     vocab_dir.mkdir()
     vocab_size, bos_id, eos_id = _write_clip_vocab(vocab_dir)
-    tokenizer = CLIPTokenizer(
-        str(vocab_dir / "vocab.json"), str(vocab_dir / "merges.txt"), model_max_length=77
-    )
+    tokenizer = CLIPTokenizer(str(vocab_dir / "vocab.json"), str(vocab_dir / "merges.txt"), model_max_length=77)
 
     torch.manual_seed(0)
     unet = UNet2DConditionModel(

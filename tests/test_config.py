@@ -1,0 +1,285 @@
+"""Config validation at the door: every bad input gets its exact one-line message and exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import run_cli, tiny_config, write_config
+
+from tpugen.config import all_keys, load_config
+
+# (case id, changes to the tiny config (None deletes a key), overrides, expected stderr lines)
+BAD_CONFIGS = [
+    ("unknown key", {"stpes": 3}, [], ["error: stpes: unknown key (did you mean 'steps'?)"]),
+    (
+        "unknown nested key",
+        {"model": {"id": "tiny-sd", "dtyp": "float32"}},
+        [],
+        ["error: model.dtyp: unknown key (did you mean 'dtype'?)"],
+    ),
+    ("wrong type", {"steps": "ten"}, [], ["error: steps: expected an integer, got 'ten'"]),
+    ("string number", {"height": "64"}, [], ["error: height: expected an integer, got '64'"]),
+    ("height 65", {"height": 65}, [], ["error: height: must be a multiple of 8 (the VAE downsamples by 8), got 65"]),
+    ("negative width", {"width": -64}, [], ["error: width: must be greater than 0, got -64"]),
+    ("steps 0", {"steps": 0}, [], ["error: steps: must be greater than or equal to 1, got 0"]),
+    ("batch 0", {"batch_size": 0}, [], ["error: batch_size: must be greater than or equal to 1, got 0"]),
+    ("empty prompt list", {"prompts": []}, [], ["error: prompts: the list is empty; give at least one prompt"]),
+    ("blank prompt", {"prompts": ["a cat", "   "]}, [], ["error: prompts[1]: prompt is empty"]),
+    (
+        "no prompts",
+        {"prompts": None},
+        [],
+        ["error: prompts: no prompts given; set prompts (a list) or prompts_file (.txt or .jsonl)"],
+    ),
+    (
+        "missing prompts file",
+        {"prompts": None, "prompts_file": "nope.txt"},
+        [],
+        ["error: prompts_file: '{tmp}/nope.txt' does not exist"],
+    ),
+    (
+        "unknown scheduler",
+        {"model": {"id": "tiny-sd", "scheduler": "Eulr"}},
+        [],
+        [
+            "error: model.scheduler: unknown scheduler 'Eulr'; valid names: DPM++ 2M, DPM++ 2M Karras, DPM++ 2M SDE, "
+            "Euler, Euler a, Heun, LMS, DDIM, PNDM, UniPC, DEIS, LCM"
+        ],
+    ),
+    (
+        "bad dtype",
+        {"model": {"id": "tiny-sd", "dtype": "fp8"}},
+        [],
+        ["error: model.dtype: must be 'float32', 'bfloat16' or 'float16', got 'fp8'"],
+    ),
+    (
+        "bad backend",
+        {"execution": {"backend": "gpu"}},
+        [],
+        ["error: execution.backend: must be 'xla' or 'cpu', got 'gpu'"],
+    ),
+    ("missing model", {"model": None}, [], ["error: model: required key is missing"]),
+    (
+        "model dir missing",
+        {"model": {"id": "./models/none"}},
+        [],
+        ["error: model.id: model directory '{tmp}/models/none' does not exist"],
+    ),
+    (
+        "not a model id",
+        {"model": {"id": "sd15"}},
+        [],
+        [
+            "error: model.id: 'sd15' is not a built-in (tiny-sd), an existing directory, or a hub id of the form org/name"
+        ],
+    ),
+    (
+        "output dir is a file",
+        {"output": {"dir": "{tmp}/afile/out"}},
+        [],
+        ["error: output.dir: '{tmp}/afile' is a file, not a directory"],
+    ),
+    (
+        "run id with a slash",
+        {"output": {"dir": "{tmp}/out", "run_id": "../up"}},
+        [],
+        ["error: output.run_id: must be a plain directory name (no '/', no leading '.')"],
+    ),
+    ("override unknown key", {}, ["guidance=3"], ["error: guidance: unknown key (did you mean 'guidance_scale'?)"]),
+    (
+        "override without =",
+        {},
+        ["steps"],
+        ["error: steps: an override must look like key=value (for example steps=30)"],
+    ),
+    ("override wrong type", {}, ["batch_size=two"], ["error: batch_size: expected an integer, got 'two'"]),
+    (
+        "several problems at once",
+        {"steps": 0, "height": 12, "seeds": 1},
+        [],
+        [
+            "error: height: must be a multiple of 8 (the VAE downsamples by 8), got 12",
+            "error: steps: must be greater than or equal to 1, got 0",
+            "error: seeds: unknown key (did you mean 'seed'?)",
+        ],
+    ),
+]
+
+
+def _apply(config: dict, changes: dict, tmp: Path) -> dict:
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        elif isinstance(value, dict):
+            config[key] = {k: (v.replace("{tmp}", str(tmp)) if isinstance(v, str) else v) for k, v in value.items()}
+        else:
+            config[key] = value
+    return config
+
+
+@pytest.mark.parametrize("changes,overrides,expected", [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
+@pytest.mark.parametrize("command", ["validate", "generate"])
+def test_bad_config_is_reported_in_one_line_per_problem(tmp_path, command, changes, overrides, expected):
+    (tmp_path / "afile").write_text("x")
+    config = _apply(tiny_config(tmp_path), changes, tmp_path)
+    config["output"]["dir"] = config["output"]["dir"].replace("{tmp}", str(tmp_path))
+    path = write_config(tmp_path / "bad.yaml", config)
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    result = run_cli(command, path, *overrides)
+
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [line.replace("{tmp}", str(tmp_path)) for line in expected]
+    assert result.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no output dir
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("model: [unclosed\n", "malformed YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"),
+        ("- a\n- b\n", "the config must be a mapping of keys, got list"),
+        ("just words\n", "the config must be a mapping of keys, got str"),
+        ("", "the config is empty"),
+    ],
+    ids=["malformed", "list", "scalar", "empty"],
+)
+def test_unreadable_yaml(tmp_path, text, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    result = run_cli("validate", path)
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {path}: {expected}\n"
+
+
+def test_missing_config_file(tmp_path):
+    result = run_cli("validate", tmp_path / "none.yaml")
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {tmp_path / 'none.yaml'}: config file does not exist\n"
+
+
+@pytest.mark.parametrize(
+    "name,content,expected",
+    [
+        ("p.txt", b"", "prompts_file: '{path}' has no prompts"),
+        ("p.txt", b"\n  \n", "prompts_file: '{path}' has no prompts"),
+        ("p.txt", b"a cat\x00\x01", "prompts_file: '{path}' is binary, not a text file"),
+        ("p.txt", b"caf\xe9\n", "prompts_file: '{path}' is not UTF-8 (bad byte at offset 3)"),
+        ("p.csv", b"a cat\n", "prompts_file: 'p.csv' must end in .txt (one prompt per line) or .jsonl"),
+        (
+            "p.jsonl",
+            b'{"prompt": "a"}\n{"prompt": "b",}\n',
+            "prompts_file:2: not valid JSON (Expecting property name enclosed in double quotes)",
+        ),
+        ("p.jsonl", b'{"prompt": "a", "sede": 3}\n', "prompts_file:1: unknown key 'sede' (did you mean 'seed'?)"),
+        ("p.jsonl", b'"a cat"\n', "prompts_file:1: expected a JSON object with a 'prompt' key"),
+        ("p.jsonl", b'{"negative_prompt": "x"}\n', "prompts_file:1: 'prompt' is missing"),
+        ("p.jsonl", b'{"prompt": "a", "steps": 0}\n', "prompts_file:1: steps must be an integer from 1 to 1000, got 0"),
+        ("p.jsonl", b'{"prompt": " "}\n', "prompts_file:1: prompt is empty"),
+    ],
+    ids=[
+        "empty",
+        "blank",
+        "binary",
+        "latin1",
+        "suffix",
+        "bad-json",
+        "unknown-key",
+        "not-object",
+        "no-prompt",
+        "bad-steps",
+        "blank-prompt",
+    ],
+)
+def test_bad_prompt_files(tmp_path, name, content, expected):
+    prompts = tmp_path / name
+    prompts.write_bytes(content)
+    config = tiny_config(tmp_path, prompts=None)
+    config.pop("prompts")
+    config["prompts_file"] = name
+    result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {expected.replace('{path}', str(prompts))}\n"
+
+
+def test_prompt_files_resolve_with_per_prompt_overrides(tmp_path):
+    (tmp_path / "p.jsonl").write_text(
+        '{"prompt": "a cat", "seed": 100, "steps": 5, "guidance_scale": 1.0}\n\n{"prompt": "a dog", "negative_prompt": "cats"}\n'
+    )
+    config = tiny_config(tmp_path, prompts=None)
+    config.pop("prompts")
+    config["prompts_file"] = "p.jsonl"
+    run = load_config(write_config(tmp_path / "c.yaml", config))
+    assert [(p.prompt, p.negative_prompt, p.seed, p.steps, p.guidance_scale) for p in run.prompts] == [
+        ("a cat", "blurry", 100, 5, 1.0),
+        ("a dog", "cats", None, 3, 7.5),
+    ]
+    assert run.config.prompts_file == str(tmp_path / "p.jsonl")
+
+
+def test_validate_prints_the_resolved_config(tmp_path):
+    config = tiny_config(tmp_path)
+    del config["height"], config["width"]
+    path = write_config(tmp_path / "c.yaml", config)
+    result = run_cli("validate", path, "steps=30", "model.scheduler=DPM++ 2M Karras", "negative_prompt=yes")
+    assert result.exit_code == 0, result.output
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["steps"] == 30
+    assert resolved["model"]["scheduler"] == "DPM++ 2M Karras"
+    assert resolved["negative_prompt"] == "yes"  # typed by the schema: a str field keeps the text
+    assert (resolved["height"], resolved["width"]) == (64, 64)  # tiny-sd's own size filled in
+    assert resolved["output"]["dir"] == str(tmp_path / "outputs")
+    assert sorted(_flatten(resolved)) == sorted(all_keys())
+
+
+def test_override_replaces_the_other_prompt_source(tmp_path):
+    config = tiny_config(tmp_path, prompts=None)
+    config.pop("prompts")
+    config["prompts_file"] = "missing.txt"
+    path = write_config(tmp_path / "c.yaml", config)
+    result = run_cli("validate", path, "prompts=[a cat, a dog]")
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.stdout)["prompts"] == ["a cat", "a dog"]
+
+
+def test_config_hash_ignores_output_but_not_prompts(tmp_path):
+    base = load_config(write_config(tmp_path / "a.yaml", tiny_config(tmp_path)))
+    moved = load_config(write_config(tmp_path / "b.yaml", tiny_config(tmp_path, output={"dir": str(tmp_path / "x")})))
+    other = load_config(write_config(tmp_path / "c.yaml", tiny_config(tmp_path, prompts=["something else"])))
+    assert base.config_hash == moved.config_hash != other.config_hash
+
+
+def test_every_shipped_config_validates_and_comments_every_key():
+    root = Path(__file__).resolve().parent.parent / "configs"
+    for path in sorted(root.glob("*.yaml")):
+        load_config(path)
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            stripped = line.strip()
+            if stripped and not stripped.startswith(("#", "-")) and ":" in stripped:
+                assert lines[i - 1].strip().startswith("#"), (
+                    f"{path.name}:{i + 1}: key {stripped!r} has no comment above it"
+                )
+
+
+def test_console_script_reports_bad_input_without_traceback(tmp_path):
+    path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path, steps=0))
+    tpugen = Path(sys.executable).parent / "tpugen"
+    proc = subprocess.run([str(tpugen), "generate", str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == "error: steps: must be greater than or equal to 1, got 0\n"
+    assert not (tmp_path / "outputs").exists()
+
+
+def _flatten(data: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            keys.extend(_flatten(value, f"{prefix}{key}."))
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys

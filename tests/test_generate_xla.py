@@ -1,0 +1,122 @@
+"""End to end on XLA:CPU: real compiles, real counters, real files, pixels compared across backends."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import PROMPTS, generate, run_cli, tiny_config, write_config
+from PIL import Image
+
+from tpugen.outputs import image_filename, read_manifest
+
+pytestmark = pytest.mark.xla
+
+STEPS = 3
+EXPECTED_FILES = [image_filename(i, 7 + i, p) for i, p in enumerate(PROMPTS)]
+
+
+def pixels(run_dir, name) -> np.ndarray:
+    return np.asarray(Image.open(run_dir / name).convert("RGB"), dtype=np.float64)
+
+
+def mean_abs_diff_255(a, b) -> float:
+    return float(np.abs(a - b).mean())
+
+
+def test_run_directory_holds_images_manifest_config_and_reports(xla_run):
+    names = sorted(p.name for p in xla_run.iterdir())
+    assert names == sorted(EXPECTED_FILES + ["config.yaml", "grid.png", "manifest.jsonl", "report.json", "report.md"])
+    assert Image.open(xla_run / "grid.png").size == (128, 128)  # 3 images in a 2x2 sheet of 64 px cells
+
+
+def test_png_chunks_round_trip(xla_run):
+    image = Image.open(xla_run / EXPECTED_FILES[1])
+    assert image.size == (64, 64)
+    assert image.text["parameters"] == (
+        f"{PROMPTS[1]}\nNegative prompt: blurry\n"
+        "Steps: 3, Sampler: DDIM, CFG scale: 7.5, Seed: 8, Size: 64x64, Model: tiny-sd, Version: tpugen 0.1.0"
+    )
+    record = json.loads(image.text["tpugen"])
+    assert {k: record[k] for k in ("index", "seed", "prompt", "negative_prompt", "steps", "batch", "file")} == {
+        "index": 1,
+        "seed": 8,
+        "prompt": PROMPTS[1],
+        "negative_prompt": "blurry",
+        "steps": STEPS,
+        "batch": 0,
+        "file": EXPECTED_FILES[1],
+    }
+
+
+def test_manifest_has_one_line_per_image(xla_run):
+    records = read_manifest(xla_run / "manifest.jsonl")
+    assert [r["index"] for r in records] == [0, 1, 2]
+    assert [r["file"] for r in records] == EXPECTED_FILES
+    assert [r["batch"] for r in records] == [0, 0, 1]
+    assert all(r["latency_seconds"] > 0 and r["scheduler"] == "DDIM" and r["model"] == "tiny-sd" for r in records)
+    assert [(r["height"], r["width"], r["guidance_scale"]) for r in records] == [(64, 64, 7.5)] * 3
+
+
+def test_report_counts_compiles_executions_and_transfers(xla_run):
+    report = json.loads((xla_run / "report.json").read_text())
+    assert report["complete"] is True
+    assert report["images"] == 3 and report["batches"] == 2 and report["padding_rows"] == 1
+    assert report["device"]["backend"] == "xla" and report["device"]["device_kind"] == "CPU"
+    assert report["versions"]["torch_xla"] == "2.9.0"
+    # The first run of the session compiles SD's 4 graphs (text encoder, UNet step, VAE decode, postprocess).
+    assert [(w["shape_key"], w["compiles"]) for w in report["warmup"]] == [("64x64 b2 cfg", 4)]
+    assert report["compiles_after_warmup"] == 0
+    assert report["recompiles"] == []
+    counters = report["xla_counters"]["timed_phase"]
+    # Per batch: text encoding + one graph per step + decoding; one read back to the host.
+    assert counters["executions"] == 2 * (STEPS + 2)
+    assert counters["transfers_to_host"] == 2
+    assert [(b["compiles"], b["transfers_to_host"]) for b in report["timed_phase"]["batches"]] == [(0, 1), (0, 1)]
+    timed = report["timed_phase"]
+    assert timed["per_image_seconds"]["p50"] > 0 and timed["images_per_second"] > 0
+    assert timed["seconds_per_step"] > 0 and report["model_load_seconds"] > 0
+    assert "compiles after warmup: 0" in (xla_run / "report.md").read_text()
+
+
+def test_xla_matches_eager_cpu(xla_run, cpu_run):
+    report = json.loads((cpu_run / "report.json").read_text())
+    assert report["xla_counters"] is None and report["compiles_after_warmup"] is None
+    for name in EXPECTED_FILES:
+        assert mean_abs_diff_255(pixels(xla_run, name), pixels(cpu_run, name)) <= 2.0
+
+
+def test_same_seed_same_image_at_batch_size_1_and_4(xla_run, tmp_path):
+    for batch_size in (1, 4):
+        run_dir = generate(tmp_path / f"b{batch_size}", batch_size=batch_size)
+        report = json.loads((run_dir / "report.json").read_text())
+        assert report["shape_keys"] == [f"64x64 b{batch_size} cfg"]
+        assert report["compiles_after_warmup"] == 0
+        for name in EXPECTED_FILES:
+            assert mean_abs_diff_255(pixels(run_dir, name), pixels(xla_run, name)) <= 2.0
+
+
+def test_per_prompt_steps_and_guidance_do_not_recompile(xla_run, tmp_path):
+    (tmp_path / "p.jsonl").write_text(
+        '{"prompt": "a", "steps": 5}\n{"prompt": "b", "steps": 2, "guidance_scale": 3.0}\n{"prompt": "c"}\n'
+    )
+    config = tiny_config(tmp_path)
+    del config["prompts"]
+    config["prompts_file"] = "p.jsonl"
+    result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "outputs" / "run" / "report.json").read_text())
+    assert report["batches"] == 3  # each call needs one step count and one guidance value
+    assert report["shape_keys"] == ["64x64 b2 cfg"]
+    assert report["compiles_after_warmup"] == 0
+    assert [b["steps"] for b in report["timed_phase"]["batches"]] == [5, 2, 3]
+
+
+def test_existing_run_directory_is_not_overwritten(xla_run):
+    config_path = xla_run / "config.yaml"
+    before = {p.name: p.stat().st_mtime_ns for p in xla_run.iterdir()}
+    result = run_cli("generate", config_path, "--quiet")
+    assert result.exit_code == 2
+    assert result.stderr == f"error: output.run_id: {xla_run} already exists and is not empty; choose another run_id\n"
+    assert {p.name: p.stat().st_mtime_ns for p in xla_run.iterdir()} == before

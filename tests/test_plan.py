@@ -1,0 +1,58 @@
+"""Planning is pure data: indices, seeds, shape keys and padding checked by equality."""
+
+from __future__ import annotations
+
+from conftest import tiny_config, write_config
+
+from tpugen.config import load_config
+from tpugen.plan import Batch, ShapeKey, WorkItem, plan_run
+
+
+def _run(tmp_path, **overrides):
+    return load_config(write_config(tmp_path / "c.yaml", tiny_config(tmp_path, **overrides)))
+
+
+def test_indices_seeds_and_padding(tmp_path):
+    plan = plan_run(_run(tmp_path, prompts=["a", "b"], images_per_prompt=2, batch_size=3, seed=10))
+    item = lambda index, p, prompt: WorkItem(index, p, prompt, "blurry", 10 + index, 3, 7.5, 64, 64)  # noqa: E731
+    items = (item(0, 0, "a"), item(1, 0, "a"), item(2, 1, "b"), item(3, 1, "b"))
+    shape = ShapeKey(64, 64, 3, True)
+    assert plan.items == items
+    assert plan.batches == (Batch(0, shape, items[:3], 0), Batch(1, shape, items[3:], 2))
+    assert plan.batches[1].rows == (items[3], items[3], items[3])  # padding reuses a real prompt
+    assert plan.shape_keys == [shape]
+    assert plan.padding_rows == 2
+
+
+def test_per_prompt_seed_steps_and_guidance_group_batches(tmp_path):
+    (tmp_path / "p.jsonl").write_text(
+        '{"prompt": "a", "seed": 500}\n{"prompt": "b", "steps": 5}\n{"prompt": "c"}\n{"prompt": "d", "guidance_scale": 1.0}\n'
+    )
+    config = tiny_config(tmp_path, batch_size=2, images_per_prompt=2, seed=0)
+    del config["prompts"]
+    config["prompts_file"] = "p.jsonl"
+    plan = plan_run(load_config(write_config(tmp_path / "c.yaml", config)))
+    assert [(i.index, i.seed) for i in plan.items] == [
+        (0, 500),
+        (1, 501),
+        (2, 2),
+        (3, 3),
+        (4, 4),
+        (5, 5),
+        (6, 6),
+        (7, 7),
+    ]
+    assert [([i.index for i in b.items], b.padding, b.steps, b.guidance_scale, b.shape) for b in plan.batches] == [
+        ([0, 1], 0, 3, 7.5, ShapeKey(64, 64, 2, True)),
+        ([4, 5], 0, 3, 7.5, ShapeKey(64, 64, 2, True)),
+        ([2, 3], 0, 5, 7.5, ShapeKey(64, 64, 2, True)),
+        ([6, 7], 0, 3, 1.0, ShapeKey(64, 64, 2, False)),
+    ]
+    # Step count does not change the compiled shape; switching CFG off does.
+    assert plan.shape_keys == [ShapeKey(64, 64, 2, True), ShapeKey(64, 64, 2, False)]
+
+
+def test_batch_larger_than_the_work_pads_one_batch(tmp_path):
+    plan = plan_run(_run(tmp_path, prompts=["only"], batch_size=4))
+    assert [(len(b.items), b.padding) for b in plan.batches] == [(1, 3)]
+    assert str(plan.shape_keys[0]) == "64x64 b4 cfg"
