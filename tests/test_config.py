@@ -23,7 +23,12 @@ BAD_CONFIGS = [
     ),
     ("wrong type", {"steps": "ten"}, [], ["error: steps: expected an integer, got 'ten'"]),
     ("string number", {"height": "64"}, [], ["error: height: expected an integer, got '64'"]),
-    ("height 65", {"height": 65}, [], ["error: height: must be a multiple of 8 (the VAE downsamples by 8), got 65"]),
+    (
+        "height 65",
+        {"height": 65},
+        [],
+        ["error: height: must be a positive multiple of 8 (the VAE downsamples by 8), got 65"],
+    ),
     ("negative width", {"width": -64}, [], ["error: width: must be greater than 0, got -64"]),
     ("steps 0", {"steps": 0}, [], ["error: steps: must be greater than or equal to 1, got 0"]),
     ("batch 0", {"batch_size": 0}, [], ["error: batch_size: must be greater than or equal to 1, got 0"]),
@@ -89,6 +94,25 @@ BAD_CONFIGS = [
         [],
         ["error: output.run_id: must be a plain directory name (no '/', no leading '.')"],
     ),
+    ("sizes and height", {"sizes": [[64, 64]]}, [], ["error: sizes: give either sizes or height/width, not both"]),
+    (
+        "size not a pair",
+        {"sizes": [[64]], "height": None, "width": None},
+        [],
+        ["error: sizes[0]: a size is a [height, width] pair, got [64]"],
+    ),
+    (
+        "size not multiple of 8",
+        {"sizes": [[64, 60]], "height": None, "width": None},
+        [],
+        ["error: sizes[0]: must be a positive multiple of 8 (the VAE downsamples by 8), got 60"],
+    ),
+    (
+        "cache dir under a file",
+        {"cache": {"dir": "{tmp}/afile/cache"}},
+        [],
+        ["error: cache.dir: '{tmp}/afile' is a file, not a directory"],
+    ),
     ("override unknown key", {}, ["guidance=3"], ["error: guidance: unknown key (did you mean 'guidance_scale'?)"]),
     (
         "override without =",
@@ -102,7 +126,7 @@ BAD_CONFIGS = [
         {"steps": 0, "height": 12, "seeds": 1},
         [],
         [
-            "error: height: must be a multiple of 8 (the VAE downsamples by 8), got 12",
+            "error: height: must be a positive multiple of 8 (the VAE downsamples by 8), got 12",
             "error: steps: must be greater than or equal to 1, got 0",
             "error: seeds: unknown key (did you mean 'seed'?)",
         ],
@@ -180,6 +204,11 @@ def test_missing_config_file(tmp_path):
         ("p.jsonl", b'{"negative_prompt": "x"}\n', "prompts_file:1: 'prompt' is missing"),
         ("p.jsonl", b'{"prompt": "a", "steps": 0}\n', "prompts_file:1: steps must be an integer from 1 to 1000, got 0"),
         ("p.jsonl", b'{"prompt": " "}\n', "prompts_file:1: prompt is empty"),
+        (
+            "p.jsonl",
+            b'{"prompt": "a", "height": 65}\n',
+            "prompts_file:1: height must be a positive multiple of 8, got 65",
+        ),
     ],
     ids=[
         "empty",
@@ -193,6 +222,7 @@ def test_missing_config_file(tmp_path):
         "no-prompt",
         "bad-steps",
         "blank-prompt",
+        "bad-height",
     ],
 )
 def test_bad_prompt_files(tmp_path, name, content, expected):

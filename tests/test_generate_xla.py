@@ -65,8 +65,15 @@ def test_report_counts_compiles_executions_and_transfers(xla_run):
     assert report["images"] == 3 and report["batches"] == 2 and report["padding_rows"] == 1
     assert report["device"]["backend"] == "xla" and report["device"]["device_kind"] == "CPU"
     assert report["versions"]["torch_xla"] == "2.9.0"
-    # The first run of the session compiles SD's 4 graphs (text encoder, UNet step, VAE decode, postprocess).
-    assert [(w["shape_key"], w["compiles"]) for w in report["warmup"]] == [("64x64 b2 cfg", 4)]
+    # The first run of the session compiles 3 graphs: text encoding, one denoising step (the first step
+    # included), and decoding with the conversion to pixels.
+    assert [(w["shape_key"], w["compiles"]) for w in report["warmup"]] == [("64x64 b2 cfg", 3)]
+    assert report["warmup"][0]["graphs_per_phase"] == {
+        "text encoding": 1,
+        "first denoising step": 1,
+        "later denoising steps": 0,
+        "decoding": 1,
+    }
     assert report["compiles_after_warmup"] == 0
     assert report["recompiles"] == []
     counters = report["xla_counters"]["timed_phase"]
@@ -120,3 +127,35 @@ def test_existing_run_directory_is_not_overwritten(xla_run):
     assert result.exit_code == 2
     assert result.stderr == f"error: output.run_id: {xla_run} already exists and is not empty; choose another run_id\n"
     assert {p.name: p.stat().st_mtime_ns for p in xla_run.iterdir()} == before
+
+
+def test_two_sizes_at_batch_4_compile_only_the_planned_shape_keys(xla_run, tmp_path):
+    prompts = [f"prompt number {i}" for i in range(10)]
+    run_dir = generate(tmp_path, prompts=prompts, batch_size=4, sizes=[[64, 64], [96, 64]], height=None, width=None)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["shape_keys"] == ["64x64 b4 cfg", "96x64 b4 cfg"]
+    assert [w["shape_key"] for w in report["warmup"]] == report["shape_keys"]
+    assert report["images"] == 20 and report["padding_rows"] == 4
+    assert report["compiles_after_warmup"] == 0
+    assert sorted(p.name for p in run_dir.glob("*.png") if p.name != "grid.png") == sorted(
+        image_filename(i, 7 + i, prompts[i // 2]) for i in range(20)
+    )
+    assert Image.open(run_dir / image_filename(1, 8, prompts[0])).size == (64, 96)  # width x height
+
+
+def test_strict_shapes_stops_at_a_compile_after_warmup(xla_run, tmp_path):
+    # --skip-warmup claims the compile cache is warm; 80x64 at batch 1 has never been compiled here.
+    config = tiny_config(tmp_path, height=80, batch_size=1, prompts=["one", "two"])
+    result = run_cli(
+        "generate", write_config(tmp_path / "c.yaml", config), "--quiet", "--skip-warmup", "--strict-shapes"
+    )
+    run_dir = tmp_path / "outputs" / "run"
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        "error: strict shapes: batch 0 (80x64 b1 cfg) compiled 3 graphs after warmup; its images were not written",
+        f"error: 0 finished images, the manifest and report.json are in {run_dir}",
+    ]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["complete"] is False and report["error"].startswith("strict shapes: batch 0")
+    assert report["recompiles"] == [{"batch": 0, "shape_key": "80x64 b1 cfg", "compiles": 3}]
+    assert list(run_dir.glob("*.png")) == []

@@ -56,3 +56,31 @@ def test_batch_larger_than_the_work_pads_one_batch(tmp_path):
     plan = plan_run(_run(tmp_path, prompts=["only"], batch_size=4))
     assert [(len(b.items), b.padding) for b in plan.batches] == [(1, 3)]
     assert str(plan.shape_keys[0]) == "64x64 b4 cfg"
+
+
+def test_several_sizes_and_per_prompt_sizes(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b", "height": 128, "width": 96}\n{"prompt": "c"}\n')
+    config = tiny_config(tmp_path, batch_size=2, seed=0, sizes=[[64, 64], [96, 64]])
+    del config["prompts"], config["height"], config["width"]
+    config["prompts_file"] = "p.jsonl"
+    plan = plan_run(load_config(write_config(tmp_path / "c.yaml", config)))
+    assert [(i.index, i.prompt, i.height, i.width, i.seed) for i in plan.items] == [
+        (0, "a", 64, 64, 0),
+        (1, "a", 96, 64, 1),
+        (2, "b", 128, 96, 2),
+        (3, "c", 64, 64, 3),
+        (4, "c", 96, 64, 4),
+    ]
+    assert [([i.index for i in b.items], b.padding, str(b.shape)) for b in plan.batches] == [
+        ([0, 3], 0, "64x64 b2 cfg"),
+        ([1, 4], 0, "96x64 b2 cfg"),
+        ([2], 1, "128x96 b2 cfg"),
+    ]
+
+
+def test_ten_prompts_two_sizes_batch_four_compiles_two_shapes(tmp_path):
+    config = tiny_config(tmp_path, prompts=[f"p{i}" for i in range(10)], batch_size=4, sizes=[[64, 64], [96, 64]])
+    del config["height"], config["width"]
+    plan = plan_run(load_config(write_config(tmp_path / "c.yaml", config)))
+    assert [str(k) for k in plan.shape_keys] == ["64x64 b4 cfg", "96x64 b4 cfg"]
+    assert [(len(b.items), b.padding) for b in plan.batches] == [(4, 0), (4, 0), (2, 2)] * 2

@@ -6,6 +6,7 @@ import glob
 import os
 from dataclasses import asdict, dataclass
 from importlib import metadata
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class Counters:
     transfers_to_host: int
     persistent_cache_hits: int = 0
     persistent_cache_misses: int = 0
+    persistent_cache_load_failures: int = 0
 
     def __sub__(self, other: Counters) -> Counters:
         return Counters(**{k: v - getattr(other, k) for k, v in asdict(self).items()})
@@ -51,6 +53,7 @@ class Backend:
         import torch
 
         self.device = torch.device("cpu")
+        self.cache = {"enabled": False, "dir": None, "note": "eager backend: nothing is compiled"}
 
     def sync(self) -> None:
         """Cut the lazy graph here (a no-op for eager backends)."""
@@ -70,7 +73,7 @@ class XlaBackend(Backend):
 
     name = "xla"
 
-    def __init__(self) -> None:
+    def __init__(self, cache_enabled: bool | str = "auto", cache_dir: str | None = None) -> None:
         if "PJRT_DEVICE" not in os.environ:
             # Say it ourselves, so torch_xla does not guess (and warn) on a machine without a TPU.
             os.environ["PJRT_DEVICE"] = "TPU" if tpu_present() else "CPU"
@@ -87,7 +90,43 @@ class XlaBackend(Backend):
                 "or tpugen[xla] elsewhere"
             ) from None
         self._torch_xla, self._xm, self._met, self._xr = torch_xla, xm, met, xr
+        self.cache = self._start_cache(cache_enabled, cache_dir)
         self.device = torch_xla.device()
+
+    def _start_cache(self, enabled: bool | str, directory: str | None) -> dict:
+        """Point torch_xla's persistent compile cache at one directory per device kind and process.
+
+        It must happen before the first computation; XLA:CPU writes entries but cannot load them back,
+        so `auto` leaves it off there rather than pretend.
+        """
+        pjrt = os.environ["PJRT_DEVICE"].upper()
+        if enabled == "auto" and pjrt != "TPU":
+            return {
+                "enabled": False,
+                "dir": None,
+                "note": f"off: XLA:{pjrt} cannot load serialized executables, so a persistent cache never hits "
+                "across processes (cache.enabled: true tries anyway)",
+            }
+        if enabled is False:
+            return {"enabled": False, "dir": None, "note": "off (cache.enabled: false)"}
+        if self._torch_xla._XLAC._xla_computation_cache_is_initialized():
+            return {"enabled": False, "dir": None, "note": "off: the XLA runtime had already started in this process"}
+        from tpugen.models import cache_root
+
+        root = Path(directory) if directory else cache_root() / "xla"
+        path = root / f"{pjrt.lower()}-process{self.process_index()}"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            from tpugen.errors import InputError
+
+            raise InputError(f"cache.dir: cannot create {path}: {exc.strerror}") from None
+        self._xr.initialize_cache(str(path), readonly=False)
+        return {"enabled": True, "dir": str(path), "note": "on"}
+
+    def process_index(self) -> int:
+        """This process's index among the host's XLA processes (0 when there is one)."""
+        return 0
 
     def sync(self) -> None:
         self._torch_xla.sync()
@@ -111,6 +150,7 @@ class XlaBackend(Backend):
             transfers_to_host=count("TransferFromDeviceTime"),
             persistent_cache_hits=int(met.counter_value("PersistentCacheHit") or 0),
             persistent_cache_misses=int(met.counter_value("PersistentCacheMiss") or 0),
+            persistent_cache_load_failures=int(met.counter_value("PersistentCacheDeserializeFailure") or 0),
         )
 
     def describe(self) -> dict:
@@ -129,10 +169,10 @@ class XlaBackend(Backend):
         }
 
 
-def make_backend(name: str) -> Backend:
+def make_backend(name: str, cache_enabled: bool | str = "auto", cache_dir: str | None = None) -> Backend:
     """The backend a config names. Importing torch_xla happens here, not at tpugen import time."""
     if name == "xla":
-        return XlaBackend()
+        return XlaBackend(cache_enabled, cache_dir)
     if name == "cpu":
         return Backend()
     raise ValueError(f"unknown backend {name!r}")

@@ -179,10 +179,18 @@ def generate(
         bool, typer.Option("--skip-warmup", help="No compile pass before timing (first batches then include compiles).")
     ] = False,
     show_plan: Annotated[bool, typer.Option("--plan", help="Print the plan and exit; loads no model.")] = False,
+    strict_shapes: Annotated[
+        bool,
+        typer.Option(
+            "--strict-shapes", help="Stop with exit 1 if any batch compiles after warmup (execution.strict_shapes)."
+        ),
+    ] = False,
 ) -> None:
     """Generate the config's images: load, compile each shape once, run timed, write images and a report."""
     from tpugen.config import load_config
 
+    if strict_shapes:
+        overrides = [*(overrides or []), "execution.strict_shapes=true"]
     run = load_config(config, overrides or [])
     if show_plan:
         from tpugen.plan import plan_run
@@ -197,6 +205,32 @@ def generate(
     run_dir = report["run_dir"]
     typer.echo(f"images: {run_dir}")
     typer.echo(f"report: {Path(run_dir) / 'report.md'}")
+
+
+@app.command()
+@_boundary
+def warmup(config: ConfigPath, overrides: Overrides = None, quiet: Quiet = False) -> None:
+    """Compile every shape key the config will need, once each, and print what it cost."""
+    from tpugen.config import load_config
+    from tpugen.runner import warmup_only
+
+    result = warmup_only(load_config(config, overrides or []), display=_RichDisplay(quiet))
+    table = Table(title=f"warmup on {result['device']['backend']} ({result['device']['device_kind']})")
+    for column in ("shape key", "wall s", "compile s", "graphs compiled", "cache hits", "cache misses"):
+        table.add_column(column, justify="right")
+    show = lambda v, fmt="{}": "n/a" if v is None else fmt.format(v)  # noqa: E731
+    cache = result["persistent_cache"]
+    for entry in result["warmup"]:
+        table.add_row(
+            entry["shape_key"],
+            show(entry["seconds"], "{:.2f}"),
+            show(entry["compile_seconds"], "{:.2f}"),
+            show(entry["compiles"]),
+            show(entry["persistent_cache_hits"]) if cache["enabled"] else "off",
+            show(entry["persistent_cache_misses"]) if cache["enabled"] else "off",
+        )
+    out.print(table)
+    out.print(f"persistent compile cache: {cache['note']}" + (f" ({cache['dir']})" if cache.get("dir") else ""))
 
 
 def main() -> None:

@@ -42,6 +42,13 @@ class ModelConfig(_Section):
 class ExecutionConfig(_Section):
     backend: Literal["xla", "cpu"] = "xla"
     mode: Literal["single"] = "single"
+    strict_shapes: bool = False
+
+
+class CacheConfig(_Section):
+    # auto: on where XLA can reload compiled programs (TPU); off on XLA:CPU, which cannot.
+    enabled: bool | Literal["auto"] = "auto"
+    dir: str | None = None
 
 
 class OutputConfig(_Section):
@@ -66,6 +73,23 @@ def _non_empty_prompt(text: str) -> str:
 Prompt = Annotated[str, AfterValidator(_non_empty_prompt)]
 
 
+def _check_side(value: int) -> int:
+    if value <= 0 or value % 8:
+        raise ValueError(f"must be a positive multiple of 8 (the VAE downsamples by 8), got {value}")
+    return value
+
+
+def _check_size(pair: list[int]) -> list[int]:
+    if len(pair) != 2:
+        raise ValueError(f"a size is a [height, width] pair, got {pair}")
+    for side in pair:
+        _check_side(side)
+    return pair
+
+
+Size = Annotated[list[int], AfterValidator(_check_size)]
+
+
 class RunConfig(_Section):
     model: ModelConfig
     prompts: list[Prompt] | None = None
@@ -73,19 +97,28 @@ class RunConfig(_Section):
     negative_prompt: str = ""
     height: int | None = Field(default=None, gt=0)
     width: int | None = Field(default=None, gt=0)
+    sizes: list[Size] | None = None
     steps: int = Field(default=20, ge=1, le=1000)
     guidance_scale: float = Field(default=7.5, ge=0)
     seed: int = Field(default=0, ge=0, lt=2**63)
     batch_size: int = Field(default=1, ge=1)
     images_per_prompt: int = Field(default=1, ge=1)
     execution: ExecutionConfig = ExecutionConfig()
+    cache: CacheConfig = CacheConfig()
     output: OutputConfig = OutputConfig()
 
     @field_validator("height", "width")
     @classmethod
     def _multiple_of_8(cls, value: int | None) -> int | None:
-        if value is not None and value % 8:
-            raise ValueError(f"must be a multiple of 8 (the VAE downsamples by 8), got {value}")
+        if value is not None:
+            _check_side(value)
+        return value
+
+    @field_validator("sizes")
+    @classmethod
+    def _sizes_not_empty(cls, value: list | None) -> list | None:
+        if value is not None and not value:
+            raise ValueError("the list is empty; give [height, width] pairs or leave sizes out")
         return value
 
     @field_validator("prompts")
@@ -105,6 +138,7 @@ class PromptSpec:
     seed: int | None  # None: the run's seed + image index
     steps: int
     guidance_scale: float
+    sizes: tuple[tuple[int, int], ...]  # (height, width) pairs this prompt is rendered at
 
 
 @dataclass(frozen=True)
@@ -268,7 +302,7 @@ def _format_error(err: dict) -> str:
 
 # ---------------------------------------------------------------- prompt files
 
-_JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale"}
+_JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width"}
 
 
 def _read_prompt_file(path: Path, problems: list[str]) -> list[dict]:
@@ -329,6 +363,8 @@ def _check_prompt_entry(entry: dict, where: str, run: RunConfig, problems: list[
         "seed": (int, lambda v: 0 <= v < 2**63, "an integer >= 0"),
         "steps": (int, lambda v: 1 <= v <= 1000, "an integer from 1 to 1000"),
         "guidance_scale": ((int, float), lambda v: v >= 0, "a number >= 0"),
+        "height": (int, lambda v: v > 0 and v % 8 == 0, "a positive multiple of 8"),
+        "width": (int, lambda v: v > 0 and v % 8 == 0, "a positive multiple of 8"),
     }
     for key, (kind, ok, wanted) in checks.items():
         if key in entry:
@@ -336,13 +372,25 @@ def _check_prompt_entry(entry: dict, where: str, run: RunConfig, problems: list[
             if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
                 problems.append(f"{where}: {key} must be {wanted}, got {value!r}")
                 return None
+    if "height" in entry or "width" in entry:
+        sizes = ((entry.get("height", run.height), entry.get("width", run.width)),)
+    else:
+        sizes = run_sizes(run)
     return PromptSpec(
         prompt=prompt,
         negative_prompt=entry.get("negative_prompt", run.negative_prompt),
         seed=entry.get("seed"),
         steps=entry.get("steps", run.steps),
         guidance_scale=float(entry.get("guidance_scale", run.guidance_scale)),
+        sizes=sizes,
     )
+
+
+def run_sizes(run: RunConfig) -> tuple[tuple[int, int], ...]:
+    """The sizes every prompt without its own is rendered at."""
+    if run.sizes:
+        return tuple((h, w) for h, w in run.sizes)
+    return ((run.height, run.width),)
 
 
 # ---------------------------------------------------------------- loading
@@ -395,6 +443,13 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
     elif source.kind == "local":
         config.model.id = source.ref
 
+    if config.sizes is not None and (config.height is not None or config.width is not None):
+        problems.append("sizes: give either sizes or height/width, not both")
+    elif config.sizes is None and (config.height is None or config.width is None):
+        height, width = default_size(config.model.id)
+        config.height = config.height or height
+        config.width = config.width or width
+
     prompts: list[PromptSpec] = []
     if config.prompts is not None and config.prompts_file is not None:
         problems.append("prompts: give either prompts or prompts_file, not both")
@@ -416,22 +471,25 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
 
     out_dir = Path(config.output.dir).expanduser()
     out_dir = out_dir if out_dir.is_absolute() else Path.cwd() / out_dir
-    problem = _output_dir_problem(out_dir)
+    problem = _dir_problem(out_dir)
     if problem:
         problems.append(f"output.dir: {problem}")
     config.output.dir = str(out_dir)
 
+    if config.cache.dir is not None:
+        cache_dir = Path(config.cache.dir).expanduser()
+        cache_dir = cache_dir if cache_dir.is_absolute() else Path.cwd() / cache_dir
+        problem = _dir_problem(cache_dir)
+        if problem:
+            problems.append(f"cache.dir: {problem}")
+        config.cache.dir = str(cache_dir)
+
     if problems:
         raise InputError(*problems)
-
-    if config.height is None or config.width is None:
-        height, width = default_size(config.model.id)
-        config.height = config.height or height
-        config.width = config.width or width
     return ResolvedRun(config, prompts, source, config_hash(config, prompts))
 
 
-def _output_dir_problem(out_dir: Path) -> str | None:
+def _dir_problem(out_dir: Path) -> str | None:
     probe = out_dir
     while not probe.exists():
         if probe.parent == probe:
@@ -446,7 +504,7 @@ def _output_dir_problem(out_dir: Path) -> str | None:
 
 def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
     """8 hex digits naming everything that changes the images (not where they are written)."""
-    payload = config.model_dump(exclude={"output"})
+    payload = config.model_dump(exclude={"output", "cache"})
     payload["prompts"] = [p.__dict__ for p in prompts]
     payload.pop("prompts_file", None)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

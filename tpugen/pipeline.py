@@ -29,18 +29,46 @@ def quiet_libraries() -> None:
 
 
 class LoadedPipeline:
-    """A pipeline on its device, patched for XLA: a sync per step, CPU noise, one host read per batch."""
+    """A pipeline on its device, patched for XLA: a sync per step, CPU noise, one host read per batch.
+
+    Graphs per shape key, for SD 1.x/2.x: text encoding, one denoising step (replayed for every step,
+    the first included), and decoding with the conversion to pixels.
+    """
 
     def __init__(self, pipe, backend: Backend, model_label: str, scheduler_name: str) -> None:
         self.pipe = pipe
         self.backend = backend
         self.model_label = model_label
         self.scheduler_name = scheduler_name
+        self._census: list[tuple[str, int]] | None = None
+        # SD pipelines without a safety checker are decoded by tpugen, so decoding and the conversion to
+        # pixels are one graph; a safety checker runs on the host, so such pipelines keep their own path.
+        self.decodes_itself = type(pipe).__name__ == "StableDiffusionPipeline" and pipe.safety_checker is None
+        self._sync_after_prepare_latents()
+
+    def _sync_after_prepare_latents(self) -> None:
+        original = self.pipe.prepare_latents
+
+        def prepare_then_sync(*args, **kwargs):
+            result = original(*args, **kwargs)
+            # Text encoding and the latent set-up become a graph of their own here. Without this cut they
+            # would join the first denoising step, making it a second, different UNet graph to compile.
+            self.backend.sync()
+            self._mark("text encoding")
+            return result
+
+        self.pipe.prepare_latents = prepare_then_sync
+
+    def _mark(self, phase: str) -> None:
+        if self._census is not None:
+            self._census.append((phase, self.backend.counters().compiles))
 
     def _step_end(self, pipe, step: int, timestep, tensors: dict) -> dict:
         # Cut the lazy graph once per denoising step, so XLA compiles one step and replays it, even in
         # pipelines whose loop lacks diffusers' own mark_step.
         self.backend.sync()
+        if step == 0:
+            self._mark("first denoising step")
         return {}
 
     def _initial_noise(self, batch: Batch):
@@ -59,15 +87,20 @@ class LoadedPipeline:
         noise = torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
         return noise.to(self.backend.device, dtype=pipe.unet.dtype), generators
 
-    def generate(self, batch: Batch):
-        """Run one batch; returns uint8 HxWx3 arrays for its real (unpadded) rows."""
+    def generate(self, batch: Batch, census: bool = False):
+        """Run one batch; returns uint8 HxWx3 arrays for its real (unpadded) rows.
+
+        With `census`, also returns how many graphs each phase compiled (XLA only; None elsewhere).
+        """
         import numpy as np
         import torch
 
+        counting = census and self.backend.counters() is not None
+        self._census = [("start", self.backend.counters().compiles)] if counting else None
         latents, generators = self._initial_noise(batch)
         rows = batch.rows
         with torch.no_grad():  # inference_mode tensors break torch_xla (version counters)
-            images = self.pipe(
+            output = self.pipe(
                 prompt=[row.prompt for row in rows],
                 negative_prompt=[row.negative_prompt for row in rows],
                 height=batch.shape.height,
@@ -76,14 +109,32 @@ class LoadedPipeline:
                 guidance_scale=batch.guidance_scale,
                 latents=latents,
                 generator=generators,
-                output_type="pt",
+                output_type="latent" if self.decodes_itself else "pt",
                 callback_on_step_end=self._step_end,
             ).images
+            self._mark("later denoising steps")
+            images = self._decode(output) if self.decodes_itself else output
             # The one read back to the host for the whole batch. Padding rows are dropped on the host:
             # slicing on the device would be a new graph for every count of real rows.
             host = images.to("cpu").float()[: len(batch.items)]
+            self._mark("decoding")
         pixels = (host.permute(0, 2, 3, 1).numpy() * 255.0).round().clip(0, 255).astype(np.uint8)
-        return list(pixels)
+        graphs = self._graphs_per_phase()
+        self._census = None
+        return (list(pixels), graphs) if census else list(pixels)
+
+    def _decode(self, latents):
+        vae = self.pipe.vae
+        image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+        return (image / 2 + 0.5).clamp(0, 1)
+
+    def _graphs_per_phase(self) -> dict | None:
+        if self._census is None:
+            return None
+        return {
+            phase: count - previous
+            for (_, previous), (phase, count) in zip(self._census, self._census[1:], strict=False)
+        }
 
 
 def _torch_dtype(name: str):

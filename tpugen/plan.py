@@ -78,26 +78,33 @@ class RunPlan:
 
 
 def work_items(run: ResolvedRun) -> list[WorkItem]:
-    """Every image of the run in index order: prompt p's k-th image has index p * images_per_prompt + k."""
+    """Every image of the run in index order: prompt by prompt, size by size, then images_per_prompt.
+
+    A prompt's k-th image (counted over its sizes) has seed `prompt seed + k` when the prompt has its
+    own seed, else `seed + index`.
+    """
     cfg = run.config
-    items = []
+    items: list[WorkItem] = []
     for p, spec in enumerate(run.prompts):
-        for k in range(cfg.images_per_prompt):
-            index = p * cfg.images_per_prompt + k
-            seed = spec.seed + k if spec.seed is not None else cfg.seed + index
-            items.append(
-                WorkItem(
-                    index=index,
-                    prompt_index=p,
-                    prompt=spec.prompt,
-                    negative_prompt=spec.negative_prompt,
-                    seed=seed,
-                    steps=spec.steps,
-                    guidance_scale=spec.guidance_scale,
-                    height=cfg.height,
-                    width=cfg.width,
+        k = 0
+        for height, width in spec.sizes:
+            for _ in range(cfg.images_per_prompt):
+                index = len(items)
+                seed = spec.seed + k if spec.seed is not None else cfg.seed + index
+                items.append(
+                    WorkItem(
+                        index=index,
+                        prompt_index=p,
+                        prompt=spec.prompt,
+                        negative_prompt=spec.negative_prompt,
+                        seed=seed,
+                        steps=spec.steps,
+                        guidance_scale=spec.guidance_scale,
+                        height=height,
+                        width=width,
+                    )
                 )
-            )
+                k += 1
     return items
 
 

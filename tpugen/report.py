@@ -52,16 +52,28 @@ def render_markdown(report: dict) -> str:
         "",
         "## Warmup (compile) per shape key",
         "",
-        "| shape key | wall s | graphs compiled | compile s |",
-        "| --- | --- | --- | --- |",
+        "| shape key | wall s | graphs compiled | compile s | graphs by phase |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for entry in report["warmup"]:
+        phases = entry.get("graphs_per_phase") or {}
+        by_phase = ", ".join(f"{name} {count}" for name, count in phases.items()) or "n/a"
         lines.append(
             f"| {entry['shape_key']} | {_fmt(entry['seconds'], 2)} | {_fmt(entry['compiles'])} "
-            f"| {_fmt(entry['compile_seconds'], 2)} |"
+            f"| {_fmt(entry['compile_seconds'], 2)} | {by_phase} |"
         )
     if not report["warmup"]:
-        lines.append("| (skipped) | | | |")
+        lines.append("| (skipped) | | | | |")
+    cache = report.get("persistent_cache") or {}
+    if cache:
+        counted = (
+            f" ({_fmt(cache.get('hits'))} hits, {_fmt(cache.get('misses'))} misses, " if cache.get("enabled") else ""
+        )
+        counted += f"{_fmt(cache.get('load_failures'))} entries that could not be loaded)" if counted else ""
+        lines += [
+            "",
+            f"Persistent compile cache: {cache['note']}{' in ' + cache['dir'] if cache.get('dir') else ''}{counted}",
+        ]
     lines += [
         "",
         "## Timed phase",

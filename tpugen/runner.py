@@ -13,7 +13,7 @@ from PIL import Image
 from tpugen import __version__
 from tpugen.backends import Backend, Counters, make_backend, versions
 from tpugen.config import ResolvedRun, dump_config
-from tpugen.errors import InputError, RunError
+from tpugen.errors import InputError, RunError, TpugenError
 from tpugen.outputs import (
     Manifest,
     atomic_write_bytes,
@@ -75,7 +75,7 @@ def warmup(loaded, plan: RunPlan, display: RunDisplay) -> list[dict]:
         display.phase(f"warmup: compiling {shape} (on a TPU the first compile can take many minutes)")
         before = backend.counters()
         start = time.perf_counter()
-        loaded.generate(batch)
+        _, graphs = loaded.generate(batch, census=True)
         backend.wait()
         seconds = time.perf_counter() - start
         delta = _delta(backend, before)
@@ -89,8 +89,10 @@ def warmup(loaded, plan: RunPlan, display: RunDisplay) -> list[dict]:
                 "seconds": seconds,
                 "compiles": delta.compiles if delta else None,
                 "compile_seconds": delta.compile_seconds if delta else None,
+                "graphs_per_phase": graphs,
                 "persistent_cache_hits": delta.persistent_cache_hits if delta else None,
                 "persistent_cache_misses": delta.persistent_cache_misses if delta else None,
+                "persistent_cache_load_failures": delta.persistent_cache_load_failures if delta else None,
             }
         )
     return results
@@ -133,7 +135,8 @@ class TimedPhase:
 
 
 def run_batches(run: ResolvedRun, loaded, plan: RunPlan, run_dir: Path, phase: TimedPhase, display: RunDisplay) -> None:
-    """The timed phase: each batch generated, then its images and manifest lines written."""
+    """The timed phase: each batch generated, then its images and manifest lines written (strict shapes: a
+    batch that compiles stops the run)."""
     backend = loaded.backend
     manifest = Manifest(run_dir / "manifest.jsonl")
     phase_before = backend.counters()
@@ -152,6 +155,11 @@ def run_batches(run: ResolvedRun, loaded, plan: RunPlan, run_dir: Path, phase: T
                 phase.recompiles.append(
                     {"batch": batch.number, "shape_key": str(batch.shape), "compiles": delta.compiles}
                 )
+                if run.config.execution.strict_shapes:
+                    raise RunError(
+                        f"strict shapes: batch {batch.number} ({batch.shape}) compiled {delta.compiles} "
+                        "graphs after warmup; its images were not written"
+                    )
 
             start = time.perf_counter()
             share = seconds / len(batch.items)
@@ -196,6 +204,7 @@ def build_report(
     scheduler: str,
     load_seconds: float,
     warmup_results: list[dict],
+    persistent_cache: dict,
     phase: TimedPhase,
     error: str | None = None,
 ) -> dict:
@@ -224,6 +233,7 @@ def build_report(
         "model_load_seconds": load_seconds,
         "warmup": warmup_results,
         "warmup_seconds": sum(w["seconds"] for w in warmup_results),
+        "persistent_cache": persistent_cache,
         "timed_phase": {
             "wall_seconds": wall,
             "generate_seconds": phase.generate_seconds,
@@ -264,6 +274,43 @@ def write_grid(run_dir: Path, images: list[Path]) -> None:
         atomic_write_bytes(run_dir / "grid.png", buffer.getvalue())
 
 
+def load(run: ResolvedRun, display: RunDisplay):
+    """The backend (with its compile cache started) and the pipeline on it; returns (loaded, seconds)."""
+    cfg = run.config
+    backend = make_backend(cfg.execution.backend, cfg.cache.enabled, cfg.cache.dir)
+
+    from tpugen.pipeline import load_pipeline
+
+    display.phase(f"loading {cfg.model.id} onto {backend.name}")
+    start = time.perf_counter()
+    loaded = load_pipeline(run, backend)
+    backend.wait()
+    return loaded, time.perf_counter() - start
+
+
+def persistent_cache_summary(backend: Backend, warmup_results: list[dict]) -> dict:
+    """What the persistent compile cache did, as counted; never assumed."""
+    summary = dict(backend.cache)
+    for key in ("hits", "misses", "load_failures"):
+        counts = [w[f"persistent_cache_{key}"] for w in warmup_results if w[f"persistent_cache_{key}"] is not None]
+        summary[key] = sum(counts) if counts else None
+    return summary
+
+
+def warmup_only(run: ResolvedRun, *, display: RunDisplay | None = None) -> dict:
+    """`tpugen warmup`: compile every planned shape key once; writes no run directory."""
+    display = display or RunDisplay()
+    plan = plan_run(run)
+    loaded, load_seconds = load(run, display)
+    results = warmup(loaded, plan, display)
+    return {
+        "device": loaded.backend.describe(),
+        "model_load_seconds": load_seconds,
+        "warmup": results,
+        "persistent_cache": persistent_cache_summary(loaded.backend, results),
+    }
+
+
 def generate(run: ResolvedRun, *, display: RunDisplay | None = None, skip_warmup: bool = False) -> dict:
     """The whole `tpugen generate`: returns the report, also written to the run directory.
 
@@ -272,15 +319,8 @@ def generate(run: ResolvedRun, *, display: RunDisplay | None = None, skip_warmup
     """
     display = display or RunDisplay()
     plan = plan_run(run)
-    backend = make_backend(run.config.execution.backend)
-
-    from tpugen.pipeline import load_pipeline
-
-    display.phase(f"loading {run.config.model.id} onto {backend.name}")
-    start = time.perf_counter()
-    loaded = load_pipeline(run, backend)
-    backend.wait()
-    load_seconds = time.perf_counter() - start
+    loaded, load_seconds = load(run, display)
+    backend = loaded.backend
 
     run_id = run_id_for(run)
     run_dir = make_run_dir(run, run_id)
@@ -299,6 +339,7 @@ def generate(run: ResolvedRun, *, display: RunDisplay | None = None, skip_warmup
             scheduler=loaded.scheduler_name,
             load_seconds=load_seconds,
             warmup_results=warmup_results,
+            persistent_cache=persistent_cache_summary(backend, warmup_results),
             phase=phase,
             error=error,
         )
@@ -309,20 +350,21 @@ def generate(run: ResolvedRun, *, display: RunDisplay | None = None, skip_warmup
         run_batches(run, loaded, plan, run_dir, phase, display)
         write_grid(run_dir, phase.written)
     except BaseException as exc:
-        reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
-        write_report(run_dir, report(error=reason.splitlines()[0] if reason else reason))
+        if isinstance(exc, KeyboardInterrupt):
+            reason = "interrupted"
+        elif isinstance(exc, TpugenError):
+            reason = exc.lines[0]
+        else:
+            reason = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0]
+        write_report(run_dir, report(error=reason))
+        if not isinstance(exc, Exception):
+            raise
+        kept = f"{len(phase.written)} finished images, the manifest and report.json are in {run_dir}"
+        if isinstance(exc, TpugenError):
+            raise type(exc)(*exc.lines, kept) from exc
         if isinstance(exc, OSError):
-            where = exc.filename or run_dir
-            raise RunError(
-                f"writing {where}: {exc.strerror or exc}",
-                f"{len(phase.written)} finished images and the manifest are in {run_dir}",
-            ) from exc
-        if isinstance(exc, Exception) and not isinstance(exc, RunError):
-            raise RunError(
-                f"the run failed: {reason.splitlines()[0]}",
-                f"{len(phase.written)} finished images, the manifest and report.json are in {run_dir}",
-            ) from exc
-        raise
+            raise RunError(f"writing {exc.filename or run_dir}: {exc.strerror or exc}", kept) from exc
+        raise RunError(f"the run failed: {reason}", kept) from exc
     final = report()
     write_report(run_dir, final)
     return final
