@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""Side-by-side benchmark on XLA:CPU: the naive torch_xla port of a diffusers script vs `tpugen generate`.
+
+Workload (the same for both): tiny-sd, 10 prompts, batch size 4, sizes 64x64 and 96x64, 10 steps.
+(a) naive: what the PyTorch/XLA guide leads to -- the pipeline moved to torch_xla.device(), a loop over
+    batches of prompts for each size, nothing else.
+(b) tpugen: `tpugen generate` on the same workload (warmup per shape key, padded batches, timed phase).
+Each side runs in a fresh process, so neither sees the other's in-memory compile cache. Prints a table
+and writes bench/results.json and bench/results.png.
+
+    .venv/bin/python scripts/bench.py [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    "a lighthouse on a cliff at dawn",
+    "a red fox in fresh snow",
+    "an astronaut riding a horse",
+    "a bowl of ramen, studio lighting",
+    "a tiny robot watering plants",
+    "a castle in the clouds",
+    "a sailing ship in a storm",
+    "a cat reading a newspaper",
+    "a city street at night in the rain",
+    "a field of sunflowers under a blue sky",
+]
+SIZES = [(64, 64), (96, 64)]
+BATCH = 4
+STEPS = 10
+GUIDANCE = 7.5
+
+
+def naive_worker() -> None:
+    """The naive port, timed from after model load; prints one JSON line."""
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    from diffusers import DiffusionPipeline
+
+    from tpugen.tiny import builtin_path
+
+    device = torch_xla.device()
+    pipe = DiffusionPipeline.from_pretrained(builtin_path("tiny-sd")).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    met.clear_all()
+    batches = []
+    start = time.perf_counter()
+    for height, width in SIZES:
+        for first in range(0, len(PROMPTS), BATCH):
+            prompts = PROMPTS[first : first + BATCH]
+            before = (met.metric_data("CompileTime") or [0])[0]
+            t0 = time.perf_counter()
+            images = pipe(
+                prompts, height=height, width=width, num_inference_steps=STEPS, guidance_scale=GUIDANCE
+            ).images
+            seconds = time.perf_counter() - t0
+            compiles = (met.metric_data("CompileTime") or [0])[0] - before
+            batches.append(
+                {"images": len(images), "seconds": seconds, "compiles": compiles, "full": len(prompts) == BATCH}
+            )
+    wall = time.perf_counter() - start
+    total = met.metric_data("CompileTime")
+    print(json.dumps({"wall_seconds": wall, "compiles": int(total[0]), "batches": batches}))
+
+
+def run_naive() -> dict:
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, __file__, "--naive-worker"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PJRT_DEVICE": "CPU"},
+    )
+    if proc.returncode:
+        sys.exit(f"naive port failed:\n{proc.stderr}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    steady = [b["seconds"] / b["images"] for b in result["batches"] if b["full"] and not b["compiles"]]
+    return {
+        "compiles": result["compiles"],
+        "wall_seconds": result["wall_seconds"],
+        "process_seconds": time.perf_counter() - start,
+        "steady_seconds_per_image": statistics.mean(steady) if steady else None,
+        "images": sum(b["images"] for b in result["batches"]),
+    }
+
+
+def run_tpugen(workdir: Path, run_id: str) -> dict:
+    config = {
+        "model": {"id": "tiny-sd"},
+        "prompts": PROMPTS,
+        "sizes": [list(s) for s in SIZES],
+        "steps": STEPS,
+        "guidance_scale": GUIDANCE,
+        "batch_size": BATCH,
+        "execution": {"backend": "xla"},
+        "output": {"dir": str(workdir), "run_id": run_id},
+    }
+    path = workdir / f"{run_id}.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "tpugen"), "generate", str(path), "--quiet"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PJRT_DEVICE": "CPU"},
+    )
+    if proc.returncode:
+        sys.exit(f"tpugen failed:\n{proc.stderr}")
+    report = json.loads((workdir / run_id / "report.json").read_text())
+    full = [b for b in report["timed_phase"]["batches"] if not b["padding"] and not b["compiles"]]
+    return {
+        "compiles": report["xla_counters"]["warmup"]["compiles"] + report["compiles_after_warmup"],
+        "wall_seconds": report["warmup_seconds"] + report["timed_phase"]["wall_seconds"],
+        "process_seconds": time.perf_counter() - start,
+        "steady_seconds_per_image": statistics.mean(b["seconds"] / b["images"] for b in full),
+        "images": report["images"],
+    }
+
+
+def bar_chart(results: dict, path: Path) -> None:
+    """Three panels (compiles, wall seconds, steady seconds per image), naive vs tpugen."""
+    from PIL import Image, ImageDraw
+
+    metrics = [
+        ("compiles", "compiles"),
+        ("wall_seconds", "wall seconds"),
+        ("steady_seconds_per_image", "steady seconds per image"),
+    ]
+    panel_w, panel_h, margin = 220, 260, 30
+    image = Image.new("RGB", (panel_w * len(metrics), panel_h + 2 * margin), "white")
+    draw = ImageDraw.Draw(image)
+    colours = {"naive": (200, 90, 70), "tpugen": (60, 120, 200)}
+    for i, (key, label) in enumerate(metrics):
+        x0 = i * panel_w
+        values = {side: results[side][key] for side in ("naive", "tpugen")}
+        top = max(values.values()) or 1
+        draw.text((x0 + 10, 8), label, fill="black")
+        for j, (side, value) in enumerate(values.items()):
+            height = int((panel_h - 40) * value / top)
+            left = x0 + 40 + j * 80
+            bottom = margin + panel_h - 20
+            draw.rectangle([left, bottom - height, left + 50, bottom], fill=colours[side])
+            draw.text((left, bottom - height - 14), f"{value:.3g}", fill="black")
+            draw.text((left, bottom + 4), side, fill="black")
+    image.save(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each side (medians are reported)")
+    parser.add_argument("--naive-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.naive_worker:
+        naive_worker()
+        return
+
+    runs: dict[str, list[dict]] = {"naive": [], "tpugen": []}
+    with tempfile.TemporaryDirectory(prefix="tpugen-bench-") as tmp:
+        for r in range(args.repeat):  # alternate, so drift in the machine's speed hits both sides alike
+            print(f"run {r + 1}/{args.repeat}: naive port ...", flush=True)
+            runs["naive"].append(run_naive())
+            print(f"run {r + 1}/{args.repeat}: tpugen ...", flush=True)
+            runs["tpugen"].append(run_tpugen(Path(tmp), f"bench-{r}"))
+
+    keys = ["compiles", "wall_seconds", "steady_seconds_per_image", "process_seconds", "images"]
+    results = {side: {k: statistics.median(r[k] for r in rs) for k in keys} for side, rs in runs.items()}
+    ratios = {k: results["tpugen"][k] / results["naive"][k] for k in keys[:4]}
+    targets = {
+        "compiles ratio <= 0.5": ratios["compiles"] <= 0.5,
+        "wall ratio <= 0.7": ratios["wall_seconds"] <= 0.7,
+        # The point is that tpugen's bookkeeping costs nothing visible: at most 5% slower per image.
+        "steady per-image at most 5% slower": ratios["steady_seconds_per_image"] <= 1.05,
+    }
+    workload = {"prompts": len(PROMPTS), "sizes": SIZES, "batch_size": BATCH, "steps": STEPS, "model": "tiny-sd"}
+
+    print(f"\nworkload: {workload}, XLA:CPU, {args.repeat} run(s) each, medians")
+    print(f"{'':28}{'naive':>12}{'tpugen':>12}{'tpugen/naive':>14}")
+    for key, label in [
+        ("compiles", "compiles"),
+        ("wall_seconds", "wall s (after load)"),
+        ("steady_seconds_per_image", "steady s per image"),
+        ("process_seconds", "process wall s"),
+    ]:
+        print(f"{label:28}{results['naive'][key]:12.3f}{results['tpugen'][key]:12.3f}{ratios[key]:14.3f}")
+    print(f"{'images':28}{results['naive']['images']:12.0f}{results['tpugen']['images']:12.0f}")
+    for target, met in targets.items():
+        print(f"target {target}: {'met' if met else 'NOT met'}")
+
+    out = ROOT / "bench"
+    out.mkdir(exist_ok=True)
+    payload = {
+        "workload": workload,
+        "repeat": args.repeat,
+        "results": results,
+        "ratios": ratios,
+        "targets": targets,
+        "runs": runs,
+    }
+    (out / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
+    bar_chart(results, out / "results.png")
+    print(f"\nwrote {out / 'results.json'} and {out / 'results.png'}")
+
+
+if __name__ == "__main__":
+    main()
