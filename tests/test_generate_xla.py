@@ -153,7 +153,7 @@ def test_strict_shapes_stops_at_a_compile_after_warmup(xla_run, tmp_path):
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [
         "error: strict shapes: batch 0 (80x64 b1 cfg) compiled 3 graphs after warmup; its images were not written",
-        f"error: 0 finished images, the manifest and report.json are in {run_dir}",
+        f"error: 0 new images, the manifest and report.json are in {run_dir}",
     ]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["complete"] is False and report["error"].startswith("strict shapes: batch 0")

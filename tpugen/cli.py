@@ -185,6 +185,10 @@ def generate(
             "--strict-shapes", help="Stop with exit 1 if any batch compiles after warmup (execution.strict_shapes)."
         ),
     ] = False,
+    resume_dir: Annotated[
+        Path | None,
+        typer.Option("--resume", help="Continue this run directory: keep its finished images, make the rest."),
+    ] = None,
 ) -> None:
     """Generate the config's images: load, compile each shape once, run timed, write images and a report."""
     from tpugen.config import load_config
@@ -199,12 +203,33 @@ def generate(
         return
     from tpugen.runner import generate as run_generate
 
-    report = run_generate(run, display=_RichDisplay(quiet), skip_warmup=skip_warmup)
+    report = run_generate(run, display=_RichDisplay(quiet), skip_warmup=skip_warmup, resume_dir=resume_dir)
+    _finish(report, quiet)
+
+
+def _finish(report: dict, quiet: bool) -> None:
     if not quiet:
         _print_summary(report)
     run_dir = report["run_dir"]
     typer.echo(f"images: {run_dir}")
     typer.echo(f"report: {Path(run_dir) / 'report.md'}")
+
+
+@app.command()
+@_boundary
+def resume(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory left by an interrupted or failed run.")],
+    quiet: Quiet = False,
+) -> None:
+    """Finish an interrupted run from its own config.yaml: finished images are kept, the rest are made."""
+    from tpugen.config import load_config
+    from tpugen.errors import InputError
+    from tpugen.runner import generate as run_generate
+
+    if not (run_dir / "config.yaml").is_file():
+        raise InputError(f"{run_dir}: not a tpugen run directory (no config.yaml)")
+    report = run_generate(load_config(run_dir / "config.yaml"), display=_RichDisplay(quiet), resume_dir=run_dir)
+    _finish(report, quiet)
 
 
 @app.command()

@@ -23,3 +23,12 @@ class RunError(TpugenError):
     """A failure while the run was under way (loading, compiling, generating, writing)."""
 
     exit_code = 1
+
+
+class Interrupted(TpugenError):
+    """SIGINT or SIGTERM stopped the run; the exit code is 128 + the signal number (130, 143)."""
+
+    def __init__(self, signum: int, *lines: str) -> None:
+        super().__init__(*lines)
+        self.signum = signum
+        self.exit_code = 128 + signum

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -13,7 +15,7 @@ from PIL import Image
 from tpugen import __version__
 from tpugen.backends import Backend, Counters, make_backend, versions
 from tpugen.config import ResolvedRun, dump_config
-from tpugen.errors import InputError, RunError, TpugenError
+from tpugen.errors import InputError, Interrupted, RunError, TpugenError
 from tpugen.outputs import (
     Manifest,
     atomic_write_bytes,
@@ -21,11 +23,13 @@ from tpugen.outputs import (
     contact_sheet,
     image_filename,
     inside,
+    read_manifest,
     save_png,
     write_json,
 )
 from tpugen.plan import Batch, RunPlan, ShapeKey, plan_run
 from tpugen.report import latency_summary, render_markdown
+from tpugen.resume import check_resumable, finished_records, rewrite_manifest
 
 
 class RunDisplay:
@@ -38,6 +42,38 @@ class RunDisplay:
     def batch_done(self, batch: Batch, seconds: float) -> None: ...
 
     def finished(self) -> None: ...
+
+
+class GracefulStop:
+    """SIGINT/SIGTERM finish the batch in flight and then stop the run; a second signal stops at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, display: RunDisplay) -> None:
+        self.display = display
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():  # handlers can only live there
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.display.phase(f"{signal.Signals(signum).name}: stopping after the batch in flight (again: stop now)")
+
+    def check(self) -> None:
+        """Called between batches: stop here if a signal came."""
+        if self.signum is not None:
+            raise Interrupted(self.signum)
 
 
 def run_id_for(run: ResolvedRun, now: datetime | None = None) -> str:
@@ -64,7 +100,7 @@ def _delta(backend: Backend, before: Counters | None) -> Counters | None:
     return after - before if after is not None and before is not None else None
 
 
-def warmup(loaded, plan: RunPlan, display: RunDisplay) -> list[dict]:
+def warmup(loaded, plan: RunPlan, display: RunDisplay, checkpoint=lambda: None) -> list[dict]:
     """One full pipeline call per shape key, at the run's step count: its wall time is the compile time."""
     backend = loaded.backend
     first_batch: dict[ShapeKey, Batch] = {}
@@ -72,6 +108,7 @@ def warmup(loaded, plan: RunPlan, display: RunDisplay) -> list[dict]:
         first_batch.setdefault(batch.shape, batch)
     results = []
     for shape, batch in first_batch.items():
+        checkpoint()
         display.phase(f"warmup: compiling {shape} (on a TPU the first compile can take many minutes)")
         before = backend.counters()
         start = time.perf_counter()
@@ -98,7 +135,8 @@ def warmup(loaded, plan: RunPlan, display: RunDisplay) -> list[dict]:
     return results
 
 
-def _record(run: ResolvedRun, loaded, item, batch: Batch, file: str, latency: float) -> dict:
+def image_record(run: ResolvedRun, loaded, item, batch: Batch, file: str) -> dict:
+    """What made an image; stored in its PNG, so it holds nothing that varies between identical runs."""
     model = run.config.model
     return {
         "index": item.index,
@@ -115,7 +153,6 @@ def _record(run: ResolvedRun, loaded, item, batch: Batch, file: str, latency: fl
         "model_id": model.id,
         "dtype": model.dtype,
         "batch": batch.number,
-        "latency_seconds": latency,
         "config_hash": run.config_hash,
         "tpugen_version": __version__,
     }
@@ -134,7 +171,17 @@ class TimedPhase:
     counters: Counters | None = None
 
 
-def run_batches(run: ResolvedRun, loaded, plan: RunPlan, run_dir: Path, phase: TimedPhase, display: RunDisplay) -> None:
+def run_batches(
+    run: ResolvedRun,
+    loaded,
+    plan: RunPlan,
+    run_dir: Path,
+    phase: TimedPhase,
+    display: RunDisplay,
+    *,
+    finished: frozenset[int] = frozenset(),
+    checkpoint=lambda: None,
+) -> None:
     """The timed phase: each batch generated, then its images and manifest lines written (strict shapes: a
     batch that compiles stops the run)."""
     backend = loaded.backend
@@ -144,6 +191,7 @@ def run_batches(run: ResolvedRun, loaded, plan: RunPlan, run_dir: Path, phase: T
     display.batches_started(len(plan.batches))
     try:
         for batch in plan.batches:
+            checkpoint()
             before = backend.counters()
             start = time.perf_counter()
             pixels = loaded.generate(batch)
@@ -165,10 +213,12 @@ def run_batches(run: ResolvedRun, loaded, plan: RunPlan, run_dir: Path, phase: T
             share = seconds / len(batch.items)
             records = []
             for item, image in zip(batch.items, pixels, strict=True):
+                if item.index in finished:  # resumed: this image is already on disk
+                    continue
                 name = image_filename(item.index, item.seed, item.prompt)
-                record = _record(run, loaded, item, batch, name, share)
+                record = image_record(run, loaded, item, batch, name)
                 save_png(inside(run_dir, name), Image.fromarray(image), record)
-                records.append(record)
+                records.append({**record, "latency_seconds": share})
                 phase.written.append(run_dir / name)
             manifest.append(records)
             phase.write_seconds += time.perf_counter() - start
@@ -177,7 +227,7 @@ def run_batches(run: ResolvedRun, loaded, plan: RunPlan, run_dir: Path, phase: T
                 {
                     "batch": batch.number,
                     "shape_key": str(batch.shape),
-                    "images": len(batch.items),
+                    "images": len(records),
                     "padding": batch.padding,
                     "steps": batch.steps,
                     "seconds": seconds,
@@ -206,11 +256,12 @@ def build_report(
     warmup_results: list[dict],
     persistent_cache: dict,
     phase: TimedPhase,
+    images_reused: int = 0,
     error: str | None = None,
 ) -> dict:
     """report.json's content. `error` marks a run that stopped early; what it finished is still listed."""
     rows = phase.batches
-    per_image = [row["seconds"] / row["images"] for row in rows for _ in range(row["images"])]
+    per_image = [row["seconds"] / row["images"] for row in rows if row["images"] for _ in range(row["images"])]
     images = len(phase.written)
     wall = phase.wall_seconds
     counters = phase.counters
@@ -225,7 +276,9 @@ def build_report(
         "device": device,
         "config_hash": run.config_hash,
         "model": {"id": run.config.model.id, "dtype": run.config.model.dtype, "scheduler": scheduler},
-        "images": images,
+        "images": images + images_reused,
+        "images_this_session": images,
+        "images_reused": images_reused,
         "images_planned": len(plan.items),
         "batches": len(plan.batches),
         "padding_rows": plan.padding_rows,
@@ -311,60 +364,97 @@ def warmup_only(run: ResolvedRun, *, display: RunDisplay | None = None) -> dict:
     }
 
 
-def generate(run: ResolvedRun, *, display: RunDisplay | None = None, skip_warmup: bool = False) -> dict:
+def generate(
+    run: ResolvedRun,
+    *,
+    display: RunDisplay | None = None,
+    skip_warmup: bool = False,
+    resume_dir: Path | None = None,
+) -> dict:
     """The whole `tpugen generate`: returns the report, also written to the run directory.
 
     The run directory is created only once the model has loaded, so a bad model id leaves nothing behind;
-    from then on a failure still leaves every finished image, the manifest and a report marked incomplete.
+    from then on a failure or a signal still leaves every finished image, the manifest and a report marked
+    incomplete. With `resume_dir`, images already finished there are kept and only the rest are made.
     """
     display = display or RunDisplay()
-    plan = plan_run(run)
-    loaded, load_seconds = load(run, display)
-    backend = loaded.backend
+    full_plan = plan_run(run)
+    finished: dict[int, dict] = {}
+    if resume_dir is not None:
+        resume_dir = Path(resume_dir).resolve()
+        check_resumable(run, resume_dir)
+        finished = finished_records(resume_dir)
+    # Batches keep their original rows, so a resumed image is computed exactly as it would have been.
+    plan = RunPlan(
+        full_plan.items, tuple(b for b in full_plan.batches if any(i.index not in finished for i in b.items))
+    )
 
-    run_id = run_id_for(run)
-    run_dir = make_run_dir(run, run_id)
-    atomic_write_text(run_dir / "config.yaml", dump_config(run.config))
-
-    warmup_results: list[dict] = []
-    phase = TimedPhase()
-
-    def report(error: str | None = None) -> dict:
-        return build_report(
-            run,
-            run_id=run_id,
-            run_dir=run_dir,
-            plan=plan,
-            device=backend.describe(),
-            scheduler=loaded.scheduler_name,
-            load_seconds=load_seconds,
-            warmup_results=warmup_results,
-            persistent_cache=persistent_cache_summary(backend, warmup_results),
-            phase=phase,
-            error=error,
-        )
-
-    try:
-        if not skip_warmup:
-            warmup_results.extend(warmup(loaded, plan, display))
-        run_batches(run, loaded, plan, run_dir, phase, display)
-        write_grid(run_dir, phase.written)
-    except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt):
-            reason = "interrupted"
-        elif isinstance(exc, TpugenError):
-            reason = exc.lines[0]
+    with GracefulStop(display) as stop:
+        loaded, load_seconds = load(run, display)
+        backend = loaded.backend
+        if resume_dir is not None:
+            run_id, run_dir = resume_dir.name, resume_dir
+            rewrite_manifest(run_dir, finished)  # drop a torn last line before appending to it
+            display.phase(f"resuming {run_dir}: {len(finished)} of {len(plan.items)} images already finished")
         else:
-            reason = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0]
-        write_report(run_dir, report(error=reason))
-        if not isinstance(exc, Exception):
-            raise
-        kept = f"{len(phase.written)} finished images, the manifest and report.json are in {run_dir}"
-        if isinstance(exc, TpugenError):
-            raise type(exc)(*exc.lines, kept) from exc
-        if isinstance(exc, OSError):
-            raise RunError(f"writing {exc.filename or run_dir}: {exc.strerror or exc}", kept) from exc
-        raise RunError(f"the run failed: {reason}", kept) from exc
-    final = report()
-    write_report(run_dir, final)
-    return final
+            run_id = run_id_for(run)
+            run_dir = make_run_dir(run, run_id)
+            atomic_write_text(run_dir / "config.yaml", dump_config(run.config))
+
+        warmup_results: list[dict] = []
+        phase = TimedPhase()
+
+        def report(error: str | None = None) -> dict:
+            return build_report(
+                run,
+                run_id=run_id,
+                run_dir=run_dir,
+                plan=full_plan,
+                device=backend.describe(),
+                scheduler=loaded.scheduler_name,
+                load_seconds=load_seconds,
+                warmup_results=warmup_results,
+                persistent_cache=persistent_cache_summary(backend, warmup_results),
+                phase=phase,
+                images_reused=len(finished),
+                error=error,
+            )
+
+        try:
+            if not skip_warmup:
+                warmup_results.extend(warmup(loaded, plan, display, stop.check))
+            run_batches(run, loaded, plan, run_dir, phase, display, finished=frozenset(finished), checkpoint=stop.check)
+            stop.check()
+        except BaseException as exc:
+            _fail(exc, stop, run_dir, phase, lambda error: write_report(run_dir, report(error)))
+        # Batches may finish out of index order (and a resume appends); the final manifest is in index order.
+        rewrite_manifest(run_dir, {r["index"]: r for r in read_manifest(run_dir / "manifest.jsonl")})
+        write_grid(run_dir, sorted(run_dir.glob("[0-9]*.png")))
+        final = report()
+        write_report(run_dir, final)
+        return final
+
+
+def _fail(exc: BaseException, stop: GracefulStop, run_dir: Path, phase: TimedPhase, write) -> None:
+    """Write the incomplete report, then re-raise as one error that says what was kept and how to go on."""
+    kept = f"{len(phase.written)} new images, the manifest and report.json are in {run_dir}"
+    resume = f"resume with: tpugen resume {run_dir}"
+    if isinstance(exc, (Interrupted, KeyboardInterrupt)):
+        signum = exc.signum if isinstance(exc, Interrupted) else (stop.signum or signal.SIGINT)
+        name = signal.Signals(signum).name
+        when = "after the batch in flight" if isinstance(exc, Interrupted) else "at once"
+        write(f"interrupted by {name}")
+        raise Interrupted(signum, f"interrupted by {name}, stopped {when}; {kept}", resume) from None
+    if isinstance(exc, TpugenError):
+        write(exc.lines[0])
+        raise type(exc)(*exc.lines, kept) from exc
+    if isinstance(exc, OSError):
+        where = exc.filename or run_dir
+        write(f"writing {where}: {exc.strerror or exc}")
+        raise RunError(f"writing {where}: {exc.strerror or exc}", kept, resume) from exc
+    if not isinstance(exc, Exception):
+        write(type(exc).__name__)
+        raise exc
+    reason = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0]
+    write(reason)
+    raise RunError(f"the run failed: {reason}", kept, resume) from exc
