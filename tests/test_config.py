@@ -75,6 +75,21 @@ BAD_CONFIGS = [
         ["error: model.id: model directory '{tmp}/models/none' does not exist"],
     ),
     (
+        "model dir without model_index.json",
+        {"model": {"id": "{tmp}"}},
+        [],
+        ["error: model.id: '{tmp}' has no model_index.json (not a diffusers pipeline directory)"],
+    ),
+    (
+        "remote code not allowed",
+        {"model": {"id": "tiny-sd", "custom_pipeline": "lpw_stable_diffusion"}},
+        [],
+        [
+            "error: model.custom_pipeline: runs code downloaded with the model; "
+            "set model.allow_remote_code: true to allow it"
+        ],
+    ),
+    (
         "not a model id",
         {"model": {"id": "sd15"}},
         [],

@@ -30,6 +30,9 @@ class ModelConfig(_Section):
     variant: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     scheduler: str | None = None
+    # Code from a model repository runs only when the config says so.
+    allow_remote_code: bool = False
+    custom_pipeline: str | None = None
 
     @field_validator("scheduler")
     @classmethod
@@ -442,6 +445,11 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
         problems.append(f"model.id: {source}")
     elif source.kind == "local":
         config.model.id = source.ref
+
+    if config.model.custom_pipeline and not config.model.allow_remote_code:
+        problems.append(
+            "model.custom_pipeline: runs code downloaded with the model; set model.allow_remote_code: true to allow it"
+        )
 
     if config.sizes is not None and (config.height is not None or config.width is not None):
         problems.append("sizes: give either sizes or height/width, not both")

@@ -164,6 +164,9 @@ def load_pipeline(run: ResolvedRun, backend: Backend) -> LoadedPipeline:
         options["revision"] = model.revision
     if model.variant:
         options["variant"] = model.variant
+    options["trust_remote_code"] = model.allow_remote_code
+    if model.custom_pipeline:
+        options["custom_pipeline"] = model.custom_pipeline
     try:
         # Some components print to stdout while loading; keep the CLI's output clean.
         with contextlib.redirect_stdout(io.StringIO()):
