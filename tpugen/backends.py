@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -64,8 +65,24 @@ class Backend:
     def counters(self) -> Counters | None:
         return None
 
+    def rank(self) -> int:
+        """This replica's global index among all replicas of the run."""
+        return 0
+
+    def world_size(self) -> int:
+        return 1
+
+    def ranks_in_process(self) -> int:
+        """How many replicas this OS process drives (several on XLA:CPU, where ranks are threads)."""
+        return 1
+
     def describe(self) -> dict:
         return {"backend": self.name, "device": str(self.device), "device_kind": "CPU", "world_size": 1}
+
+
+# The persistent cache belongs to the process (torch_xla allows one per process), not to a rank.
+_PROCESS_CACHE: dict = {}
+_CACHE_LOCK = threading.Lock()
 
 
 class XlaBackend(Backend):
@@ -109,8 +126,19 @@ class XlaBackend(Backend):
             }
         if enabled is False:
             return {"enabled": False, "dir": None, "note": "off (cache.enabled: false)"}
-        if self._torch_xla._XLAC._xla_computation_cache_is_initialized():
-            return {"enabled": False, "dir": None, "note": "off: the XLA runtime had already started in this process"}
+        with _CACHE_LOCK:
+            if _PROCESS_CACHE:  # another rank of this process set it up already
+                return dict(_PROCESS_CACHE)
+            if self._torch_xla._XLAC._xla_computation_cache_is_initialized():
+                return {
+                    "enabled": False,
+                    "dir": None,
+                    "note": "off: the XLA runtime had already started in this process",
+                }
+            _PROCESS_CACHE.update(self._open_cache(directory, pjrt))
+            return dict(_PROCESS_CACHE)
+
+    def _open_cache(self, directory: str | None, pjrt: str) -> dict:
         from tpugen.models import cache_root
 
         root = Path(directory) if directory else cache_root() / "xla"
@@ -125,8 +153,18 @@ class XlaBackend(Backend):
         return {"enabled": True, "dir": str(path), "note": "on"}
 
     def process_index(self) -> int:
-        """This process's index among the host's XLA processes (0 when there is one)."""
-        return 0
+        """This process's index among the host's XLA processes, read from the environment torch_xla.launch
+        sets, so that asking does not start the runtime before the compile cache is set up."""
+        return int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", "0"))
+
+    def rank(self) -> int:
+        return self._xr.global_ordinal()
+
+    def world_size(self) -> int:
+        return self._xr.world_size()
+
+    def ranks_in_process(self) -> int:
+        return self._xr.addressable_device_count()
 
     def sync(self) -> None:
         self._torch_xla.sync()
@@ -166,7 +204,27 @@ class XlaBackend(Backend):
             "device_kind": kind,
             "pjrt_device": os.environ.get("PJRT_DEVICE"),
             "world_size": self._xr.world_size(),
+            "rank": self._xr.global_ordinal(),
         }
+
+
+def launch_ranks(fn, args: tuple, cores: int) -> None:
+    """Run fn(index, *args) once per local XLA device with torch_xla.launch.
+
+    On a TPU VM that is one process per chip; on XLA:CPU, CPU_NUM_DEVICES devices driven by threads of one
+    child process. `cores` > 0 sets how many CPU devices; on TPU every chip is used.
+    """
+    if "PJRT_DEVICE" not in os.environ:
+        os.environ["PJRT_DEVICE"] = "TPU" if tpu_present() else "CPU"
+    if os.environ["PJRT_DEVICE"].upper() == "CPU" and cores > 0:
+        os.environ["CPU_NUM_DEVICES"] = str(cores)
+    elif cores > 0:
+        from tpugen.errors import InputError
+
+        raise InputError(f"execution.cores: on a TPU VM tpugen uses every chip; set cores: 0 (got {cores})")
+    import torch_xla
+
+    torch_xla.launch(fn, args=args)
 
 
 def make_backend(name: str, cache_enabled: bool | str = "auto", cache_dir: str | None = None) -> Backend:

@@ -117,7 +117,7 @@ class _RichDisplay:
 
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
-        self.progress = None
+        self._bar = None
         self.task = None
 
     def phase(self, text: str) -> None:
@@ -129,26 +129,30 @@ class _RichDisplay:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.progress = Progress(
+        self._bar = Progress(
             TextColumn("generating"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("batches"),
+            TextColumn("{task.fields[unit]}"),
             TimeElapsedColumn(),
             TextColumn("{task.fields[last]}"),
             console=err,
         )
-        self.progress.start()
-        self.task = self.progress.add_task("generate", total=total, last="")
+        self._bar.start()
+        self.task = self._bar.add_task("generate", total=total, last="", unit="batches")
 
     def batch_done(self, batch, seconds: float) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, advance=1, last=f"last: {batch.shape} {seconds:.2f}s")
+        if self._bar is not None:
+            self._bar.update(self.task, advance=1, last=f"last: {batch.shape} {seconds:.2f}s")
+
+    def progress(self, done: int, total: int) -> None:
+        if self._bar is not None:
+            self._bar.update(self.task, completed=done, total=total, unit="images", last="all ranks")
 
     def finished(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
 
 
 def _print_summary(report: dict) -> None:
@@ -160,7 +164,8 @@ def _print_summary(report: dict) -> None:
     table.add_row("model load s", f"{report['model_load_seconds']:.2f}")
     for entry in report["warmup"]:
         compiles = "" if entry["compiles"] is None else f", {entry['compiles']} graphs"
-        table.add_row(f"warmup {entry['shape_key']} s", f"{entry['seconds']:.2f}{compiles}")
+        rank = f"rank {entry['rank']} " if "rank" in entry else ""
+        table.add_row(f"{rank}warmup {entry['shape_key']} s", f"{entry['seconds']:.2f}{compiles}")
     table.add_row("timed phase s", f"{timed['wall_seconds']:.2f}")
     table.add_row("per image s (mean)", f"{timed['per_image_seconds']['mean']:.3f}")
     table.add_row("images per s", f"{timed['images_per_second']:.2f}")
@@ -189,12 +194,18 @@ def generate(
         Path | None,
         typer.Option("--resume", help="Continue this run directory: keep its finished images, make the rest."),
     ] = None,
+    mode: Annotated[
+        str | None,
+        typer.Option("--mode", help="single (one chip) or multi (one replica per chip of this VM); execution.mode."),
+    ] = None,
 ) -> None:
     """Generate the config's images: load, compile each shape once, run timed, write images and a report."""
     from tpugen.config import load_config
 
     if strict_shapes:
         overrides = [*(overrides or []), "execution.strict_shapes=true"]
+    if mode is not None:
+        overrides = [*(overrides or []), f"execution.mode={mode}"]
     run = load_config(config, overrides or [])
     if show_plan:
         from tpugen.plan import plan_run

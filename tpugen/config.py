@@ -44,7 +44,9 @@ class ModelConfig(_Section):
 
 class ExecutionConfig(_Section):
     backend: Literal["xla", "cpu"] = "xla"
-    mode: Literal["single"] = "single"
+    mode: Literal["single", "multi"] = "single"
+    # multi: how many devices (0 = every local device; on XLA:CPU, CPU_NUM_DEVICES or 1).
+    cores: int = Field(default=0, ge=0)
     strict_shapes: bool = False
 
 
@@ -445,6 +447,9 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
         problems.append(f"model.id: {source}")
     elif source.kind == "local":
         config.model.id = source.ref
+
+    if config.execution.mode == "multi" and config.execution.backend != "xla":
+        problems.append("execution.mode: multi runs one replica per XLA device; it needs execution.backend: xla")
 
     if config.model.custom_pipeline and not config.model.allow_remote_code:
         problems.append(

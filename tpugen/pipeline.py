@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import os
+import threading
 from pathlib import Path
 
 from tpugen.backends import Backend
@@ -143,8 +145,15 @@ def _torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_pipeline(run: ResolvedRun, backend: Backend) -> LoadedPipeline:
-    """Load the configured model through from_pretrained (built-ins too), set its scheduler, move it."""
+# Ranks that are threads of one process (torch_xla.launch on CPU) share one copy read from disk; this is
+# state of the process, not of any rank, and the lock also keeps diffusers' loader (which patches
+# torch.nn process-wide while it runs) from ever running in two threads at once.
+_HOST_COPIES: dict[tuple, tuple] = {}
+_HOST_LOCK = threading.Lock()
+
+
+def _read_from_disk(run: ResolvedRun) -> tuple:
+    """(pipeline on the host CPU, model label, scheduler name) as the config asks for it."""
     quiet_libraries()
     from diffusers import DiffusionPipeline
 
@@ -187,6 +196,23 @@ def load_pipeline(run: ResolvedRun, backend: Backend) -> LoadedPipeline:
         scheduler_name = choice.name
     else:
         scheduler_name = display_name(type(pipe.scheduler).__name__, dict(pipe.scheduler.config))
+    return pipe, label, scheduler_name
+
+
+def load_pipeline(run: ResolvedRun, backend: Backend, *, ranks_in_process: int = 1) -> LoadedPipeline:
+    """Load the configured model through from_pretrained (built-ins too), set its scheduler, move it.
+
+    With several ranks in this process, the weights are read from disk once and each rank gets a copy.
+    """
+    with _HOST_LOCK:
+        if ranks_in_process > 1:
+            key = (run.config.model.model_dump_json(), run.model_source)
+            if key not in _HOST_COPIES:
+                _HOST_COPIES[key] = _read_from_disk(run)
+            shared, label, scheduler_name = _HOST_COPIES[key]
+            pipe = copy.deepcopy(shared)
+        else:
+            pipe, label, scheduler_name = _read_from_disk(run)
 
     pipe.set_progress_bar_config(disable=True)
     pipe.to(backend.device)

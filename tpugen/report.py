@@ -96,10 +96,27 @@ def render_markdown(report: dict) -> str:
         )
     for event in report["recompiles"]:
         lines.append(f"- recompile: batch {event['batch']} ({event['shape_key']}) compiled {event['compiles']} graphs")
+    if report.get("ranks"):
+        lines += [
+            "",
+            f"## Ranks ({len(report['ranks'])})",
+            "",
+            f"Weights loaded {report['weights_loaded']}. Counters: {report['counters_scope']}.",
+            "",
+            "| rank | images | warmup s | warmup graphs | s per image | timed wall s | compiles after warmup | error |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in report["ranks"]:
+            lines.append(
+                f"| {r['rank']} | {r['images']} | {_fmt(r['warmup_seconds'], 2)} | {r['warmup_compiles']} "
+                f"| {_fmt(r['per_image_seconds'])} | {_fmt(r['timed_wall_seconds'], 2)} "
+                f"| {_fmt(r['compiles_after_warmup'])} | {r['error'] or ''} |"
+            )
     lines += ["", "| batch | shape key | images | seconds | compiles |", "| --- | --- | --- | --- | --- |"]
     for b in timed["batches"]:
+        where = f"{b['rank']}.{b['batch']}" if "rank" in b else b["batch"]
         lines.append(
-            f"| {b['batch']} | {b['shape_key']} | {b['images']} | {_fmt(b['seconds'])} | {_fmt(b['compiles'])} |"
+            f"| {where} | {b['shape_key']} | {b['images']} | {_fmt(b['seconds'])} | {_fmt(b['compiles'])} |"
         )
     lines.append("")
     return "\n".join(lines)

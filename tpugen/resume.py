@@ -63,13 +63,19 @@ def _valid_png(path: Path) -> bool:
         return False
 
 
+def all_records(run_dir: Path) -> list[dict]:
+    """Every record in the run's manifest and in per-rank manifests not merged yet (multi mode)."""
+    records = []
+    for path in [run_dir / "manifest.jsonl", *sorted(run_dir.glob("manifest.rank*.jsonl"))]:
+        if path.exists():
+            records.extend(read_manifest(path))
+    return records
+
+
 def finished_records(run_dir: Path) -> dict[int, dict]:
     """Manifest records, by image index, whose image file is present and a valid PNG."""
-    path = run_dir / "manifest.jsonl"
-    if not path.exists():
-        return {}
     finished = {}
-    for record in read_manifest(path):
+    for record in all_records(run_dir):
         name = record.get("file")
         if isinstance(name, str) and "/" not in name and _valid_png(run_dir / name):
             finished[record["index"]] = record

@@ -41,6 +41,8 @@ class RunDisplay:
 
     def batch_done(self, batch: Batch, seconds: float) -> None: ...
 
+    def progress(self, done: int, total: int) -> None: ...
+
     def finished(self) -> None: ...
 
 
@@ -181,11 +183,13 @@ def run_batches(
     *,
     finished: frozenset[int] = frozenset(),
     checkpoint=lambda: None,
+    manifest_name: str = "manifest.jsonl",
+    extra: dict | None = None,
 ) -> None:
     """The timed phase: each batch generated, then its images and manifest lines written (strict shapes: a
     batch that compiles stops the run)."""
     backend = loaded.backend
-    manifest = Manifest(run_dir / "manifest.jsonl")
+    manifest = Manifest(run_dir / manifest_name)
     phase_before = backend.counters()
     phase_start = time.perf_counter()
     display.batches_started(len(plan.batches))
@@ -216,7 +220,7 @@ def run_batches(
                 if item.index in finished:  # resumed: this image is already on disk
                     continue
                 name = image_filename(item.index, item.seed, item.prompt)
-                record = image_record(run, loaded, item, batch, name)
+                record = {**image_record(run, loaded, item, batch, name), **(extra or {})}
                 save_png(inside(run_dir, name), Image.fromarray(image), record)
                 records.append({**record, "latency_seconds": share})
                 phase.written.append(run_dir / name)
@@ -341,9 +345,9 @@ def load(run: ResolvedRun, display: RunDisplay):
     return loaded, time.perf_counter() - start
 
 
-def persistent_cache_summary(backend: Backend, warmup_results: list[dict]) -> dict:
+def persistent_cache_summary(cache: dict, warmup_results: list[dict]) -> dict:
     """What the persistent compile cache did, as counted; never assumed."""
-    summary = dict(backend.cache)
+    summary = dict(cache)
     for key in ("hits", "misses", "load_failures"):
         counts = [w[f"persistent_cache_{key}"] for w in warmup_results if w[f"persistent_cache_{key}"] is not None]
         summary[key] = sum(counts) if counts else None
@@ -360,7 +364,7 @@ def warmup_only(run: ResolvedRun, *, display: RunDisplay | None = None) -> dict:
         "device": loaded.backend.describe(),
         "model_load_seconds": load_seconds,
         "warmup": results,
-        "persistent_cache": persistent_cache_summary(loaded.backend, results),
+        "persistent_cache": persistent_cache_summary(loaded.backend.cache, results),
     }
 
 
@@ -378,6 +382,10 @@ def generate(
     incomplete. With `resume_dir`, images already finished there are kept and only the rest are made.
     """
     display = display or RunDisplay()
+    if run.config.execution.mode == "multi":
+        from tpugen.multi import run_multi
+
+        return run_multi(run, display=display, resume_dir=resume_dir)
     full_plan = plan_run(run)
     finished: dict[int, dict] = {}
     if resume_dir is not None:
@@ -414,7 +422,7 @@ def generate(
                 scheduler=loaded.scheduler_name,
                 load_seconds=load_seconds,
                 warmup_results=warmup_results,
-                persistent_cache=persistent_cache_summary(backend, warmup_results),
+                persistent_cache=persistent_cache_summary(backend.cache, warmup_results),
                 phase=phase,
                 images_reused=len(finished),
                 error=error,

@@ -1,0 +1,107 @@
+"""All chips of a VM, on XLA:CPU with CPU_NUM_DEVICES=4: each image once, the same as on one chip."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import generate, tiny_config, write_config
+from PIL import Image
+
+from tpugen.multi import FAIL_RANK_ENV, rank_plan, shard
+from tpugen.outputs import image_filename, read_manifest
+from tpugen.plan import plan_run
+
+PROMPTS = [f"a small {w}" for w in ["cat", "dog", "owl", "fox", "bee", "elk", "yak", "emu", "ant", "cod"]]
+NAMES = [image_filename(i, 7 + i, p) for i, p in enumerate(PROMPTS)]
+
+
+def test_sharding_is_round_robin_by_global_index(tmp_path):
+    from tpugen.config import load_config
+
+    run = load_config(write_config(tmp_path / "c.yaml", tiny_config(tmp_path, prompts=PROMPTS, batch_size=2)))
+    items = plan_run(run).items
+    shares = [[i.index for i in shard(items, 4, r)] for r in range(4)]
+    assert shares == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]
+    plan = rank_plan(run, 4, 2)
+    assert [([i.index for i in b.items], b.padding) for b in plan.batches] == [([2, 6], 0)]
+    assert [([i.index for i in b.items], b.padding) for b in rank_plan(run, 4, 0).batches] == [([0, 4], 0), ([8], 1)]
+    assert [b.items for b in rank_plan(run, 4, 0, frozenset({0, 4})).batches] == [rank_plan(run, 4, 0).batches[1].items]
+
+
+def generate_in_new_process(tmp_path: Path, env: dict | None = None, **overrides) -> subprocess.CompletedProcess:
+    """torch_xla.launch needs a parent whose XLA runtime has not started, as in a fresh `tpugen` process."""
+    config = tiny_config(tmp_path, prompts=PROMPTS, **overrides)
+    path = write_config(tmp_path / "c.yaml", config)
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "tpugen"), "generate", str(path), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PJRT_DEVICE": "CPU", **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return generate(tmp_path_factory.mktemp("single"), prompts=PROMPTS)
+
+
+@pytest.mark.xla
+def test_four_devices_make_each_image_once_like_one_chip(single, tmp_path):
+    proc = generate_in_new_process(tmp_path, execution={"mode": "multi", "cores": 4})
+    assert proc.returncode == 0, proc.stderr
+    run_dir = tmp_path / "outputs" / "run"
+    assert sorted(p.name for p in run_dir.glob("[0-9]*.png")) == NAMES
+    assert sorted(p.name for p in run_dir.iterdir() if not p.name[0].isdigit()) == [
+        "config.yaml",
+        "grid.png",
+        "manifest.jsonl",
+        "report.json",
+        "report.md",
+    ]
+    records = read_manifest(run_dir / "manifest.jsonl")
+    assert [r["index"] for r in records] == list(range(10))
+    assert [r["rank"] for r in records] == [i % 4 for i in range(10)]
+    for name in NAMES:
+        a = np.asarray(Image.open(run_dir / name), dtype=np.int16)
+        b = np.asarray(Image.open(single / name), dtype=np.int16)
+        assert np.abs(a - b).max() <= 1, name  # 4 CPU devices vs 1 may differ by 1/255 (FACTS.md)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["complete"] is True and report["mode"] == "multi"
+    assert [(r["rank"], r["images"], r["error"]) for r in report["ranks"]] == [
+        (0, 3, None),
+        (1, 3, None),
+        (2, 2, None),
+        (3, 2, None),
+    ]
+    # One rank compiled the 3 graphs; the other three found them in the process's cache.
+    assert sorted(r["warmup_compiles"] for r in report["ranks"]) == [0, 0, 0, 3]
+    assert report["compiles_after_warmup"] == 0
+    assert report["device"]["world_size"] == 4
+    assert report["images"] == 10
+    assert "4 ranks are threads of one process" in report["counters_scope"]
+    assert "## Ranks (4)" in (run_dir / "report.md").read_text()
+
+
+@pytest.mark.xla
+def test_a_failing_rank_is_named_and_the_others_keep_their_images(tmp_path):
+    proc = generate_in_new_process(
+        tmp_path, env={FAIL_RANK_ENV: "2"}, batch_size=1, execution={"mode": "multi", "cores": 4}
+    )
+    run_dir = tmp_path / "outputs" / "run"
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert lines[0] == f"error: rank 2: RuntimeError: failed on purpose after its first batch ({FAIL_RANK_ENV}=2)"
+    # Rank 2 made image 2 before failing; its image 6 is missing; every other rank finished.
+    expected = [n for i, n in enumerate(NAMES) if i != 6]
+    assert sorted(p.name for p in run_dir.glob("[0-9]*.png")) == expected
+    assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == [0, 1, 2, 3, 4, 5, 7, 8, 9]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["complete"] is False and report["error"].startswith("rank 2: RuntimeError")
+    assert lines[-1] == f"error: resume with: tpugen resume {run_dir}"
