@@ -13,9 +13,10 @@ import pytest
 from conftest import generate, tiny_config, write_config
 from PIL import Image
 
-from tpugen.multi import FAIL_RANK_ENV, rank_plan, shard
+from tpugen.multi import FAIL_RANK_ENV
 from tpugen.outputs import image_filename, read_manifest
-from tpugen.plan import plan_run
+from tpugen.plan import plan_run, shard
+from tpugen.plan import plan_share as rank_plan
 
 PROMPTS = [f"a small {w}" for w in ["cat", "dog", "owl", "fox", "bee", "elk", "yak", "emu", "ant", "cod"]]
 NAMES = [image_filename(i, 7 + i, p) for i, p in enumerate(PROMPTS)]

@@ -208,6 +208,13 @@ class XlaBackend(Backend):
         }
 
 
+def host_index() -> int:
+    """This TPU VM's index in its pod, as torch_xla reads it from the TPU environment."""
+    import torch_xla.runtime as xr
+
+    return xr.host_index()
+
+
 def launch_ranks(fn, args: tuple, cores: int) -> None:
     """Run fn(index, *args) once per local XLA device with torch_xla.launch.
 

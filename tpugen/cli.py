@@ -269,6 +269,59 @@ def warmup(config: ConfigPath, overrides: Overrides = None, quiet: Quiet = False
     out.print(f"persistent compile cache: {cache['note']}" + (f" ({cache['dir']})" if cache.get("dir") else ""))
 
 
+@app.command("pod-run")
+@_boundary
+def pod_run(
+    config: ConfigPath,
+    overrides: Overrides = None,
+    tpu: Annotated[str, typer.Option("--tpu", help="The TPU VM (pod slice) name.", show_default=False)] = ...,
+    zone: Annotated[str, typer.Option("--zone", help="Its zone, e.g. us-east5-b.", show_default=False)] = ...,
+    project: Annotated[str | None, typer.Option("--project", help="Passed to every gcloud call.")] = None,
+    workers: Annotated[
+        int | None, typer.Option("--workers", min=1, help="Worker count; default: counted by gcloud describe.")
+    ] = None,
+    remote_dir: Annotated[
+        str, typer.Option("--remote-dir", help="Folder on every worker (relative to the home directory).")
+    ] = "tpugen-pod",
+    gather: Annotated[
+        str, typer.Option("--gather", help="local: copy every worker's run here and merge; none: leave them there.")
+    ] = "local",
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print every gcloud command, one per line; run none.")
+    ] = False,
+    remote_tpugen: Annotated[
+        str, typer.Option("--remote-tpugen", help="The tpugen command on the workers (e.g. ~/venv/bin/tpugen).")
+    ] = "tpugen",
+    quiet: Quiet = False,
+) -> None:
+    """Run the config on every worker of a TPU pod with gcloud, then gather the images and one pod report."""
+    from tpugen.config import load_config
+    from tpugen.errors import InputError
+    from tpugen.pod import Pod, run_pod
+
+    if gather not in ("local", "none"):
+        raise InputError(f"--gather: must be local or none, got {gather!r}")
+    run = load_config(config, overrides or [])
+    report = run_pod(
+        run,
+        Pod(tpu, zone, project),
+        workers=workers,
+        remote_dir=remote_dir,
+        gather=gather == "local",
+        dry_run=dry_run,
+        tpugen=remote_tpugen,
+        display=_RichDisplay(quiet),
+        print_line=typer.echo,
+    )
+    if report is None:
+        return
+    if "run_dir" in report:
+        typer.echo(f"pod run: {report['images']} images from {report['workers']} workers")
+        typer.echo(f"report: {Path(report['run_dir']) / 'report.md'}")
+    else:
+        typer.echo(f"ran on {report['workers']} workers; outputs left on them (--gather none)")
+
+
 def main() -> None:
     """Console-script entry point."""
     sys.exit(app())

@@ -42,12 +42,19 @@ class ModelConfig(_Section):
         return value
 
 
+class PodConfig(_Section):
+    # Set by `tpugen pod-run`; else TPU_WORKER_ID / CLOUD_TPU_TASK_ID, else torch_xla's host index.
+    worker_index: int | None = Field(default=None, ge=0)
+    num_workers: int | None = Field(default=None, ge=1)
+
+
 class ExecutionConfig(_Section):
     backend: Literal["xla", "cpu"] = "xla"
     mode: Literal["single", "multi"] = "single"
     # multi: how many devices (0 = every local device; on XLA:CPU, CPU_NUM_DEVICES or 1).
     cores: int = Field(default=0, ge=0)
     strict_shapes: bool = False
+    pod: PodConfig = PodConfig()
 
 
 class CacheConfig(_Section):
@@ -447,6 +454,10 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
         problems.append(f"model.id: {source}")
     elif source.kind == "local":
         config.model.id = source.ref
+
+    pod = config.execution.pod
+    if pod.worker_index is not None and pod.num_workers is not None and pod.worker_index >= pod.num_workers:
+        problems.append(f"execution.pod.worker_index: {pod.worker_index} is not below num_workers ({pod.num_workers})")
 
     if config.execution.mode == "multi" and config.execution.backend != "xla":
         problems.append("execution.mode: multi runs one replica per XLA device; it needs execution.backend: xla")

@@ -9,11 +9,12 @@ import time
 import traceback
 from pathlib import Path
 
-from tpugen.backends import Counters, launch_ranks, make_backend
+from tpugen.backends import Counters, host_index, launch_ranks, make_backend
 from tpugen.config import ResolvedRun, dump_config
 from tpugen.errors import RunError
 from tpugen.outputs import atomic_write_text, write_json
-from tpugen.plan import RunPlan, WorkItem, plan_batches, plan_run
+from tpugen.plan import plan_run, plan_share
+from tpugen.pod import pod_position
 from tpugen.resume import all_records, check_resumable, finished_records, rewrite_manifest
 from tpugen.runner import (
     RunDisplay,
@@ -29,18 +30,6 @@ from tpugen.runner import (
 )
 
 FAIL_RANK_ENV = "TPUGEN_TEST_FAIL_RANK"  # test hook: this rank raises after its first batch
-
-
-def shard(items: list[WorkItem] | tuple[WorkItem, ...], parts: int, part: int) -> list[WorkItem]:
-    """Round-robin by global image index: part p of n takes the images whose index % n == p."""
-    return [item for item in items if item.index % parts == part]
-
-
-def rank_plan(run: ResolvedRun, world_size: int, rank: int, finished: frozenset[int] = frozenset()) -> RunPlan:
-    """This rank's share, batched and padded on its own; batches already finished (resume) are left out."""
-    mine = shard(plan_run(run).items, world_size, rank)
-    batches = plan_batches(mine, run.config.batch_size)
-    return RunPlan(tuple(mine), tuple(b for b in batches if any(i.index not in finished for i in b.items)))
 
 
 class _Meeting:
@@ -99,7 +88,13 @@ def _rank_work(run: ResolvedRun, run_dir: Path, finished: frozenset[int], result
     backend = make_backend("xla", cfg.cache.enabled, cfg.cache.dir)
     rank, world, local = backend.rank(), backend.world_size(), backend.ranks_in_process()
     result.update(rank=rank, world_size=world, ranks_in_process=local)
-    plan = rank_plan(run, world, rank, finished)
+    worker, workers = pod_position(cfg.execution.pod, os.environ, host_index)
+    # Worker w of W with local rank r of R takes index % (W*R) == w*R + r. A pod-wide runtime (a real
+    # pod) numbers ranks globally already; a runtime per worker (simulated pods) numbers them locally.
+    parts, part = (
+        (world, rank) if workers == 1 or world == workers * local else (workers * world, worker * world + rank)
+    )
+    plan = plan_share(run, parts, part, finished)
 
     from tpugen.pipeline import load_pipeline
 

@@ -130,3 +130,16 @@ def plan_run(run: ResolvedRun) -> RunPlan:
     """The whole run as data: what each pipeline call makes, at which shape."""
     items = work_items(run)
     return RunPlan(tuple(items), tuple(plan_batches(items, run.config.batch_size)))
+
+
+def shard(items: list[WorkItem] | tuple[WorkItem, ...], parts: int, part: int) -> list[WorkItem]:
+    """Round-robin by global image index: part p of n takes the images whose index % n == p."""
+    return [item for item in items if item.index % parts == part]
+
+
+def plan_share(run: ResolvedRun, parts: int = 1, part: int = 0, finished: frozenset[int] = frozenset()) -> RunPlan:
+    """One worker's or rank's share, batched and padded on its own. Batches whose images are all finished
+    (a resume) are left out; the others keep every row, so an image is computed as it first would have been."""
+    mine = shard(plan_run(run).items, parts, part)
+    batches = plan_batches(mine, run.config.batch_size)
+    return RunPlan(tuple(mine), tuple(b for b in batches if any(i.index not in finished for i in b.items)))

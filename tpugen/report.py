@@ -115,8 +115,6 @@ def render_markdown(report: dict) -> str:
     lines += ["", "| batch | shape key | images | seconds | compiles |", "| --- | --- | --- | --- | --- |"]
     for b in timed["batches"]:
         where = f"{b['rank']}.{b['batch']}" if "rank" in b else b["batch"]
-        lines.append(
-            f"| {where} | {b['shape_key']} | {b['images']} | {_fmt(b['seconds'])} | {_fmt(b['compiles'])} |"
-        )
+        lines.append(f"| {where} | {b['shape_key']} | {b['images']} | {_fmt(b['seconds'])} | {_fmt(b['compiles'])} |")
     lines.append("")
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import signal
 import threading
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 from PIL import Image
 
 from tpugen import __version__
-from tpugen.backends import Backend, Counters, make_backend, versions
+from tpugen.backends import Backend, Counters, host_index, make_backend, versions
 from tpugen.config import ResolvedRun, dump_config
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError
 from tpugen.outputs import (
@@ -27,7 +28,8 @@ from tpugen.outputs import (
     save_png,
     write_json,
 )
-from tpugen.plan import Batch, RunPlan, ShapeKey, plan_run
+from tpugen.plan import Batch, RunPlan, ShapeKey, plan_run, plan_share
+from tpugen.pod import pod_position
 from tpugen.report import latency_summary, render_markdown
 from tpugen.resume import check_resumable, finished_records, rewrite_manifest
 
@@ -386,16 +388,15 @@ def generate(
         from tpugen.multi import run_multi
 
         return run_multi(run, display=display, resume_dir=resume_dir)
-    full_plan = plan_run(run)
     finished: dict[int, dict] = {}
     if resume_dir is not None:
         resume_dir = Path(resume_dir).resolve()
         check_resumable(run, resume_dir)
         finished = finished_records(resume_dir)
-    # Batches keep their original rows, so a resumed image is computed exactly as it would have been.
-    plan = RunPlan(
-        full_plan.items, tuple(b for b in full_plan.batches if any(i.index not in finished for i in b.items))
-    )
+    # On a pod, this worker takes the images whose index % workers == its index.
+    worker, workers = pod_position(run.config.execution.pod, os.environ, host_index)
+    full_plan = plan_share(run, workers, worker)
+    plan = plan_share(run, workers, worker, frozenset(finished))
 
     with GracefulStop(display) as stop:
         loaded, load_seconds = load(run, display)

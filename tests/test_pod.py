@@ -1,0 +1,216 @@
+"""Whole pods, with a fake gcloud that runs each worker's command on this machine."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import generate, run_cli, tiny_config, write_config
+from PIL import Image
+
+from tpugen.config import PodConfig
+from tpugen.errors import InputError
+from tpugen.outputs import image_filename, read_manifest
+from tpugen.pod import pod_position
+
+FAKES = Path(__file__).parent / "fakes"
+PROMPTS = [f"a painted {w}" for w in ["cat", "dog", "owl", "fox", "bee", "elk", "yak", "emu", "ant"]]
+PROMPTS.append('"; touch pwned; echo "')
+NAMES = [image_filename(i, 7 + i, p) for i, p in enumerate(PROMPTS)]
+
+
+@pytest.fixture
+def fake_pod(tmp_path, monkeypatch):
+    root = tmp_path / "pod"
+    monkeypatch.setenv("PATH", f"{FAKES}:{Path(sys.executable).parent}:{__import__('os').environ['PATH']}")
+    monkeypatch.setenv("FAKE_POD_ROOT", str(root))
+    monkeypatch.setenv("FAKE_POD_LOG", str(tmp_path / "gcloud.log"))
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    return root
+
+
+def calls(tmp_path) -> list[list[str]]:
+    return [json.loads(line) for line in (tmp_path / "gcloud.log").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "pod,env,expected",
+    [
+        (PodConfig(worker_index=2, num_workers=4), {"TPU_WORKER_ID": "1"}, (2, 4)),
+        (PodConfig(num_workers=4), {"TPU_WORKER_ID": "3"}, (3, 4)),
+        (PodConfig(num_workers=4), {"CLOUD_TPU_TASK_ID": "1"}, (1, 4)),
+        (PodConfig(num_workers=4), {}, (2, 4)),  # torch_xla's host index
+        (PodConfig(), {"TPU_WORKER_ID": "0"}, (0, 1)),
+    ],
+)
+def test_worker_position(pod, env, expected):
+    assert pod_position(pod, env, host_index=lambda: 2) == expected
+
+
+def test_worker_position_out_of_range():
+    with pytest.raises(InputError, match="worker index 5 is not below the worker count 4"):
+        pod_position(PodConfig(num_workers=4), {"TPU_WORKER_ID": "5"})
+
+
+def test_dry_run_prints_every_command_and_runs_none(tmp_path, fake_pod):
+    (tmp_path / "p.txt").write_text("a cat\n")
+    config = tiny_config(tmp_path, output={"dir": str(tmp_path / "out"), "run_id": "podrun"})
+    del config["prompts"]
+    config["prompts_file"] = "p.txt"
+    path = write_config(tmp_path / "c.yaml", config)
+    result = run_cli(
+        "pod-run",
+        path,
+        "--tpu",
+        "my-tpu",
+        "--zone",
+        "us-east5-b",
+        "--project",
+        "proj",
+        "--workers",
+        "2",
+        "--dry-run",
+        "steps=4",
+    )
+    assert result.exit_code == 0, result.output
+    staging = tmp_path / "out" / "podrun" / ".pod-staging"
+    tail = ["--zone=us-east5-b", "--project=proj"]
+    worker = (
+        "cd tpugen-pod/podrun && { tpugen generate config.yaml --quiet execution.pod.num_workers=2 output.dir=. "
+        "output.run_id=run > worker.log 2>&1; status=$?; echo $status > worker.status; tail -n 5 worker.log; "
+        "exit $status; }"
+    )
+    expected = [
+        [
+            "gcloud",
+            "compute",
+            "tpus",
+            "tpu-vm",
+            "ssh",
+            "my-tpu",
+            "--worker=all",
+            "--command=mkdir -p tpugen-pod/podrun",
+            *tail,
+        ],
+        [
+            "gcloud",
+            "compute",
+            "tpus",
+            "tpu-vm",
+            "scp",
+            f"{staging}/config.yaml",
+            "my-tpu:tpugen-pod/podrun/config.yaml",
+            "--worker=all",
+            *tail,
+        ],
+        [
+            "gcloud",
+            "compute",
+            "tpus",
+            "tpu-vm",
+            "scp",
+            f"{staging}/prompts.txt",
+            "my-tpu:tpugen-pod/podrun/prompts.txt",
+            "--worker=all",
+            *tail,
+        ],
+        ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu", "--worker=all", f"--command={worker}", *tail],
+        [
+            "gcloud",
+            "compute",
+            "tpus",
+            "tpu-vm",
+            "scp",
+            "--recurse",
+            "my-tpu:tpugen-pod/podrun",
+            f"{tmp_path}/out/podrun/worker-0",
+            "--worker=0",
+            *tail,
+        ],
+        [
+            "gcloud",
+            "compute",
+            "tpus",
+            "tpu-vm",
+            "scp",
+            "--recurse",
+            "my-tpu:tpugen-pod/podrun",
+            f"{tmp_path}/out/podrun/worker-1",
+            "--worker=1",
+            *tail,
+        ],
+    ]
+    assert result.stdout.splitlines() == [shlex.join(c) for c in expected]
+    assert not (tmp_path / "gcloud.log").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return generate(tmp_path_factory.mktemp("single"), prompts=PROMPTS)
+
+
+@pytest.mark.xla
+def test_three_worker_pod_makes_each_image_once_like_one_chip(single, tmp_path, fake_pod, monkeypatch):
+    monkeypatch.setenv("FAKE_POD_WORKERS", "3")
+    config = tiny_config(tmp_path, prompts=PROMPTS, output={"dir": str(tmp_path / "out"), "run_id": "podrun"})
+    result = run_cli("pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "z", "--quiet")
+    assert result.exit_code == 0, result.output
+    run_dir = tmp_path / "out" / "podrun"
+
+    records = read_manifest(run_dir / "manifest.jsonl")
+    assert [r["index"] for r in records] == list(range(10))
+    assert [r["worker"] for r in records] == [i % 3 for i in range(10)]
+    for record, name in zip(records, NAMES, strict=True):
+        assert record["file"] == f"worker-{record['worker']}/run/{name}"
+        a = np.asarray(Image.open(run_dir / record["file"]), dtype=np.int16)
+        b = np.asarray(Image.open(single / name), dtype=np.int16)
+        assert np.abs(a - b).max() <= 1, name
+    assert len(list(run_dir.glob("worker-*/run/[0-9]*.png"))) == 10
+
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["complete"] is True and report["workers"] == 3 and report["images"] == 10
+    assert [(w["worker"], w["images"], w["exit_status"]) for w in report["per_worker"]] == [
+        (0, 4, 0),
+        (1, 3, 0),
+        (2, 3, 0),
+    ]
+    assert report["pod_images_per_second"] > 0
+    assert "pod images per second" in (run_dir / "report.md").read_text()
+
+    # The describe call counted the workers; the prompt with shell syntax ran nothing anywhere.
+    assert calls(tmp_path)[0] == ["compute", "tpus", "tpu-vm", "describe", "t", "--format=json", "--zone=z"]
+    assert not any("pwned" in " ".join(c) for c in calls(tmp_path))
+    assert not list(tmp_path.rglob("pwned")) and not Path("pwned").exists()
+
+
+@pytest.mark.xla
+def test_a_failed_worker_is_named_and_the_others_are_gathered(tmp_path, fake_pod, monkeypatch):
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    monkeypatch.setenv("FAKE_POD_BREAK_WORKER", "1")
+    config = tiny_config(tmp_path, prompts=PROMPTS[:4], output={"dir": str(tmp_path / "out"), "run_id": "podrun"})
+    result = run_cli(
+        "pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "z", "--workers", "2"
+    )
+    run_dir = tmp_path / "out" / "podrun"
+    assert result.exit_code == 1
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]  # after the progress
+    assert lines[0].startswith("error: worker 1 failed (exit status 2): error: ")
+    assert "malformed YAML" in lines[0]
+    assert lines[1] == f"error: 2 images from the other workers and the pod report are in {run_dir}"
+    assert sorted(p.name for p in run_dir.glob("worker-0/run/[0-9]*.png")) == [NAMES[0], NAMES[2]]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["complete"] is False and report["failed_workers"] == [1]
+
+
+def test_missing_gcloud_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path))
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "error: gcloud not found: install the Google Cloud CLI (https://cloud.google.com/sdk) and log in\n"
+    )

@@ -1,0 +1,332 @@
+"""Whole TPU pods: the gcloud commands that ship, run and gather a run on every worker, and the pod report."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpugen.errors import InputError, RunError
+
+WORKER_LOG = "worker.log"
+WORKER_STATUS = "worker.status"
+WORKER_RUN = "run"  # the worker's own run directory, inside its pod-run folder
+
+
+# ---------------------------------------------------------------- who am I
+
+
+def pod_position(pod, env: Mapping[str, str], host_index=lambda: 0) -> tuple[int, int]:
+    """(worker index, worker count): from the config (pod-run sets both), else TPU_WORKER_ID or
+    CLOUD_TPU_TASK_ID, else torch_xla's host index; the count defaults to one worker."""
+    count = pod.num_workers or 1
+    if pod.worker_index is not None:
+        index = pod.worker_index
+    elif env.get("TPU_WORKER_ID", "").isdigit():
+        index = int(env["TPU_WORKER_ID"])
+    elif env.get("CLOUD_TPU_TASK_ID", "").isdigit():
+        index = int(env["CLOUD_TPU_TASK_ID"])
+    elif count > 1:
+        index = host_index()
+    else:
+        index = 0
+    if index >= count:
+        raise InputError(f"execution.pod: worker index {index} is not below the worker count {count}")
+    return index, count
+
+
+# ---------------------------------------------------------------- the commands (pure)
+
+
+@dataclass(frozen=True)
+class Pod:
+    tpu: str
+    zone: str
+    project: str | None = None
+
+    def _gcloud(self, verb: str, *args: str) -> list[str]:
+        command = ["gcloud", "compute", "tpus", "tpu-vm", verb, *args, f"--zone={self.zone}"]
+        if self.project:
+            command.append(f"--project={self.project}")
+        return command
+
+    def describe(self) -> list[str]:
+        return self._gcloud("describe", self.tpu, "--format=json")
+
+    def ssh_all(self, command: str) -> list[str]:
+        return self._gcloud("ssh", self.tpu, "--worker=all", f"--command={command}")
+
+    def scp_to_all(self, local: Path, remote: str) -> list[str]:
+        return self._gcloud("scp", str(local), f"{self.tpu}:{remote}", "--worker=all")
+
+    def scp_from(self, worker: int, remote: str, local: Path) -> list[str]:
+        return self._gcloud("scp", "--recurse", f"{self.tpu}:{remote}", str(local), f"--worker={worker}")
+
+
+def count_workers(describe_output: str) -> int:
+    """The worker count from `describe --format=json`: one network endpoint per worker."""
+    try:
+        endpoints = json.loads(describe_output).get("networkEndpoints") or []
+    except (json.JSONDecodeError, AttributeError):
+        raise RunError("gcloud describe did not print the TPU's JSON description") from None
+    if not endpoints:
+        raise RunError("gcloud describe lists no workers (networkEndpoints) for this TPU")
+    return len(endpoints)
+
+
+def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen") -> str:
+    """What every worker runs: its share of the run, its output kept in worker.log, its exit status in
+    worker.status (so a failed worker is named after gathering), and the log's last lines echoed.
+
+    The worker finds its index in TPU_WORKER_ID, CLOUD_TPU_TASK_ID or torch_xla; prompts stay in the
+    shipped config, and every argument is shell-quoted.
+    """
+    q = shlex.quote
+    generate = " ".join(
+        [
+            q(tpugen),
+            "generate",
+            "config.yaml",
+            "--quiet",
+            q(f"execution.pod.num_workers={num_workers}"),
+            q("output.dir=."),
+            q(f"output.run_id={WORKER_RUN}"),
+        ]
+    )
+    return (
+        f"cd {q(remote_run)} && {{ {generate} > {WORKER_LOG} 2>&1; status=$?; echo $status > {WORKER_STATUS}; "
+        f"tail -n 5 {WORKER_LOG}; exit $status; }}"
+    )
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    """Every gcloud command of a pod run, in order, for --dry-run and for the runner."""
+
+    prepare: list[list[str]]
+    run: list[str]
+    gather: list[list[str]]
+
+    def lines(self) -> list[str]:
+        return [shlex.join(c) for c in [*self.prepare, self.run, *self.gather]]
+
+
+def plan_pod(
+    pod: Pod,
+    *,
+    workers: int,
+    remote_dir: str,
+    run_id: str,
+    local_run: Path,
+    staged: list[Path],
+    tpugen: str = "tpugen",
+    gather: bool = True,
+) -> PodPlan:
+    remote_run = f"{remote_dir.rstrip('/')}/{run_id}"
+    prepare = [pod.ssh_all(f"mkdir -p {shlex.quote(remote_run)}")]
+    prepare += [pod.scp_to_all(path, f"{remote_run}/{path.name}") for path in staged]
+    gathers = [pod.scp_from(i, remote_run, local_run / f"worker-{i}") for i in range(workers)] if gather else []
+    return PodPlan(prepare, pod.ssh_all(worker_command(remote_run, workers, tpugen)), gathers)
+
+
+# ---------------------------------------------------------------- merging (pure over files)
+
+
+def _tail(path: Path, lines: int = 5) -> list[str]:
+    if not path.exists():
+        return []
+    return [line for line in path.read_text(errors="replace").splitlines() if line.strip()][-lines:]
+
+
+def merge_workers(local_run: Path, workers: int) -> tuple[list[dict], list[dict]]:
+    """(pod manifest records, per-worker rows) from the gathered worker-i folders."""
+    from tpugen.outputs import read_manifest
+
+    records, rows = [], []
+    for i in range(workers):
+        folder = local_run / f"worker-{i}"
+        status_text = (folder / WORKER_STATUS).read_text().strip() if (folder / WORKER_STATUS).exists() else ""
+        status = int(status_text) if status_text.lstrip("-").isdigit() else None
+        report_path = folder / WORKER_RUN / "report.json"
+        report = json.loads(report_path.read_text()) if report_path.exists() else None
+        manifest = folder / WORKER_RUN / "manifest.jsonl"
+        mine = read_manifest(manifest) if manifest.exists() else []
+        for record in mine:
+            records.append({**record, "file": f"worker-{i}/{WORKER_RUN}/{record['file']}", "worker": i})
+        timed = (report or {}).get("timed_phase") or {}
+        rows.append(
+            {
+                "worker": i,
+                "gathered": folder.exists(),
+                "exit_status": status,
+                "complete": bool(report and report.get("complete")) and status == 0,
+                "images": len(mine),
+                "warmup_seconds": (report or {}).get("warmup_seconds"),
+                "timed_wall_seconds": timed.get("wall_seconds"),
+                "images_per_second": timed.get("images_per_second"),
+                "compiles_after_warmup": (report or {}).get("compiles_after_warmup"),
+                "last_lines": _tail(folder / WORKER_LOG) if status != 0 else [],
+            }
+        )
+    return sorted(records, key=lambda r: r["index"]), rows
+
+
+def pod_report(*, run_id: str, pod: Pod, planned: int, records: list[dict], rows: list[dict]) -> dict:
+    walls = [r["timed_wall_seconds"] for r in rows if r["timed_wall_seconds"]]
+    slowest = max(walls) if walls else None
+    failed = [r["worker"] for r in rows if not r["complete"]]
+    return {
+        "tpugen_pod_report": 1,
+        "complete": not failed and len(records) == planned,
+        "failed_workers": failed,
+        "run_id": run_id,
+        "tpu": pod.tpu,
+        "zone": pod.zone,
+        "workers": len(rows),
+        "images": len(records),
+        "images_planned": planned,
+        "slowest_worker_wall_seconds": slowest,
+        # Pod throughput: every image over the slowest worker's timed phase.
+        "pod_images_per_second": len(records) / slowest if slowest else None,
+        "per_worker": rows,
+    }
+
+
+def render_pod_markdown(report: dict) -> str:
+    def fmt(value, digits=2):
+        return "n/a" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
+
+    lines = [
+        f"# tpugen pod run {report['run_id']}",
+        "",
+        f"- status: {'complete' if report['complete'] else 'INCOMPLETE (failed workers: ' + str(report['failed_workers']) + ')'}",
+        f"- TPU: {report['tpu']} in {report['zone']}, {report['workers']} workers",
+        f"- images: {report['images']} of {report['images_planned']}",
+        f"- pod images per second: {fmt(report['pod_images_per_second'])} "
+        f"(all images / the slowest worker's timed phase, {fmt(report['slowest_worker_wall_seconds'])} s)",
+        "",
+        "| worker | exit | images | warmup s | timed wall s | images/s | compiles after warmup |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["per_worker"]:
+        lines.append(
+            f"| {r['worker']} | {fmt(r['exit_status'])} | {r['images']} | {fmt(r['warmup_seconds'])} "
+            f"| {fmt(r['timed_wall_seconds'])} | {fmt(r['images_per_second'])} | {fmt(r['compiles_after_warmup'])} |"
+        )
+    for r in report["per_worker"]:
+        if r["last_lines"]:
+            lines += ["", f"Worker {r['worker']}, last lines:", "", *[f"    {line}" for line in r["last_lines"]]]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- doing it (thin)
+
+
+def _gcloud_path() -> str:
+    path = shutil.which("gcloud")
+    if not path:
+        raise InputError("gcloud not found: install the Google Cloud CLI (https://cloud.google.com/sdk) and log in")
+    return path
+
+
+def _call(command: list[str], display, capture: bool = True) -> subprocess.CompletedProcess:
+    display.phase("$ " + shlex.join(command))
+    return subprocess.run(command, capture_output=capture, text=True)
+
+
+def run_pod(
+    run,
+    pod: Pod,
+    *,
+    workers: int | None,
+    remote_dir: str,
+    gather: bool,
+    dry_run: bool,
+    tpugen: str,
+    display,
+    print_line=print,
+) -> dict | None:
+    """`tpugen pod-run`: ship the resolved config, run every worker's share, gather, merge, report."""
+    from tpugen.config import dump_config
+    from tpugen.outputs import atomic_write_text, write_json
+    from tpugen.plan import plan_run
+    from tpugen.resume import rewrite_manifest
+    from tpugen.runner import make_run_dir, run_id_for
+
+    if dry_run and workers is None:
+        raise InputError("--dry-run needs --workers N (without it the count comes from running gcloud describe)")
+    run_id = run_id_for(run)
+    local_run = Path(run.config.output.dir) / run_id
+    if not dry_run:
+        _gcloud_path()
+        if workers is None:
+            described = _call(pod.describe(), display)
+            if described.returncode:
+                raise RunError(f"gcloud describe failed: {(described.stderr.strip().splitlines() or [''])[-1]}")
+            workers = count_workers(described.stdout)
+
+    # The shipped config: prompts inside it or in the file shipped beside it, never on a command line.
+    config = run.config.model_copy(deep=True)
+    staging = local_run / ".pod-staging"
+    staged = [staging / "config.yaml"]
+    if config.prompts_file:
+        prompts = Path(config.prompts_file)
+        staged.append(staging / f"prompts{prompts.suffix}")
+        config.prompts_file = staged[-1].name
+    config.output.dir, config.output.run_id = ".", WORKER_RUN
+    config.cache.dir = None  # a local path means nothing on the workers
+    plan = plan_pod(
+        pod,
+        workers=workers,
+        remote_dir=remote_dir,
+        run_id=run_id,
+        local_run=local_run,
+        staged=staged,
+        tpugen=tpugen,
+        gather=gather,
+    )
+    if dry_run:
+        for line in plan.lines():
+            print_line(line)
+        return None
+
+    make_run_dir(run, run_id)
+    staging.mkdir()
+    atomic_write_text(staged[0], dump_config(config))
+    if len(staged) > 1:
+        shutil.copyfile(run.config.prompts_file, staged[1])
+    for command in plan.prepare:
+        done = _call(command, display)
+        if done.returncode:
+            raise RunError(f"{shlex.join(command[:6])} failed: {(done.stderr.strip().splitlines() or [''])[-1]}")
+    display.phase(f"running on {workers} workers")
+    ran = _call(plan.run, display)
+    for command in plan.gather:
+        _call(command, display)  # a worker that cannot be reached shows up below as not gathered
+    shutil.rmtree(staging, ignore_errors=True)
+
+    total = len(plan_run(run).items)
+    if not gather:
+        return {"run_id": run_id, "workers": workers, "gathered": False, "ssh_exit_status": ran.returncode}
+    records, rows = merge_workers(local_run, workers)
+    report = pod_report(run_id=run_id, pod=pod, planned=total, records=records, rows=rows)
+    report["ssh_exit_status"] = ran.returncode
+    rewrite_manifest(local_run, {r["index"]: r for r in records})
+    write_json(local_run / "report.json", report)
+    atomic_write_text(local_run / "report.md", render_pod_markdown(report))
+    report["run_dir"] = str(local_run)
+    failed = [r for r in rows if not r["complete"]]
+    if failed or ran.returncode:
+        lines = []
+        for r in failed:
+            why = "not gathered" if not r["gathered"] else f"exit status {r['exit_status']}"
+            tail = " | ".join(r["last_lines"][-3:])
+            lines.append(f"worker {r['worker']} failed ({why}){': ' + tail if tail else ''}")
+        if not failed:
+            lines.append(f"gcloud ssh exited with status {ran.returncode}")
+        raise RunError(*lines, f"{len(records)} images from the other workers and the pod report are in {local_run}")
+    return report
