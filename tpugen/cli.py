@@ -245,6 +245,31 @@ def resume(
 
 @app.command()
 @_boundary
+def models() -> None:
+    """List the built-in tiny models and the pipeline families tpugen knows, with their defaults."""
+    from tpugen.families import FAMILIES, KNOWN_MODELS, model_defaults
+    from tpugen.models import BUILTINS
+
+    typer.echo("models (built-in tiny ones build offline; their images are noise):")
+    for model_id, known in KNOWN_MODELS.items():
+        d = model_defaults(model_id, FAMILIES[known.family])
+        note = BUILTINS[model_id].description if model_id in BUILTINS else known.note
+        typer.echo(
+            f"  {model_id:45} {known.family:5} {d['height']}x{d['width']:<5} {d['steps']:>3} steps  "
+            f"guidance {d['guidance_scale']:<4}  {note}"
+        )
+    typer.echo("families (any diffusers pipeline of these classes; other classes run with SD's defaults):")
+    for f in FAMILIES.values():
+        scheduler = "keeps its flow-matching scheduler" if f.flow_matching else "any model.scheduler name"
+        cfg = "CFG above guidance 1" if f.cfg else "no CFG"
+        typer.echo(
+            f"  {f.name:5} {f.pipeline_class:26} {f.size}x{f.size:<5} {f.steps:>3} steps  guidance {f.guidance_scale:<4}  "
+            f"{cfg}; {scheduler}"
+        )
+
+
+@app.command()
+@_boundary
 def warmup(config: ConfigPath, overrides: Overrides = None, quiet: Quiet = False) -> None:
     """Compile every shape key the config will need, once each, and print what it cost."""
     from tpugen.config import load_config

@@ -15,7 +15,8 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tpugen.errors import InputError
-from tpugen.models import BUILTINS, ModelSource, classify_model_id, default_size
+from tpugen.families import family_of, model_defaults
+from tpugen.models import BUILTINS, ModelSource, classify_model_id
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
 
 
@@ -33,6 +34,8 @@ class ModelConfig(_Section):
     # Code from a model repository runs only when the config says so.
     allow_remote_code: bool = False
     custom_pipeline: str | None = None
+    # SDXL's invisible watermark (runs on the host, so off by default on TPU).
+    watermark: bool = False
 
     @field_validator("scheduler")
     @classmethod
@@ -110,8 +113,9 @@ class RunConfig(_Section):
     height: int | None = Field(default=None, gt=0)
     width: int | None = Field(default=None, gt=0)
     sizes: list[Size] | None = None
-    steps: int = Field(default=20, ge=1, le=1000)
-    guidance_scale: float = Field(default=7.5, ge=0)
+    # None: the model's (or its family's) own default, filled in when the config is resolved.
+    steps: int | None = Field(default=None, ge=1, le=1000)
+    guidance_scale: float | None = Field(default=None, ge=0)
     seed: int = Field(default=0, ge=0, lt=2**63)
     batch_size: int = Field(default=1, ge=1)
     images_per_prompt: int = Field(default=1, ge=1)
@@ -161,6 +165,7 @@ class ResolvedRun:
     prompts: list[PromptSpec]
     model_source: ModelSource
     config_hash: str
+    family: str = "sd"
 
     def to_yaml(self) -> str:
         return dump_config(self.config)
@@ -454,6 +459,15 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
         problems.append(f"model.id: {source}")
     elif source.kind == "local":
         config.model.id = source.ref
+    family = family_of(config.model.id, *(("hub", "") if isinstance(source, str) else (source.kind, source.ref)))
+    defaults = model_defaults(config.model.id, family)
+    config.steps = config.steps if config.steps is not None else defaults["steps"]
+    if config.guidance_scale is None:
+        config.guidance_scale = defaults["guidance_scale"]
+    if family.flow_matching and config.model.scheduler:
+        problems.append(
+            f"model.scheduler: {family.title} models keep their own flow-matching scheduler; leave it unset"
+        )
 
     pod = config.execution.pod
     if pod.worker_index is not None and pod.num_workers is not None and pod.worker_index >= pod.num_workers:
@@ -470,9 +484,8 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
     if config.sizes is not None and (config.height is not None or config.width is not None):
         problems.append("sizes: give either sizes or height/width, not both")
     elif config.sizes is None and (config.height is None or config.width is None):
-        height, width = default_size(config.model.id)
-        config.height = config.height or height
-        config.width = config.width or width
+        config.height = config.height or defaults["height"]
+        config.width = config.width or defaults["width"]
 
     prompts: list[PromptSpec] = []
     if config.prompts is not None and config.prompts_file is not None:
@@ -510,7 +523,7 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
 
     if problems:
         raise InputError(*problems)
-    return ResolvedRun(config, prompts, source, config_hash(config, prompts))
+    return ResolvedRun(config, prompts, source, config_hash(config, prompts), family.name)
 
 
 def _dir_problem(out_dir: Path) -> str | None:

@@ -12,8 +12,6 @@ from pathlib import Path
 class BuiltinModel:
     name: str
     description: str
-    height: int
-    width: int
     build_version: int  # bumped whenever the builder changes, so stale caches are rebuilt
 
 
@@ -21,13 +19,24 @@ BUILTINS = {
     "tiny-sd": BuiltinModel(
         "tiny-sd",
         "SD 1.x architecture with tiny random weights, built offline; its images are noise",
-        height=64,
-        width=64,
+        build_version=1,
+    ),
+    "tiny-sdxl": BuiltinModel(
+        "tiny-sdxl",
+        "SDXL architecture (two CLIP encoders, text-time embeddings) with tiny random weights; noise",
+        build_version=1,
+    ),
+    "tiny-sd3": BuiltinModel(
+        "tiny-sd3",
+        "SD 3 architecture (MMDiT, two CLIP encoders and T5) with tiny random weights; noise",
+        build_version=1,
+    ),
+    "tiny-flux": BuiltinModel(
+        "tiny-flux",
+        "Flux.1-schnell architecture (double and single stream blocks, CLIP and T5) with tiny random weights; noise",
         build_version=1,
     ),
 }
-
-DEFAULT_SIZE = 512  # SD 1.x's native size, used when a model has no known default
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -62,11 +71,3 @@ def classify_model_id(model_id: str, base_dir: Path | None = None) -> ModelSourc
         f"{model_id!r} is not a built-in ({', '.join(BUILTINS)}), an existing directory, "
         "or a hub id of the form org/name"
     )
-
-
-def default_size(model_id: str) -> tuple[int, int]:
-    """(height, width) to use when the config gives none."""
-    builtin = BUILTINS.get(model_id)
-    if builtin:
-        return builtin.height, builtin.width
-    return DEFAULT_SIZE, DEFAULT_SIZE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import logging
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 from tpugen.backends import Backend
 from tpugen.config import ResolvedRun
 from tpugen.errors import RunError
+from tpugen.families import FAMILIES
 from tpugen.plan import Batch
 from tpugen.schedulers import display_name, find_scheduler
 
@@ -33,33 +35,97 @@ def quiet_libraries() -> None:
 class LoadedPipeline:
     """A pipeline on its device, patched for XLA: a sync per step, CPU noise, one host read per batch.
 
-    Graphs per shape key, for SD 1.x/2.x: text encoding, one denoising step (replayed for every step,
-    the first included), and decoding with the conversion to pixels.
+    Graphs per shape key: text encoding (everything before the denoising loop), one denoising step
+    (replayed for every step, the first included), and decoding with the conversion to pixels.
     """
 
-    def __init__(self, pipe, backend: Backend, model_label: str, scheduler_name: str) -> None:
+    def __init__(self, pipe, backend: Backend, model_label: str, scheduler_name: str, family: str) -> None:
         self.pipe = pipe
         self.backend = backend
         self.model_label = model_label
         self.scheduler_name = scheduler_name
+        self.family = FAMILIES[family]
         self._census: list[tuple[str, int]] | None = None
-        # SD pipelines without a safety checker are decoded by tpugen, so decoding and the conversion to
-        # pixels are one graph; a safety checker runs on the host, so such pipelines keep their own path.
-        self.decodes_itself = type(pipe).__name__ == "StableDiffusionPipeline" and pipe.safety_checker is None
-        self._sync_after_prepare_latents()
+        self._loop_started = False
+        # tpugen decodes the latents itself, so decoding and the conversion to pixels are one graph. A
+        # safety checker or a watermark runs on the host, so pipelines with one keep their own path.
+        host_steps = getattr(pipe, "safety_checker", None) is not None or getattr(pipe, "watermark", None) is not None
+        self.decodes_itself = not host_steps
+        self._sync_at_loop_start()
+        self._timesteps_to_device()
+        self._step_index_from_zero()
 
-    def _sync_after_prepare_latents(self) -> None:
-        original = self.pipe.prepare_latents
+    # ---------------------------------------------------------------- the XLA patch layer
 
-        def prepare_then_sync(*args, **kwargs):
-            result = original(*args, **kwargs)
-            # Text encoding and the latent set-up become a graph of their own here. Without this cut they
-            # would join the first denoising step, making it a second, different UNet graph to compile.
-            self.backend.sync()
-            self._mark("text encoding")
+    def _sync_at_loop_start(self) -> None:
+        """Cut the graph where the denoising loop starts.
+
+        Everything before the loop (text encoding, time ids, guidance embeddings, latent set-up) becomes a
+        graph of its own. Without the cut it would join the first denoising step, making that step a
+        second, different denoiser graph to compile. diffusers' loops all begin by reading
+        `self.interrupt`, so a per-instance subclass whose property syncs on the first read is the hook.
+        """
+        loaded = self
+        base = type(self.pipe)
+        if not isinstance(getattr(base, "interrupt", None), property):
+            return  # a pipeline without the hook: text encoding then joins the first step's graph
+
+        def interrupt(pipe) -> bool:
+            if not loaded._loop_started:
+                loaded._loop_started = True
+                loaded.backend.sync()
+                loaded._mark("text encoding")
+            return base.interrupt.fget(pipe)
+
+        self.pipe.__class__ = type(base.__name__, (base,), {"interrupt": property(interrupt)})
+
+    def _timesteps_to_device(self) -> None:
+        """Keep timesteps on the host and hand them to the denoiser as data.
+
+        SD3 in diffusers 0.42 keeps timesteps on the CPU under XLA and passes them to the transformer as
+        they are, which fails ("Expected XLA tensor"); Flux keeps them on the device, so each step's value is
+        baked into its graph and every step compiles anew. Timesteps computed on the CPU and moved to the
+        device at the transformer's door fix both: one step graph, replayed.
+        """
+        denoiser = getattr(self.pipe, "transformer", None)
+        if denoiser is None:
+            return
+        device = self.backend.device
+
+        def to_device(module, args, kwargs):
+            for key in ("timestep", "guidance"):
+                value = kwargs.get(key)
+                if value is not None and value.device != device:
+                    kwargs[key] = value.to(device)
+            return args, kwargs
+
+        denoiser.register_forward_pre_hook(to_device, with_kwargs=True)
+        scheduler = self.pipe.scheduler
+        set_timesteps = scheduler.set_timesteps
+
+        @functools.wraps(set_timesteps)  # diffusers inspects its signature (sigmas, mu)
+        def set_timesteps_on_host(*args, **kwargs):
+            kwargs["device"] = "cpu"
+            return set_timesteps(*args, **kwargs)
+
+        scheduler.set_timesteps = set_timesteps_on_host
+
+    def _step_index_from_zero(self) -> None:
+        """Tell the scheduler its loop starts at step 0, so it never searches its timesteps for the current
+        one (`(timesteps == t).nonzero()`, a read back to the host inside the loop), as the PyTorch/XLA
+        guide's scheduler fix does by passing the step index."""
+        scheduler = self.pipe.scheduler
+        if not hasattr(scheduler, "set_begin_index"):
+            return
+        set_timesteps = scheduler.set_timesteps
+
+        @functools.wraps(set_timesteps)
+        def set_timesteps_from_zero(*args, **kwargs):
+            result = set_timesteps(*args, **kwargs)
+            scheduler.set_begin_index(0)
             return result
 
-        self.pipe.prepare_latents = prepare_then_sync
+        scheduler.set_timesteps = set_timesteps_from_zero
 
     def _mark(self, phase: str) -> None:
         if self._census is not None:
@@ -73,6 +139,8 @@ class LoadedPipeline:
             self._mark("first denoising step")
         return {}
 
+    # ---------------------------------------------------------------- noise, call, decode
+
     def _initial_noise(self, batch: Batch):
         """Noise drawn on the CPU from one generator per image (seeded by the image's seed).
 
@@ -82,12 +150,64 @@ class LoadedPipeline:
         import torch
 
         pipe = self.pipe
-        channels = pipe.unet.config.in_channels
         scale = pipe.vae_scale_factor
-        shape = (1, channels, batch.shape.height // scale, batch.shape.width // scale)
+        height, width = batch.shape.height, batch.shape.width
         generators = [torch.Generator("cpu").manual_seed(row.seed) for row in batch.rows]
-        noise = torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
-        return noise.to(self.backend.device, dtype=pipe.unet.dtype), generators
+        if self.family.name == "flux":
+            channels = pipe.transformer.config.in_channels // 4
+            h, w = 2 * (height // (scale * 2)), 2 * (width // (scale * 2))
+            noise = [torch.randn((1, channels, h, w), generator=g, dtype=torch.float32) for g in generators]
+            noise = [pipe._pack_latents(n, 1, channels, h, w) for n in noise]
+        else:
+            denoiser = getattr(pipe, "unet", None) or pipe.transformer
+            shape = (1, denoiser.config.in_channels, height // scale, width // scale)
+            noise = [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
+        dtype = (getattr(pipe, "unet", None) or pipe.transformer).dtype
+        return torch.cat(noise).to(self.backend.device, dtype=dtype), generators
+
+    def _call_arguments(self, batch: Batch, latents, generators) -> dict:
+        rows = batch.rows
+        arguments = {
+            "prompt": [row.prompt for row in rows],
+            "height": batch.shape.height,
+            "width": batch.shape.width,
+            "num_inference_steps": batch.steps,
+            "guidance_scale": batch.guidance_scale,
+            "latents": latents,
+            "generator": generators,
+            "output_type": "latent" if self.decodes_itself else "pt",
+            "callback_on_step_end": self._step_end,
+        }
+        if self.family.negative_prompt:
+            arguments["negative_prompt"] = [row.negative_prompt for row in rows]
+        if self.family.max_sequence_length:
+            arguments["max_sequence_length"] = self.max_sequence_length()
+        return arguments
+
+    def max_sequence_length(self) -> int:
+        """T5 tokens: the family's default, capped by what the tokenizer takes."""
+        tokenizer = getattr(self.pipe, "tokenizer_3", None) or getattr(self.pipe, "tokenizer_2", None)
+        limit = getattr(tokenizer, "model_max_length", None) or self.family.max_sequence_length
+        return min(self.family.max_sequence_length, limit)
+
+    def _decode(self, latents, batch: Batch):
+        """Latents to pixels in [0, 1], as each family's pipeline would, as one graph."""
+        import torch
+
+        vae = self.pipe.vae
+        config = vae.config
+        if self.family.name == "flux":
+            latents = self.pipe._unpack_latents(
+                latents, batch.shape.height, batch.shape.width, self.pipe.vae_scale_factor
+            )
+        if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
+            mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(config.latents_std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+            latents = latents * std / config.scaling_factor + mean
+        else:
+            latents = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
+        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return (image / 2 + 0.5).clamp(0, 1)
 
     def generate(self, batch: Batch, census: bool = False):
         """Run one batch; returns uint8 HxWx3 arrays for its real (unpadded) rows.
@@ -99,23 +219,12 @@ class LoadedPipeline:
 
         counting = census and self.backend.counters() is not None
         self._census = [("start", self.backend.counters().compiles)] if counting else None
+        self._loop_started = False
         latents, generators = self._initial_noise(batch)
-        rows = batch.rows
         with torch.no_grad():  # inference_mode tensors break torch_xla (version counters)
-            output = self.pipe(
-                prompt=[row.prompt for row in rows],
-                negative_prompt=[row.negative_prompt for row in rows],
-                height=batch.shape.height,
-                width=batch.shape.width,
-                num_inference_steps=batch.steps,
-                guidance_scale=batch.guidance_scale,
-                latents=latents,
-                generator=generators,
-                output_type="latent" if self.decodes_itself else "pt",
-                callback_on_step_end=self._step_end,
-            ).images
+            output = self.pipe(**self._call_arguments(batch, latents, generators)).images
             self._mark("later denoising steps")
-            images = self._decode(output) if self.decodes_itself else output
+            images = self._decode(output, batch) if self.decodes_itself else output
             # The one read back to the host for the whole batch. Padding rows are dropped on the host:
             # slicing on the device would be a new graph for every count of real rows.
             host = images.to("cpu").float()[: len(batch.items)]
@@ -124,11 +233,6 @@ class LoadedPipeline:
         graphs = self._graphs_per_phase()
         self._census = None
         return (list(pixels), graphs) if census else list(pixels)
-
-    def _decode(self, latents):
-        vae = self.pipe.vae
-        image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
-        return (image / 2 + 0.5).clamp(0, 1)
 
     def _graphs_per_phase(self) -> dict | None:
         if self._census is None:
@@ -174,6 +278,9 @@ def _read_from_disk(run: ResolvedRun) -> tuple:
     if model.variant:
         options["variant"] = model.variant
     options["trust_remote_code"] = model.allow_remote_code
+    if run.family == "sdxl":
+        # The invisible watermark runs on the host and is not saved in model_index.json: off unless asked.
+        options["add_watermarker"] = model.watermark
     if model.custom_pipeline:
         options["custom_pipeline"] = model.custom_pipeline
     try:
@@ -181,11 +288,7 @@ def _read_from_disk(run: ResolvedRun) -> tuple:
         with contextlib.redirect_stdout(io.StringIO()):
             pipe = DiffusionPipeline.from_pretrained(location, **options)
     except Exception as exc:  # any loader failure becomes one line naming the model
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        hint = ""
-        if source.kind == "hub":
-            hint = " (is the hub reachable? gated models need HF_TOKEN)"
-        raise RunError(f"model.id: cannot load {model.id!r}: {first}{hint}") from exc
+        raise RunError(f"model.id: cannot load {model.id!r}: {_load_failure(exc)}") from exc
 
     if model.scheduler:
         import diffusers
@@ -197,6 +300,25 @@ def _read_from_disk(run: ResolvedRun) -> tuple:
     else:
         scheduler_name = display_name(type(pipe.scheduler).__name__, dict(pipe.scheduler.config))
     return pipe, label, scheduler_name
+
+
+def _load_failure(exc: BaseException) -> str:
+    """Why a model did not load, in the words a user can act on: offline, gated, missing, or as raised."""
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    names = {type(e).__name__ for e in chain}
+    if "GatedRepoError" in names:
+        if not os.environ.get("HF_TOKEN"):
+            return "gated on the hub and HF_TOKEN is not set (accept the licence, then set HF_TOKEN)"
+        return "gated on the hub and HF_TOKEN's account has no access (accept the licence on the model page)"
+    if "RepositoryNotFoundError" in names:
+        return "no such model on the hub (or it is private: set HF_TOKEN)"
+    offline = {"OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectionError", "ConnectError"}
+    if names & offline or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return "offline: the hub cannot be reached and the model is not in the local cache (HF_HOME)"
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def load_pipeline(run: ResolvedRun, backend: Backend, *, ranks_in_process: int = 1) -> LoadedPipeline:
@@ -216,4 +338,4 @@ def load_pipeline(run: ResolvedRun, backend: Backend, *, ranks_in_process: int =
 
     pipe.set_progress_bar_config(disable=True)
     pipe.to(backend.device)
-    return LoadedPipeline(pipe, backend, label, scheduler_name)
+    return LoadedPipeline(pipe, backend, label, scheduler_name, run.family)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpugen.config import ResolvedRun
+from tpugen.families import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -20,11 +21,9 @@ class WorkItem:
     guidance_scale: float
     height: int
     width: int
-
-    @property
-    def cfg(self) -> bool:
-        # Classifier-free guidance doubles the UNet batch, so it is part of the compiled shape.
-        return self.guidance_scale > 1.0
+    # Classifier-free guidance (guidance above 1, in families that have it) doubles the denoiser's batch,
+    # so it is part of the compiled shape.
+    cfg: bool = True
 
 
 @dataclass(frozen=True, order=True)
@@ -84,6 +83,7 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
     own seed, else `seed + index`.
     """
     cfg = run.config
+    family = FAMILIES[run.family]
     items: list[WorkItem] = []
     for p, spec in enumerate(run.prompts):
         k = 0
@@ -102,6 +102,7 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
                         guidance_scale=spec.guidance_scale,
                         height=height,
                         width=width,
+                        cfg=family.cfg and spec.guidance_scale > 1.0,
                     )
                 )
                 k += 1

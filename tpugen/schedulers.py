@@ -21,7 +21,7 @@ _BY_NAME = [
     SchedulerChoice("Heun", "HeunDiscreteScheduler"),
     SchedulerChoice("LMS", "LMSDiscreteScheduler"),
     SchedulerChoice("DDIM", "DDIMScheduler"),
-    SchedulerChoice("PNDM", "PNDMScheduler"),
+    SchedulerChoice("PNDM", "PNDMScheduler", {"skip_prk_steps": True}),  # as SD 1.x ships it
     SchedulerChoice("UniPC", "UniPCMultistepScheduler"),
     SchedulerChoice("DEIS", "DEISMultistepScheduler"),
     SchedulerChoice("LCM", "LCMScheduler"),

@@ -111,7 +111,224 @@ def _build_tiny_sd(target: Path) -> None:
     shutil.rmtree(vocab_dir)
 
 
-_BUILDERS = {"tiny-sd": _build_tiny_sd}
+def _clip_tokenizer(scratch: Path):
+    """A CLIP tokenizer over the byte-level vocabulary, and the text-encoder config fields it implies."""
+    from transformers import CLIPTokenizer
+
+    scratch.mkdir(exist_ok=True)
+    vocab_size, bos_id, eos_id = _write_clip_vocab(scratch)
+    tokenizer = CLIPTokenizer(str(scratch / "vocab.json"), str(scratch / "merges.txt"), model_max_length=77)
+    ids = {"vocab_size": vocab_size, "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
+    return tokenizer, ids
+
+
+def _clip_text_config(ids: dict, projection_dim: int | None = None):
+    from transformers import CLIPTextConfig
+
+    extra = {"projection_dim": projection_dim} if projection_dim else {}
+    return CLIPTextConfig(
+        hidden_size=32,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=5,
+        max_position_embeddings=77,
+        **ids,
+        **extra,
+    )
+
+
+def _t5_tokenizer():
+    """A T5 tokenizer from a unigram model over single characters: enough to turn any prompt into ids."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import T5TokenizerFast
+
+    chars = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)] + [(c, -3.0) for c in chars]
+    tok = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tokenizer = T5TokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", extra_ids=0, model_max_length=512
+    )
+    return tokenizer, len(pieces)
+
+
+def _t5_encoder(vocab_size: int, d_model: int):
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            d_ff=37,
+            d_kv=8,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        )
+    )
+
+
+def _tiny_vae(latent_channels: int, **extra):
+    from diffusers import AutoencoderKL
+
+    # Four levels, as in the real models, so the VAE downsamples by 8.
+    return AutoencoderKL(
+        block_out_channels=(8, 16, 16, 16),
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=latent_channels,
+        layers_per_block=1,
+        norm_num_groups=8,
+        sample_size=64,
+        **extra,
+    )
+
+
+def _build_tiny_sdxl(target: Path) -> None:
+    import torch
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    scratch = target.parent / (target.name + ".vocab")
+    tokenizer, ids = _clip_tokenizer(scratch)
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        transformer_layers_per_block=(1, 2),
+        # 6 size/crop numbers embedded in 8 each, plus the second encoder's pooled projection (32)
+        projection_class_embeddings_input_dim=80,
+        cross_attention_dim=64,  # both encoders' hidden states side by side
+    )
+    torch.manual_seed(1)
+    vae = _tiny_vae(4)
+    torch.manual_seed(2)
+    text_encoder = CLIPTextModel(_clip_text_config(ids))
+    torch.manual_seed(3)
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_text_config(ids, projection_dim=32))
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1, timestep_spacing="leading"
+    )
+    pipe = StableDiffusionXLPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        add_watermarker=False,
+    )
+    pipe.save_pretrained(target)
+    shutil.rmtree(scratch)
+
+
+def _build_tiny_sd3(target: Path) -> None:
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
+
+    scratch = target.parent / (target.name + ".vocab")
+    tokenizer, ids = _clip_tokenizer(scratch)
+    t5_tokenizer, t5_vocab = _t5_tokenizer()
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=32,  # = T5's d_model, so CLIP's padded embeddings are not cropped
+        pooled_projection_dim=64,  # both CLIP encoders' pooled projections side by side
+        out_channels=4,
+    )
+    torch.manual_seed(1)
+    vae = _tiny_vae(4, shift_factor=0.0609, scaling_factor=1.5035, use_quant_conv=False, use_post_quant_conv=False)
+    torch.manual_seed(2)
+    text_encoder = CLIPTextModelWithProjection(_clip_text_config(ids, projection_dim=32))
+    torch.manual_seed(3)
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_text_config(ids, projection_dim=32))
+    torch.manual_seed(4)
+    text_encoder_3 = _t5_encoder(t5_vocab, 32)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=t5_tokenizer,
+    )
+    pipe.save_pretrained(target)
+    shutil.rmtree(scratch)
+
+
+def _build_tiny_flux(target: Path) -> None:
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    scratch = target.parent / (target.name + ".vocab")
+    tokenizer, ids = _clip_tokenizer(scratch)
+    t5_tokenizer, t5_vocab = _t5_tokenizer()
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,  # 4 latent channels packed 2x2
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=False,  # like FLUX.1-schnell
+        axes_dims_rope=[4, 4, 8],
+    )
+    torch.manual_seed(1)
+    vae = _tiny_vae(4, shift_factor=0.1159, scaling_factor=0.3611, use_quant_conv=False, use_post_quant_conv=False)
+    torch.manual_seed(2)
+    text_encoder = CLIPTextModel(_clip_text_config(ids))
+    torch.manual_seed(3)
+    text_encoder_2 = _t5_encoder(t5_vocab, 32)
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=t5_tokenizer,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(target)
+    shutil.rmtree(scratch)
+
+
+_BUILDERS = {
+    "tiny-sd": _build_tiny_sd,
+    "tiny-sdxl": _build_tiny_sdxl,
+    "tiny-sd3": _build_tiny_sd3,
+    "tiny-flux": _build_tiny_flux,
+}
 
 
 def builtin_path(name: str) -> Path:
