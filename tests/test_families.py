@@ -41,13 +41,11 @@ def test_family_on_xla_matches_eager_cpu_with_three_graphs_and_one_transfer_per_
     assert [b["steps"] for b in report["timed_phase"]["batches"]] == [3, 5]
     assert report["compiles_after_warmup"] == 0
     (warm,) = report["warmup"]
-    assert warm["compiles"] == 3
-    assert warm["graphs_per_phase"] == {
-        "text encoding": 1,
-        "first denoising step": 1,
-        "later denoising steps": 0,
-        "decoding": 1,
-    }
+    phases = warm["graphs_per_phase"]
+    assert (phases["text encoding"], phases["first denoising step"], phases["later denoising steps"]) == (1, 1, 0)
+    # Decoding is 1 graph, or 0 when an earlier test in this process compiled the same VAE graph (tiny-sdxl's
+    # VAE has tiny-sd's architecture; weights are data, so the graph is shared).
+    assert phases["decoding"] in (0, 1) and warm["compiles"] == sum(phases.values()) <= 3
     # Per batch: text encoding, one execution per step, decoding; one read back to the host.
     assert [(b["executions"], b["transfers_to_host"]) for b in report["timed_phase"]["batches"]] == [(5, 1), (7, 1)]
     names = sorted(p.name for p in xla.glob("[0-9]*.png"))
