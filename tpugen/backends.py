@@ -12,18 +12,24 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Counters:
-    """Exact XLA counters (process-wide); subtract two readings to get what happened in between."""
+    """Exact compile counters (process-wide); subtract two readings to get what happened in between.
+
+    XLA counts everything below; torch.compile (dynamo) counts only graphs, and the rest stay None.
+    """
 
     compiles: int
-    compile_seconds: float
-    executions: int
-    transfers_to_host: int
+    compile_seconds: float | None
+    executions: int | None
+    transfers_to_host: int | None
     persistent_cache_hits: int = 0
     persistent_cache_misses: int = 0
     persistent_cache_load_failures: int = 0
 
     def __sub__(self, other: Counters) -> Counters:
-        return Counters(**{k: v - getattr(other, k) for k, v in asdict(self).items()})
+        def minus(a, b):
+            return None if a is None or b is None else a - b
+
+        return Counters(**{k: minus(v, getattr(other, k)) for k, v in asdict(self).items()})
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -46,15 +52,26 @@ def tpu_present() -> bool:
 
 
 class Backend:
-    """Eager PyTorch on the host CPU: the reference every other backend is compared against."""
+    """Eager PyTorch on the host CPU: the reference every other backend is compared against.
+
+    With torch.compile (`compile.torch_compile`), its compiles are counted through dynamo's counters.
+    """
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, torch_compile: bool = False) -> None:
         import torch
 
         self.device = torch.device("cpu")
-        self.cache = {"enabled": False, "dir": None, "note": "eager backend: nothing is compiled"}
+        self.torch_compile = torch_compile
+        self.cache = {"enabled": False, "dir": None, "note": "eager backend: no XLA compile cache"}
+
+    def place(self, pipe, offload: bool = False) -> None:
+        """Put the pipeline on the device: all of it, or (offload) each component only while it runs."""
+        if offload:
+            pipe.enable_model_cpu_offload(device=self.device)
+        else:
+            pipe.to(self.device)
 
     def sync(self) -> None:
         """Cut the lazy graph here (a no-op for eager backends)."""
@@ -63,7 +80,16 @@ class Backend:
         """Block until the device has finished everything queued."""
 
     def counters(self) -> Counters | None:
-        return None
+        if not self.torch_compile:
+            return None
+        from torch._dynamo.utils import counters
+
+        return Counters(
+            compiles=int(counters["stats"]["unique_graphs"]),
+            compile_seconds=None,
+            executions=None,
+            transfers_to_host=None,
+        )
 
     def rank(self) -> int:
         """This replica's global index among all replicas of the run."""
@@ -234,10 +260,97 @@ def launch_ranks(fn, args: tuple, cores: int) -> None:
     torch_xla.launch(fn, args=args)
 
 
-def make_backend(name: str, cache_enabled: bool | str = "auto", cache_dir: str | None = None) -> Backend:
-    """The backend a config names. Importing torch_xla happens here, not at tpugen import time."""
+class CudaBackend(Backend):
+    """Eager PyTorch on an NVIDIA GPU, optionally with torch.compile, for users with GPUs."""
+
+    name = "cuda"
+
+    def __init__(self, torch_compile: bool = False) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            from tpugen.errors import InputError
+
+            raise InputError("execution.backend: cuda: no CUDA GPU is visible (torch.cuda.is_available() is False)")
+        super().__init__(torch_compile)
+        self.device = torch.device("cuda")
+        self._torch = torch
+
+    def wait(self) -> None:
+        self._torch.cuda.synchronize()
+
+    def describe(self) -> dict:
+        return {**super().describe(), "device_kind": self._torch.cuda.get_device_name(self.device)}
+
+
+TORCH_TPU_MODES = ("eager", "defer_and_fuse", "compile")
+DEFER_AND_FUSE_ENV = "TORCH_TPU_DEFER_AND_FUSE"
+
+
+def torch_tpu_environment(mode: str) -> dict[str, str]:
+    """Variables TorchTPU reads when torch is imported: they must be set before that import."""
+    return {DEFER_AND_FUSE_ENV: "1"} if mode == "defer_and_fuse" else {}
+
+
+class TorchTpuBackend(Backend):
+    """TorchTPU (`torch_tpu`): the device "tpu" in strict eager, deferred-and-fused eager, or compiled."""
+
+    name = "torch_tpu"
+
+    def __init__(self, mode: str = "eager") -> None:
+        import sys
+
+        for key, value in torch_tpu_environment(mode).items():
+            if os.environ.get(key) != value:
+                from tpugen.errors import RunError
+
+                loaded = "torch was already imported" if "torch" in sys.modules else "it is not set"
+                raise RunError(f"{key}={value} must be set before torch is imported ({loaded})")
+        try:
+            # With TORCH_DEVICE_BACKEND_AUTOLOAD=0, importing torch no longer registers "tpu": do it here.
+            import torch_tpu  # noqa: F401
+        except ImportError:
+            from tpugen.errors import InputError
+
+            raise InputError(
+                "execution.backend: torch_tpu is not installed; install tpugen[torchtpu] in a venv of its own "
+                "(TorchTPU needs torch >= 2.11, torch_xla needs 2.9)"
+            ) from None
+        import torch
+
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if accelerator is None or accelerator.type != "tpu":
+            from tpugen.errors import InputError
+
+            raise InputError("execution.backend: torch_tpu found no TPU on this machine")
+        super().__init__(torch_compile=mode == "compile")
+        self.mode = mode
+        self.device = "tpu"  # as the diffusers guide writes it: pipe.to("tpu")
+        self._torch = torch
+
+    def wait(self) -> None:
+        self._torch.accelerator.synchronize()
+
+    def describe(self) -> dict:
+        return {
+            **super().describe(),
+            "device": "tpu",
+            "device_kind": "TPU (TorchTPU)",
+            "torch_tpu_mode": self.mode,
+            "environment": torch_tpu_environment(self.mode),
+        }
+
+
+def make_backend(config) -> Backend:
+    """The backend a run config names. Importing torch_xla or torch_tpu happens here, never at tpugen import."""
+    execution, cache = config.execution, config.cache
+    name = execution.backend
     if name == "xla":
-        return XlaBackend(cache_enabled, cache_dir)
+        return XlaBackend(cache.enabled, cache.dir)
     if name == "cpu":
-        return Backend()
+        return Backend(torch_compile=config.compile.torch_compile)
+    if name == "cuda":
+        return CudaBackend(torch_compile=config.compile.torch_compile)
+    if name == "torch_tpu":
+        return TorchTpuBackend(execution.torch_tpu.mode)
     raise ValueError(f"unknown backend {name!r}")

@@ -212,10 +212,20 @@ def generate(
 
         _print_plan(plan_run(run))
         return
+    _set_backend_environment(run)
     from tpugen.runner import generate as run_generate
 
     report = run_generate(run, display=_RichDisplay(quiet), skip_warmup=skip_warmup, resume_dir=resume_dir)
     _finish(report, quiet)
+
+
+def _set_backend_environment(run) -> None:
+    """Variables a backend reads when torch is imported (TORCH_TPU_DEFER_AND_FUSE): set here, before
+    anything in this process imports torch, and recorded in the report."""
+    if run.config.execution.backend == "torch_tpu":
+        from tpugen.backends import torch_tpu_environment
+
+        os.environ.update(torch_tpu_environment(run.config.execution.torch_tpu.mode))
 
 
 def _finish(report: dict, quiet: bool) -> None:

@@ -51,13 +51,26 @@ class PodConfig(_Section):
     num_workers: int | None = Field(default=None, ge=1)
 
 
+class TorchTpuConfig(_Section):
+    # eager (strict, the default), defer_and_fuse (TORCH_TPU_DEFER_AND_FUSE=1), or compile (torch.compile "tpu").
+    mode: Literal["eager", "defer_and_fuse", "compile"] = "eager"
+
+
+class CompileConfig(_Section):
+    # torch.compile the denoiser on the cpu and cuda backends (xla compiles through torch_xla already).
+    torch_compile: bool = False
+
+
 class ExecutionConfig(_Section):
-    backend: Literal["xla", "cpu"] = "xla"
+    backend: Literal["xla", "cpu", "cuda", "torch_tpu"] = "xla"
     mode: Literal["single", "multi"] = "single"
     # multi: how many devices (0 = every local device; on XLA:CPU, CPU_NUM_DEVICES or 1).
     cores: int = Field(default=0, ge=0)
     strict_shapes: bool = False
     pod: PodConfig = PodConfig()
+    # model: each component moves to the device only while it runs (cuda, torch_tpu).
+    offload: Literal["none", "model"] = "none"
+    torch_tpu: TorchTpuConfig = TorchTpuConfig()
 
 
 class CacheConfig(_Section):
@@ -120,6 +133,7 @@ class RunConfig(_Section):
     batch_size: int = Field(default=1, ge=1)
     images_per_prompt: int = Field(default=1, ge=1)
     execution: ExecutionConfig = ExecutionConfig()
+    compile: CompileConfig = CompileConfig()
     cache: CacheConfig = CacheConfig()
     output: OutputConfig = OutputConfig()
 
@@ -473,8 +487,21 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
     if pod.worker_index is not None and pod.num_workers is not None and pod.worker_index >= pod.num_workers:
         problems.append(f"execution.pod.worker_index: {pod.worker_index} is not below num_workers ({pod.num_workers})")
 
-    if config.execution.mode == "multi" and config.execution.backend != "xla":
-        problems.append("execution.mode: multi runs one replica per XLA device; it needs execution.backend: xla")
+    execution = config.execution
+    if execution.mode == "multi" and execution.backend != "xla":
+        problems.append(
+            "execution.mode: multi is built for execution.backend: xla (torch_xla.launch); "
+            "multi-chip TorchTPU (torchrun) is not built yet"
+        )
+    if config.compile.torch_compile and execution.backend not in ("cpu", "cuda"):
+        problems.append(
+            "compile.torch_compile: is for the cpu and cuda backends; xla compiles through torch_xla, "
+            "and torch_tpu compiles with execution.torch_tpu.mode: compile"
+        )
+    if execution.offload == "model" and execution.backend not in ("cuda", "torch_tpu"):
+        problems.append(
+            "execution.offload: model needs execution.backend cuda or torch_tpu (offload on xla is not built yet)"
+        )
 
     if config.model.custom_pipeline and not config.model.allow_remote_code:
         problems.append(

@@ -54,9 +54,18 @@ KNOWN_MODELS = {
     "stabilityai/stable-diffusion-3.5-medium": KnownModel(
         "sd3", steps=40, guidance_scale=4.5, note="fits one v6e chip"
     ),
-    "stabilityai/stable-diffusion-3.5-large": KnownModel("sd3", steps=28, guidance_scale=3.5, note="~27 GB in bfloat16 with T5: more than one v6e chip once activations count"),
-    "black-forest-labs/FLUX.1-schnell": KnownModel("flux", note="not gated; ~34 GB in bfloat16 with T5: more than one v5e or v6e chip"),
-    "black-forest-labs/FLUX.1-dev": KnownModel("flux", steps=28, guidance_scale=3.5, note="gated (HF_TOKEN); ~34 GB in bfloat16 with T5: more than one chip"),
+    "stabilityai/stable-diffusion-3.5-large": KnownModel(
+        "sd3",
+        steps=28,
+        guidance_scale=3.5,
+        note="~27 GB in bfloat16 with T5: more than one v6e chip once activations count",
+    ),
+    "black-forest-labs/FLUX.1-schnell": KnownModel(
+        "flux", note="not gated; ~34 GB in bfloat16 with T5: more than one v5e or v6e chip"
+    ),
+    "black-forest-labs/FLUX.1-dev": KnownModel(
+        "flux", steps=28, guidance_scale=3.5, note="gated (HF_TOKEN); ~34 GB in bfloat16 with T5: more than one chip"
+    ),
 }
 
 

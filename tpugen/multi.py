@@ -85,7 +85,7 @@ def rank_main(index: int, run: ResolvedRun, run_dir: str, finished: frozenset[in
 
 def _rank_work(run: ResolvedRun, run_dir: Path, finished: frozenset[int], result: dict) -> dict:
     cfg = run.config
-    backend = make_backend("xla", cfg.cache.enabled, cfg.cache.dir)
+    backend = make_backend(cfg)
     rank, world, local = backend.rank(), backend.world_size(), backend.ranks_in_process()
     result.update(rank=rank, world_size=world, ranks_in_process=local)
     worker, workers = pod_position(cfg.execution.pod, os.environ, host_index)

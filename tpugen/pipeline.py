@@ -9,6 +9,7 @@ import io
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from tpugen.backends import Backend
@@ -17,6 +18,39 @@ from tpugen.errors import RunError
 from tpugen.families import FAMILIES
 from tpugen.plan import Batch
 from tpugen.schedulers import display_name, find_scheduler
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """One torch.compile call on the denoiser, as data: the same code serves cpu, cuda and TorchTPU."""
+
+    component: str  # "unet" or "transformer"
+    method: str  # "compile", or "compile_repeated_blocks" under CPU offload (its hooks cannot be traced)
+    backend: str  # torch.compile backend: "tpu" (TorchTPU) or "inductor"
+
+    def arguments(self) -> dict:
+        # Static shapes: a new size compiles once; a new step count does not compile (the diffusers guide).
+        return {"backend": self.backend, "fullgraph": True, "dynamic": False}
+
+
+def compile_spec(
+    backend: str, *, torch_compile: bool, tpu_mode: str, offload: bool, component: str
+) -> CompileSpec | None:
+    """What to compile for a run, or None for eager."""
+    if backend == "torch_tpu":
+        if tpu_mode != "compile":
+            return None
+        compiler = "tpu"
+    elif backend in ("cpu", "cuda") and torch_compile:
+        compiler = "inductor"
+    else:
+        return None
+    return CompileSpec(component, "compile_repeated_blocks" if offload else "compile", compiler)
+
+
+def apply_compile(pipe, spec: CompileSpec | None) -> None:
+    if spec is not None:
+        getattr(getattr(pipe, spec.component), spec.method)(**spec.arguments())
 
 
 def quiet_libraries() -> None:
@@ -95,7 +129,7 @@ class LoadedPipeline:
         def to_device(module, args, kwargs):
             for key in ("timestep", "guidance"):
                 value = kwargs.get(key)
-                if value is not None and value.device != device:
+                if value is not None and str(value.device) != str(device):
                     kwargs[key] = value.to(device)
             return args, kwargs
 
@@ -337,5 +371,16 @@ def load_pipeline(run: ResolvedRun, backend: Backend, *, ranks_in_process: int =
             pipe, label, scheduler_name = _read_from_disk(run)
 
     pipe.set_progress_bar_config(disable=True)
-    pipe.to(backend.device)
+    execution = run.config.execution
+    offload = execution.offload == "model"
+    backend.place(pipe, offload=offload)
+    component = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
+    spec = compile_spec(
+        backend.name,
+        torch_compile=run.config.compile.torch_compile,
+        tpu_mode=execution.torch_tpu.mode,
+        offload=offload,
+        component=component,
+    )
+    apply_compile(pipe, spec)
     return LoadedPipeline(pipe, backend, label, scheduler_name, run.family)

@@ -90,10 +90,12 @@ def render_markdown(report: dict) -> str:
     counters = report["xla_counters"]
     if counters:
         t = counters["timed_phase"]
-        lines.append(
-            f"- XLA counters of the timed phase ({counters['scope']}): {t['compiles']} compiles, "
-            f"{t['executions']} graph executions, {t['transfers_to_host']} device-to-host transfers"
-        )
+        counted = [f"{t['compiles']} compiles"]
+        if t["executions"] is not None:
+            counted.append(f"{t['executions']} graph executions")
+        if t["transfers_to_host"] is not None:
+            counted.append(f"{t['transfers_to_host']} device-to-host transfers")
+        lines.append(f"- compile counters of the timed phase ({counters['scope']}): {', '.join(counted)}")
     for event in report["recompiles"]:
         lines.append(f"- recompile: batch {event['batch']} ({event['shape_key']}) compiled {event['compiles']} graphs")
     if report.get("ranks"):

@@ -306,10 +306,14 @@ def build_report(
         "recompiles": phase.recompiles,
         "xla_counters": (
             {
-                "scope": "process-wide, read before and after each phase; one device in this process",
+                "scope": (
+                    "process-wide, read before and after each phase; one device in this process"
+                    if device.get("backend") == "xla"
+                    else "torch.compile graphs counted by dynamo; executions and transfers are not counted here"
+                ),
                 "warmup": {
-                    "compiles": sum(w["compiles"] for w in warmup_results),
-                    "compile_seconds": sum(w["compile_seconds"] for w in warmup_results),
+                    "compiles": _total(w["compiles"] for w in warmup_results),
+                    "compile_seconds": _total(w["compile_seconds"] for w in warmup_results),
                 },
                 "timed_phase": counters.as_dict(),
             }
@@ -318,6 +322,12 @@ def build_report(
         ),
         "files": {"manifest": "manifest.jsonl", "config": "config.yaml", "grid": "grid.png"},
     }
+
+
+def _total(values) -> float | None:
+    """The sum, or None when any part was not measured."""
+    values = list(values)
+    return None if any(v is None for v in values) else sum(values)
 
 
 def write_report(run_dir: Path, report: dict) -> None:
@@ -336,7 +346,7 @@ def write_grid(run_dir: Path, images: list[Path]) -> None:
 def load(run: ResolvedRun, display: RunDisplay):
     """The backend (with its compile cache started) and the pipeline on it; returns (loaded, seconds)."""
     cfg = run.config
-    backend = make_backend(cfg.execution.backend, cfg.cache.enabled, cfg.cache.dir)
+    backend = make_backend(cfg)
 
     from tpugen.pipeline import load_pipeline
 
