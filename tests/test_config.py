@@ -65,7 +65,7 @@ BAD_CONFIGS = [
         "bad backend",
         {"execution": {"backend": "gpu"}},
         [],
-        ["error: execution.backend: must be 'xla' or 'cpu', got 'gpu'"],
+        ["error: execution.backend: must be 'xla', 'cpu', 'cuda' or 'torch_tpu', got 'gpu'"],
     ),
     ("missing model", {"model": None}, [], ["error: model: required key is missing"]),
     (
