@@ -90,13 +90,35 @@ def validate(config: ConfigPath, overrides: Overrides = None) -> None:
 
 @app.command()
 @_boundary
-def plan(config: ConfigPath, overrides: Overrides = None) -> None:
-    """Print the shape keys, batches and padding a run would use, without loading a model."""
+def plan(
+    config: ConfigPath,
+    overrides: Overrides = None,
+    chip: Annotated[
+        str | None, typer.Option("--chip", help="v4, v5e, v5p or v6e: the chip the memory plan is for.")
+    ] = None,
+) -> None:
+    """Print the shape keys, batches and padding, and whether the model fits a chip, loading no weights."""
     from tpugen.config import load_config
+    from tpugen.memory import memory_plan_for
     from tpugen.plan import plan_run
 
-    run_plan = plan_run(load_config(config, overrides or []))
-    _print_plan(run_plan)
+    if chip is not None:
+        overrides = [*(overrides or []), f"execution.chip={chip}"]
+    run = load_config(config, overrides or [])
+    _print_plan(plan_run(run))
+    execution = run.config.execution
+    memory = memory_plan_for(run, execution.chip, execution.chip_memory_gb)
+    if memory is None:
+        out.print(f"memory: {run.config.model.id} is neither on disk nor known to tpugen; no memory plan")
+        return
+    table = Table(title=f"memory in {run.config.model.dtype} ({memory.source})")
+    for column in ("component", "parameters", "GB"):
+        table.add_column(column, justify="right")
+    for c in memory.components:
+        table.add_row(c.name, f"{c.parameters / 1e9:.3f} B", f"{c.bytes / 1e9:.2f}")
+    table.add_row("total", "", f"{memory.total_bytes / 1e9:.2f}")
+    out.print(table)
+    out.print(f"{memory.chip} ({memory.chip_gb:g} GB per chip): {memory.verdict} -- {memory.advice}")
 
 
 def _print_plan(run_plan) -> None:

@@ -70,6 +70,10 @@ class ExecutionConfig(_Section):
     pod: PodConfig = PodConfig()
     # model: each component moves to the device only while it runs (cuda, torch_tpu).
     offload: Literal["none", "model"] = "none"
+    # The TPU generation memory plans are made for (HBM per chip: v4 32 GB, v5e 16, v5p 95, v6e 32).
+    chip: Literal["v4", "v5e", "v5p", "v6e"] = "v5e"
+    # Overrides the chip's HBM in GB.
+    chip_memory_gb: float | None = Field(default=None, gt=0)
     torch_tpu: TorchTpuConfig = TorchTpuConfig()
 
 

@@ -34,6 +34,15 @@ def _fmt(value, digits: int = 3) -> str:
     return str(value)
 
 
+def _memory_line(memory: dict | None) -> str:
+    if not memory or "verdict" not in memory:
+        return "- memory plan: n/a"
+    return (
+        f"- memory: {memory['total_gb']:.2f} GB of weights ({memory['source']}); "
+        f"{memory['chip']} ({memory['chip_gb']:g} GB): {memory['verdict']} -- {memory['advice']}"
+    )
+
+
 def render_markdown(report: dict) -> str:
     """report.md: the same facts as report.json, laid out for a person."""
     timed = report["timed_phase"]
@@ -49,6 +58,7 @@ def render_markdown(report: dict) -> str:
         f"- config hash: {report['config_hash']}",
         f"- images: {report['images']} in {report['batches']} batches ({report['padding_rows']} padding rows)",
         f"- model load: {_fmt(report['model_load_seconds'], 2)} s",
+        _memory_line(report.get("memory")),
         "",
         "## Warmup (compile) per shape key",
         "",

@@ -289,6 +289,7 @@ def build_report(
         "batches": len(plan.batches),
         "padding_rows": plan.padding_rows,
         "shape_keys": [str(k) for k in plan.shape_keys],
+        "memory": _memory_section(run),
         "model_load_seconds": load_seconds,
         "warmup": warmup_results,
         "warmup_seconds": sum(w["seconds"] for w in warmup_results),
@@ -322,6 +323,18 @@ def build_report(
         ),
         "files": {"manifest": "manifest.jsonl", "config": "config.yaml", "grid": "grid.png"},
     }
+
+
+def _memory_section(run: ResolvedRun) -> dict | None:
+    """The memory plan for the run's chip kind; a planning problem never fails a run that already ran."""
+    from tpugen.memory import memory_plan_for
+
+    execution = run.config.execution
+    try:
+        plan = memory_plan_for(run, execution.chip, execution.chip_memory_gb)
+    except Exception as exc:  # informational only
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return plan.as_dict() if plan else None
 
 
 def _total(values) -> float | None:

@@ -1,0 +1,289 @@
+"""Memory planning: each component's size in the run's dtype, and whether the model fits a TPU chip.
+
+Sizes come from a model directory's safetensors headers (no weights are read), or, for known hub models
+that are not on disk, from each component built from its config on the meta device (no weights at all).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+# HBM per chip, GB (10^9 bytes), by TPU generation.
+CHIP_MEMORY_GB = {"v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Weights are not all a chip holds: activations, the compiled programs and XLA's buffers need room too.
+HEADROOM = 1.2
+
+_CLIP_L = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "vocab_size": 49408,
+    "max_position_embeddings": 77,
+    "projection_dim": 768,
+}
+_CLIP_G = {
+    "hidden_size": 1280,
+    "intermediate_size": 5120,
+    "num_attention_heads": 20,
+    "num_hidden_layers": 32,
+    "vocab_size": 49408,
+    "max_position_embeddings": 77,
+    "projection_dim": 1280,
+}
+_CLIP_H = {
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 23,
+    "vocab_size": 49408,
+    "max_position_embeddings": 77,
+    "projection_dim": 512,
+}
+_T5_XXL = {
+    "d_model": 4096,
+    "d_ff": 10240,
+    "d_kv": 64,
+    "num_heads": 64,
+    "num_layers": 24,
+    "vocab_size": 32128,
+    "feed_forward_proj": "gated-gelu",
+    "is_gated_act": True,
+}
+_VAE_4 = {
+    "block_out_channels": [128, 256, 512, 512],
+    "latent_channels": 4,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "layers_per_block": 2,
+}
+_VAE_16 = {**_VAE_4, "latent_channels": 16, "use_quant_conv": False, "use_post_quant_conv": False}
+_SD_UNET = {"cross_attention_dim": 768, "attention_head_dim": 8}
+_SD2_UNET = {"cross_attention_dim": 1024, "attention_head_dim": [5, 10, 20, 20], "use_linear_projection": True}
+_SDXL_UNET = {
+    "block_out_channels": [320, 640, 1280],
+    "transformer_layers_per_block": [1, 2, 10],
+    "attention_head_dim": [5, 10, 20],
+    "cross_attention_dim": 2048,
+    "addition_embed_type": "text_time",
+    "addition_time_embed_dim": 256,
+    "projection_class_embeddings_input_dim": 2816,
+    "use_linear_projection": True,
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    "sample_size": 128,
+}
+_SD35 = {
+    "in_channels": 16,
+    "out_channels": 16,
+    "patch_size": 2,
+    "sample_size": 128,
+    "attention_head_dim": 64,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 2048,
+    "qk_norm": "rms_norm",
+}
+_FLUX = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+}
+
+# Component configs of the models in configs/ (and their big siblings), for planning without a download.
+KNOWN_COMPONENTS: dict[str, dict[str, tuple[str, dict]]] = {
+    "stable-diffusion-v1-5/stable-diffusion-v1-5": {
+        "text_encoder": ("CLIPTextModel", _CLIP_L),
+        "unet": ("UNet2DConditionModel", _SD_UNET),
+        "vae": ("AutoencoderKL", _VAE_4),
+    },
+    "stabilityai/stable-diffusion-2-1": {
+        "text_encoder": ("CLIPTextModel", _CLIP_H),
+        "unet": ("UNet2DConditionModel", _SD2_UNET),
+        "vae": ("AutoencoderKL", _VAE_4),
+    },
+    "stabilityai/stable-diffusion-xl-base-1.0": {
+        "text_encoder": ("CLIPTextModel", _CLIP_L),
+        "text_encoder_2": ("CLIPTextModelWithProjection", _CLIP_G),
+        "unet": ("UNet2DConditionModel", _SDXL_UNET),
+        "vae": ("AutoencoderKL", _VAE_4),
+    },
+    "stabilityai/stable-diffusion-3.5-medium": {
+        "text_encoder": ("CLIPTextModelWithProjection", _CLIP_L),
+        "text_encoder_2": ("CLIPTextModelWithProjection", _CLIP_G),
+        "text_encoder_3": ("T5EncoderModel", _T5_XXL),
+        "transformer": (
+            "SD3Transformer2DModel",
+            {
+                **_SD35,
+                "num_layers": 24,
+                "num_attention_heads": 24,
+                "caption_projection_dim": 1536,
+                "pos_embed_max_size": 384,
+                "dual_attention_layers": list(range(13)),
+            },
+        ),
+        "vae": ("AutoencoderKL", _VAE_16),
+    },
+    "stabilityai/stable-diffusion-3.5-large": {
+        "text_encoder": ("CLIPTextModelWithProjection", _CLIP_L),
+        "text_encoder_2": ("CLIPTextModelWithProjection", _CLIP_G),
+        "text_encoder_3": ("T5EncoderModel", _T5_XXL),
+        "transformer": (
+            "SD3Transformer2DModel",
+            {
+                **_SD35,
+                "num_layers": 38,
+                "num_attention_heads": 38,
+                "caption_projection_dim": 2432,
+                "pos_embed_max_size": 192,
+            },
+        ),
+        "vae": ("AutoencoderKL", _VAE_16),
+    },
+    "black-forest-labs/FLUX.1-schnell": {
+        "text_encoder": ("CLIPTextModel", _CLIP_L),
+        "text_encoder_2": ("T5EncoderModel", _T5_XXL),
+        "transformer": ("FluxTransformer2DModel", {**_FLUX, "guidance_embeds": False}),
+        "vae": ("AutoencoderKL", _VAE_16),
+    },
+    "black-forest-labs/FLUX.1-dev": {
+        "text_encoder": ("CLIPTextModel", _CLIP_L),
+        "text_encoder_2": ("T5EncoderModel", _T5_XXL),
+        "transformer": ("FluxTransformer2DModel", {**_FLUX, "guidance_embeds": True}),
+        "vae": ("AutoencoderKL", _VAE_16),
+    },
+}
+
+
+@dataclass(frozen=True)
+class ComponentSize:
+    name: str
+    parameters: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    components: tuple[ComponentSize, ...]
+    source: str  # "safetensors headers" | "configs on the meta device"
+    chip: str
+    chip_gb: float
+    verdict: str  # "fits" | "offload" | "shard"
+    chips_needed: int
+    advice: str
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.bytes for c in self.components)
+
+    def as_dict(self) -> dict:
+        return {
+            "source": self.source,
+            "chip": self.chip,
+            "chip_gb": self.chip_gb,
+            "total_gb": self.total_bytes / 1e9,
+            "verdict": self.verdict,
+            "chips_needed": self.chips_needed,
+            "advice": self.advice,
+            "components": [{"name": c.name, "parameters": c.parameters, "gb": c.bytes / 1e9} for c in self.components],
+        }
+
+
+# ---------------------------------------------------------------- counting parameters
+
+
+def safetensors_parameters(path: Path) -> int:
+    """Parameters in one .safetensors file, from its header alone."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    return sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
+
+
+def directory_parameters(model_dir: Path, variant: str | None = None) -> dict[str, int]:
+    """Parameters of each component of a diffusers directory, counted from safetensors headers."""
+    index = json.loads((model_dir / "model_index.json").read_text())
+    counts = {}
+    for name, value in index.items():
+        folder = model_dir / name
+        if name.startswith("_") or not isinstance(value, list) or not folder.is_dir():
+            continue
+        files = sorted(folder.glob("*.safetensors"))
+        wanted = [f for f in files if variant and f".{variant}." in f.name]
+        plain = [f for f in files if len(f.name.split(".")) == 2 or "-of-" in f.name.split(".")[0]]
+        chosen = wanted or plain or files
+        if chosen:
+            counts[name] = sum(safetensors_parameters(f) for f in chosen)
+    return counts
+
+
+def meta_parameters(components: dict[str, tuple[str, dict]]) -> dict[str, int]:
+    """Parameters of each component built from its config on the meta device: no memory, no download."""
+    import diffusers
+    import torch
+    import transformers
+
+    counts = {}
+    for name, (class_name, config) in components.items():
+        with torch.device("meta"):
+            if hasattr(diffusers, class_name):
+                model = getattr(diffusers, class_name)(**config)
+            else:
+                model_class = getattr(transformers, class_name)
+                config_class = model_class.config_class
+                model = model_class(config_class(**config))
+        counts[name] = sum(p.numel() for p in model.parameters())
+    return counts
+
+
+# ---------------------------------------------------------------- the verdict (pure)
+
+
+def plan_memory(counts: dict[str, int], *, dtype: str, chip: str, chip_gb: float | None, source: str) -> MemoryPlan:
+    """Whether a model of these component sizes fits one chip, and what to do when it does not."""
+    width = DTYPE_BYTES[dtype]
+    components = tuple(ComponentSize(n, p, p * width) for n, p in sorted(counts.items(), key=lambda kv: -kv[1]))
+    capacity = (chip_gb or CHIP_MEMORY_GB[chip]) * 1e9
+    total = sum(c.bytes for c in components) * HEADROOM
+    largest = max((c.bytes for c in components), default=0) * HEADROOM
+    chips = max(1, math.ceil(total / capacity))
+    if total <= capacity:
+        verdict, advice = "fits", f"fits one {chip} chip"
+    elif largest <= capacity:
+        verdict = "offload"
+        advice = (
+            f"too big for one {chip} chip all at once; each component alone fits: offload (components on the chip "
+            f"only while they run), or shard over {chips} chips"
+        )
+    else:
+        biggest = components[0].name
+        verdict = "shard"
+        advice = f"{biggest} alone does not fit one {chip} chip: shard it over {chips} or more chips"
+    return MemoryPlan(components, source, chip, capacity / 1e9, verdict, chips, advice)
+
+
+def memory_plan_for(run, chip: str = "v5e", chip_gb: float | None = None) -> MemoryPlan | None:
+    """The memory plan of a resolved run, or None when neither its files nor its configs are known here."""
+    source = run.model_source
+    dtype = run.config.model.dtype
+    if source.kind == "builtin":
+        from tpugen.tiny import builtin_path
+
+        counts, how = directory_parameters(builtin_path(source.ref)), "safetensors headers"
+    elif source.kind == "local":
+        counts, how = directory_parameters(Path(source.ref), run.config.model.variant), "safetensors headers"
+    elif source.ref in KNOWN_COMPONENTS:
+        counts, how = meta_parameters(KNOWN_COMPONENTS[source.ref]), "configs on the meta device"
+    else:
+        return None
+    return plan_memory(counts, dtype=dtype, chip=chip, chip_gb=chip_gb, source=how)
