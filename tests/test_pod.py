@@ -214,3 +214,37 @@ def test_missing_gcloud_is_one_line(tmp_path, monkeypatch):
     assert result.stderr == (
         "error: gcloud not found: install the Google Cloud CLI (https://cloud.google.com/sdk) and log in\n"
     )
+
+
+@pytest.mark.xla
+def test_bucket_output_is_uploaded_by_the_workers_with_the_pod_report(tmp_path, fake_pod, monkeypatch):
+    gcs = tmp_path / "gcs"
+    monkeypatch.setenv("FAKE_GCS_ROOT", str(gcs))
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    config = tiny_config(tmp_path, prompts=PROMPTS[:3], output={"dir": "gs://my-bucket/runs", "run_id": "podrun"})
+    result = run_cli("pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "z", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == "report: gs://my-bucket/runs/podrun/report.md"
+    run = gcs / "my-bucket" / "runs" / "podrun"
+    assert sorted(p.relative_to(run).as_posix() for p in run.glob("worker-*/run/[0-9]*.png")) == [
+        f"worker-0/run/{NAMES[0]}",
+        f"worker-0/run/{NAMES[2]}",
+        f"worker-1/run/{NAMES[1]}",
+    ]
+    report = json.loads((run / "report.json").read_text())
+    assert report["complete"] is True and report["images"] == 3
+    assert [r["file"] for r in read_manifest(run / "manifest.jsonl")] == [
+        f"worker-0/run/{NAMES[0]}",
+        f"worker-1/run/{NAMES[1]}",
+        f"worker-0/run/{NAMES[2]}",
+    ]
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_generate_refuses_a_bucket(tmp_path):
+    config = tiny_config(tmp_path, output={"dir": "gs://my-bucket/runs"})
+    result = run_cli("generate", write_config(tmp_path / "c.yaml", config))
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "error: output.dir: gs:// destinations are written by tpugen pod-run's workers; give a local directory\n"
+    )

@@ -234,6 +234,12 @@ def generate(
 
         _print_plan(plan_run(run))
         return
+    if run.config.output.dir.startswith("gs://"):
+        from tpugen.errors import InputError
+
+        raise InputError(
+            "output.dir: gs:// destinations are written by tpugen pod-run's workers; give a local directory"
+        )
     _set_backend_environment(run)
     from tpugen.runner import generate as run_generate
 
@@ -374,7 +380,7 @@ def pod_run(
         return
     if "run_dir" in report:
         typer.echo(f"pod run: {report['images']} images from {report['workers']} workers")
-        typer.echo(f"report: {Path(report['run_dir']) / 'report.md'}")
+        typer.echo(f"report: {report['run_dir'].rstrip('/')}/report.md")
     else:
         typer.echo(f"ran on {report['workers']} workers; outputs left on them (--gather none)")
 

@@ -6,6 +6,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -537,12 +538,15 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
                 prompts.append(spec)
         config.prompts_file = str(file.resolve())
 
-    out_dir = Path(config.output.dir).expanduser()
-    out_dir = out_dir if out_dir.is_absolute() else Path.cwd() / out_dir
-    problem = _dir_problem(out_dir)
-    if problem:
-        problems.append(f"output.dir: {problem}")
-    config.output.dir = str(out_dir)
+    if not config.output.dir.startswith("gs://"):  # Cloud Storage: written by pod-run's workers
+        out_dir = Path(config.output.dir).expanduser()
+        out_dir = out_dir if out_dir.is_absolute() else Path.cwd() / out_dir
+        problem = _dir_problem(out_dir)
+        if problem:
+            problems.append(f"output.dir: {problem}")
+        config.output.dir = str(out_dir)
+    elif not re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,220}(/[^\s'\"]*)?$", config.output.dir):
+        problems.append(f"output.dir: {config.output.dir!r} is not a gs://bucket/prefix address")
 
     if config.cache.dir is not None:
         cache_dir = Path(config.cache.dir).expanduser()

@@ -247,6 +247,7 @@ def _merged_report(run, run_id, run_dir, plan, results, finished, wall, error) -
         phase=phase,
         images_reused=len(finished),
         error=error,
+        pod=pod_position(run.config.execution.pod, os.environ, lambda: 0),
     )
     shared = max((r.get("ranks_in_process", 1) for r in ok), default=1)
     report["mode"] = "multi"

@@ -6,6 +6,7 @@ import json
 import shlex
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,10 @@ class Pod:
     def scp_from(self, worker: int, remote: str, local: Path) -> list[str]:
         return self._gcloud("scp", "--recurse", f"{self.tpu}:{remote}", str(local), f"--worker={worker}")
 
+    def storage_cp(self, *paths: str, recursive: bool = False) -> list[str]:
+        command = ["gcloud", "storage", "cp", *(["-r"] if recursive else []), *paths]
+        return command + ([f"--project={self.project}"] if self.project else [])
+
 
 def count_workers(describe_output: str) -> int:
     """The worker count from `describe --format=json`: one network endpoint per worker."""
@@ -78,9 +83,10 @@ def count_workers(describe_output: str) -> int:
     return len(endpoints)
 
 
-def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen") -> str:
+def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen", upload: str | None = None) -> str:
     """What every worker runs: its share of the run, its output kept in worker.log, its exit status in
     worker.status (so a failed worker is named after gathering), and the log's last lines echoed.
+    With `upload` (gs://bucket/prefix/RUN_ID), the worker then copies its folder to upload/worker-INDEX/.
 
     The worker finds its index in TPU_WORKER_ID, CLOUD_TPU_TASK_ID or torch_xla; prompts stay in the
     shipped config, and every argument is shell-quoted.
@@ -97,9 +103,17 @@ def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen") ->
             q(f"output.run_id={WORKER_RUN}"),
         ]
     )
+    upload_step = ""
+    if upload:
+        # The index tpugen used is in its report; before a report exists, the TPU's own variables.
+        index = (
+            '$(python3 -c \'import json; print(json.load(open("run/report.json"))["pod"]["worker_index"])\' '
+            "2>/dev/null || echo ${TPU_WORKER_ID:-${CLOUD_TPU_TASK_ID:-0}})"
+        )
+        upload_step = f"gcloud storage cp -r ./* {q(upload)}/worker-{index}/ > upload.log 2>&1 || status=1; "
     return (
         f"cd {q(remote_run)} && {{ {generate} > {WORKER_LOG} 2>&1; status=$?; echo $status > {WORKER_STATUS}; "
-        f"tail -n 5 {WORKER_LOG}; exit $status; }}"
+        f"{upload_step}tail -n 5 {WORKER_LOG}; exit $status; }}"
     )
 
 
@@ -125,12 +139,20 @@ def plan_pod(
     staged: list[Path],
     tpugen: str = "tpugen",
     gather: bool = True,
+    bucket: str | None = None,
 ) -> PodPlan:
+    """With `bucket` (output.dir: gs://...), workers upload there and gathering downloads from there."""
     remote_run = f"{remote_dir.rstrip('/')}/{run_id}"
     prepare = [pod.ssh_all(f"mkdir -p {shlex.quote(remote_run)}")]
     prepare += [pod.scp_to_all(path, f"{remote_run}/{path.name}") for path in staged]
-    gathers = [pod.scp_from(i, remote_run, local_run / f"worker-{i}") for i in range(workers)] if gather else []
-    return PodPlan(prepare, pod.ssh_all(worker_command(remote_run, workers, tpugen)), gathers)
+    upload = f"{bucket.rstrip('/')}/{run_id}" if bucket else None
+    if not gather:
+        gathers = []
+    elif upload:
+        gathers = [pod.storage_cp(f"{upload}/worker-{i}", f"{local_run}/", recursive=True) for i in range(workers)]
+    else:
+        gathers = [pod.scp_from(i, remote_run, local_run / f"worker-{i}") for i in range(workers)]
+    return PodPlan(prepare, pod.ssh_all(worker_command(remote_run, workers, tpugen, upload)), gathers)
 
 
 # ---------------------------------------------------------------- merging (pure over files)
@@ -260,7 +282,9 @@ def run_pod(
     if dry_run and workers is None:
         raise InputError("--dry-run needs --workers N (without it the count comes from running gcloud describe)")
     run_id = run_id_for(run)
-    local_run = Path(run.config.output.dir) / run_id
+    bucket = run.config.output.dir if run.config.output.dir.startswith("gs://") else None
+    # With a bucket, the workers' folders are downloaded to a scratch folder to merge the pod report.
+    local_run = (Path(tempfile.mkdtemp(prefix="tpugen-pod-")) if bucket else Path(run.config.output.dir)) / run_id
     if not dry_run:
         _gcloud_path()
         if workers is None:
@@ -288,13 +312,17 @@ def run_pod(
         staged=staged,
         tpugen=tpugen,
         gather=gather,
+        bucket=bucket,
     )
     if dry_run:
         for line in plan.lines():
             print_line(line)
         return None
 
-    make_run_dir(run, run_id)
+    if bucket:
+        local_run.mkdir(parents=True)
+    else:
+        make_run_dir(run, run_id)
     staging.mkdir()
     atomic_write_text(staged[0], dump_config(config))
     if len(staged) > 1:
@@ -319,6 +347,13 @@ def run_pod(
     write_json(local_run / "report.json", report)
     atomic_write_text(local_run / "report.md", render_pod_markdown(report))
     report["run_dir"] = str(local_run)
+    if bucket:
+        destination = f"{bucket.rstrip('/')}/{run_id}"
+        files = [str(local_run / name) for name in ("report.json", "report.md", "manifest.jsonl")]
+        uploaded = _call(pod.storage_cp(*files, f"{destination}/"), display)
+        if uploaded.returncode:
+            raise RunError(f"uploading the pod report to {destination} failed; it is in {local_run}")
+        report["run_dir"] = destination
     failed = [r for r in rows if not r["complete"]]
     if failed or ran.returncode:
         lines = []

@@ -264,6 +264,7 @@ def build_report(
     phase: TimedPhase,
     images_reused: int = 0,
     error: str | None = None,
+    pod: tuple[int, int] = (0, 1),
 ) -> dict:
     """report.json's content. `error` marks a run that stopped early; what it finished is still listed."""
     rows = phase.batches
@@ -281,6 +282,7 @@ def build_report(
         "versions": versions(),
         "device": device,
         "config_hash": run.config_hash,
+        "pod": {"worker_index": pod[0], "num_workers": pod[1]},
         "model": {"id": run.config.model.id, "dtype": run.config.model.dtype, "scheduler": scheduler},
         "images": images + images_reused,
         "images_this_session": images,
@@ -450,6 +452,7 @@ def generate(
                 phase=phase,
                 images_reused=len(finished),
                 error=error,
+                pod=(worker, workers),
             )
 
         try:
