@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -106,3 +108,37 @@ def test_a_failing_rank_is_named_and_the_others_keep_their_images(tmp_path):
     report = json.loads((run_dir / "report.json").read_text())
     assert report["complete"] is False and report["error"].startswith("rank 2: RuntimeError")
     assert lines[-1] == f"error: resume with: tpugen resume {run_dir}"
+
+
+@pytest.mark.xla
+def test_sigterm_stops_every_rank_after_its_batch_and_resume_finishes(tmp_path):
+    reference = generate(tmp_path / "reference", prompts=PROMPTS, batch_size=1, steps=8)
+    config = tiny_config(tmp_path, prompts=PROMPTS, batch_size=1, steps=8, execution={"mode": "multi", "cores": 4})
+    path = write_config(tmp_path / "c.yaml", config)
+    run_dir = tmp_path / "outputs" / "run"
+    tpugen = str(Path(sys.executable).parent / "tpugen")
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    proc = subprocess.Popen([tpugen, "generate", str(path), "--quiet"], stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.perf_counter() + 300
+    while not any(run_dir.glob("manifest.rank*.jsonl")) or not any(
+        p.stat().st_size for p in run_dir.glob("manifest.rank*.jsonl")
+    ):
+        assert proc.poll() is None and time.perf_counter() < deadline, proc.stderr.read()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 143, stderr
+    assert stderr.splitlines()[-1] == f"error: resume with: tpugen resume {run_dir}"
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["complete"] is False and report["error"] == "interrupted by SIGTERM"
+    kept = [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")]
+    assert 1 <= len(kept) < 10 and not list(run_dir.glob("manifest.rank*"))
+
+    resumed = subprocess.run([tpugen, "resume", str(run_dir), "--quiet"], capture_output=True, text=True, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == list(range(10))
+    assert json.loads((run_dir / "report.json").read_text())["images_reused"] == len(kept)
+    for name in NAMES:
+        a = np.asarray(Image.open(run_dir / name), dtype=np.int16)
+        b = np.asarray(Image.open(reference / name), dtype=np.int16)
+        assert np.abs(a - b).max() <= 1, name

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import signal
 import threading
 import time
 import traceback
@@ -11,7 +13,7 @@ from pathlib import Path
 
 from tpugen.backends import Counters, host_index, launch_ranks, make_backend
 from tpugen.config import ResolvedRun, dump_config
-from tpugen.errors import RunError
+from tpugen.errors import Interrupted, RunError
 from tpugen.outputs import atomic_write_text, write_json
 from tpugen.plan import plan_run, plan_share
 from tpugen.pod import pod_position
@@ -69,6 +71,33 @@ _MEETING = _Meeting()
 # graphs in the process's compile cache instead of compiling the same graphs concurrently.
 _WARMUP_LOCK = threading.Lock()
 
+RANK_PROCESS_ENV = "TPUGEN_RANK_PROCESS"  # set by the parent, inherited by the processes launch starts
+
+
+class _StopRequest:
+    """SIGTERM/SIGINT in a rank process: its ranks stop after the batch in flight; a second one, at once.
+
+    Installed when torch_xla.launch's process imports this module (in its main thread, where handlers
+    live), because on XLA:CPU the ranks themselves are threads that cannot install handlers.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+
+_STOP = _StopRequest()
+if os.environ.get(RANK_PROCESS_ENV) and threading.current_thread() is threading.main_thread():
+    _STOP.install()
+
 
 def rank_main(index: int, run: ResolvedRun, run_dir: str, finished: frozenset[int]) -> None:
     """What torch_xla.launch runs on every device. Never raises: it leaves rank-N.json for the parent."""
@@ -117,6 +146,8 @@ def _rank_work(run: ResolvedRun, run_dir: Path, finished: frozenset[int], result
     fail_rank = os.environ.get(FAIL_RANK_ENV)
 
     def checkpoint() -> None:
+        if _STOP.signum is not None:
+            raise Interrupted(_STOP.signum, f"interrupted by {signal.Signals(_STOP.signum).name}")
         if fail_rank is not None and int(fail_rank) == rank and phase.batches:
             raise RuntimeError(f"failed on purpose after its first batch ({FAIL_RANK_ENV}={rank})")
 
@@ -176,15 +207,32 @@ def run_multi(run: ResolvedRun, *, display: RunDisplay | None = None, resume_dir
 
     display.phase(f"launching one replica per device (execution.cores: {run.config.execution.cores or 'all'})")
     started = time.perf_counter()
+    os.environ[RANK_PROCESS_ENV] = "1"
     launcher = threading.Thread(target=launch, name="tpugen-launch")
-    launcher.start()
-    total = len(full_plan.items)
-    display.batches_started(total)
-    while launcher.is_alive():
-        launcher.join(0.5)
-        done = len({r["index"] for r in all_records(run_dir)})
-        display.progress(done, total)
-    display.finished()
+    stopped: list[int] = []
+
+    def forward(signum: int, frame) -> None:
+        # The rank processes stop after their batch in flight; a terminal's Ctrl-C reaches them itself.
+        stopped.append(signum)
+        display.phase(f"{signal.Signals(signum).name}: the ranks stop after their batch in flight")
+        if signum == signal.SIGTERM:
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGTERM)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
+    try:
+        launcher.start()
+        total = len(full_plan.items)
+        display.batches_started(total)
+        while launcher.is_alive():
+            launcher.join(0.5)
+            done = len({r["index"] for r in all_records(run_dir)})
+            display.progress(done, total)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        display.finished()
     wall = time.perf_counter() - started
 
     results = [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank-*.json"))]
@@ -206,8 +254,17 @@ def run_multi(run: ResolvedRun, *, display: RunDisplay | None = None, resume_dir
     if not results and not failures:
         failures.append("no rank reported back")
 
+    if stopped:
+        failures = [f"interrupted by {signal.Signals(stopped[0]).name}"]
     report = _merged_report(run, run_id, run_dir, full_plan, results, finished, wall, "; ".join(failures) or None)
     write_report(run_dir, report)
+    if stopped:
+        raise Interrupted(
+            stopped[0],
+            f"interrupted by {signal.Signals(stopped[0]).name}, the ranks stopped after their batch in flight; "
+            f"{report['images']} images, the manifest and report.json are in {run_dir}",
+            f"resume with: tpugen resume {run_dir}",
+        )
     if failures:
         raise RunError(
             *failures,
