@@ -81,7 +81,8 @@ def test_dry_run_prints_every_command_and_runs_none(tmp_path, fake_pod):
     tail = ["--zone=us-east5-b", "--project=proj"]
     worker = (
         "cd tpugen-pod/podrun && { tpugen generate config.yaml --quiet execution.pod.num_workers=2 output.dir=. "
-        "output.run_id=run > worker.log 2>&1; status=$?; echo $status > worker.status; tail -n 5 worker.log; "
+        "output.run_id=run $([ -f run/config.yaml ] && echo --resume run) > worker.log 2>&1; status=$?; "
+        "echo $status > worker.status; tail -n 5 worker.log; "
         "exit $status; }"
     )
     expected = [
@@ -248,3 +249,22 @@ def test_generate_refuses_a_bucket(tmp_path):
     assert result.stderr == (
         "error: output.dir: gs:// destinations are written by tpugen pod-run's workers; give a local directory\n"
     )
+
+
+@pytest.mark.xla
+def test_resume_a_pod_run_after_a_failed_worker(tmp_path, fake_pod, monkeypatch):
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    monkeypatch.setenv("FAKE_POD_BREAK_WORKER", "1")
+    config = tiny_config(tmp_path, prompts=PROMPTS[:4], output={"dir": str(tmp_path / "out"), "run_id": "podrun"})
+    path = write_config(tmp_path / "c.yaml", config)
+    assert run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--quiet").exit_code == 1
+
+    monkeypatch.delenv("FAKE_POD_BREAK_WORKER")  # the broken worker is repaired
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--quiet", "--resume", "podrun")
+    assert result.exit_code == 0, result.output
+    run_dir = tmp_path / "out" / "podrun"
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["complete"] is True and report["images"] == 4
+    assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == [0, 1, 2, 3]
+    worker0 = json.loads((run_dir / "worker-0" / "run" / "report.json").read_text())
+    assert worker0["images_reused"] == 2 and worker0["images_this_session"] == 0

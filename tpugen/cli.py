@@ -356,6 +356,10 @@ def pod_run(
         str, typer.Option("--remote-tpugen", help="The tpugen command on the workers (e.g. ~/venv/bin/tpugen).")
     ] = "tpugen",
     quiet: Quiet = False,
+    resume_id: Annotated[
+        str | None,
+        typer.Option("--resume", help="Continue this pod run (its RUN_ID): each worker keeps what it finished."),
+    ] = None,
 ) -> None:
     """Run the config on every worker of a TPU pod with gcloud, then gather the images and one pod report."""
     from tpugen.config import load_config
@@ -375,6 +379,7 @@ def pod_run(
         tpugen=remote_tpugen,
         display=_RichDisplay(quiet),
         print_line=typer.echo,
+        resume_id=resume_id,
     )
     if report is None:
         return

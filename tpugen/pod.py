@@ -101,6 +101,8 @@ def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen", up
             q(f"execution.pod.num_workers={num_workers}"),
             q("output.dir=."),
             q(f"output.run_id={WORKER_RUN}"),
+            # A worker that already has its run folder (pod-run --resume) continues it.
+            f"$([ -f {WORKER_RUN}/config.yaml ] && echo --resume {WORKER_RUN})",
         ]
     )
     upload_step = ""
@@ -271,8 +273,11 @@ def run_pod(
     tpugen: str,
     display,
     print_line=print,
+    resume_id: str | None = None,
 ) -> dict | None:
-    """`tpugen pod-run`: ship the resolved config, run every worker's share, gather, merge, report."""
+    """`tpugen pod-run`: ship the resolved config, run every worker's share, gather, merge, report.
+
+    With `resume_id`, the workers continue that run's folders, each keeping the images it finished."""
     from tpugen.config import dump_config
     from tpugen.outputs import atomic_write_text, write_json
     from tpugen.plan import plan_run
@@ -281,7 +286,7 @@ def run_pod(
 
     if dry_run and workers is None:
         raise InputError("--dry-run needs --workers N (without it the count comes from running gcloud describe)")
-    run_id = run_id_for(run)
+    run_id = resume_id or run_id_for(run)
     bucket = run.config.output.dir if run.config.output.dir.startswith("gs://") else None
     # With a bucket, the workers' folders are downloaded to a scratch folder to merge the pod report.
     local_run = (Path(tempfile.mkdtemp(prefix="tpugen-pod-")) if bucket else Path(run.config.output.dir)) / run_id
@@ -319,11 +324,11 @@ def run_pod(
             print_line(line)
         return None
 
-    if bucket:
-        local_run.mkdir(parents=True)
+    if bucket or resume_id:
+        local_run.mkdir(parents=True, exist_ok=True)
     else:
         make_run_dir(run, run_id)
-    staging.mkdir()
+    staging.mkdir(exist_ok=True)
     atomic_write_text(staged[0], dump_config(config))
     if len(staged) > 1:
         shutil.copyfile(run.config.prompts_file, staged[1])
@@ -333,7 +338,8 @@ def run_pod(
             raise RunError(f"{shlex.join(command[:6])} failed: {(done.stderr.strip().splitlines() or [''])[-1]}")
     display.phase(f"running on {workers} workers")
     ran = _call(plan.run, display)
-    for command in plan.gather:
+    for i, command in enumerate(plan.gather):
+        shutil.rmtree(local_run / f"worker-{i}", ignore_errors=True)  # a copy: the worker holds the original
         _call(command, display)  # a worker that cannot be reached shows up below as not gathered
     shutil.rmtree(staging, ignore_errors=True)
 
