@@ -539,26 +539,26 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
         config.prompts_file = str(file.resolve())
 
     if not config.output.dir.startswith("gs://"):  # Cloud Storage: written by pod-run's workers
-        out_dir = Path(config.output.dir).expanduser()
-        out_dir = out_dir if out_dir.is_absolute() else Path.cwd() / out_dir
-        problem = _dir_problem(out_dir)
-        if problem:
-            problems.append(f"output.dir: {problem}")
-        config.output.dir = str(out_dir)
+        config.output.dir = _local_dir("output.dir", config.output.dir, problems)
     elif not re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,220}(/[^\s'\"]*)?$", config.output.dir):
         problems.append(f"output.dir: {config.output.dir!r} is not a gs://bucket/prefix address")
 
     if config.cache.dir is not None:
-        cache_dir = Path(config.cache.dir).expanduser()
-        cache_dir = cache_dir if cache_dir.is_absolute() else Path.cwd() / cache_dir
-        problem = _dir_problem(cache_dir)
-        if problem:
-            problems.append(f"cache.dir: {problem}")
-        config.cache.dir = str(cache_dir)
+        config.cache.dir = _local_dir("cache.dir", config.cache.dir, problems)
 
     if problems:
         raise InputError(*problems)
     return ResolvedRun(config, prompts, source, config_hash(config, prompts), family.name)
+
+
+def _local_dir(key: str, value: str, problems: list[str]) -> str:
+    """A directory made absolute (relative to the working directory), its problem noted if it has one."""
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else Path.cwd() / path
+    problem = _dir_problem(path)
+    if problem:
+        problems.append(f"{key}: {problem}")
+    return str(path)
 
 
 def _dir_problem(out_dir: Path) -> str | None:

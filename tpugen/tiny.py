@@ -40,75 +40,9 @@ def _write_clip_vocab(directory: Path) -> tuple[int, int, int]:
     return len(vocab), vocab["<|startoftext|>"], vocab["<|endoftext|>"]
 
 
-def _build_tiny_sd(target: Path) -> None:
-    import torch
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-    vocab_dir = target.parent / (target.name + ".vocab")
-    vocab_dir.mkdir()
-    vocab_size, bos_id, eos_id = _write_clip_vocab(vocab_dir)
-    tokenizer = CLIPTokenizer(str(vocab_dir / "vocab.json"), str(vocab_dir / "merges.txt"), model_max_length=77)
-
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        block_out_channels=(32, 64),
-        layers_per_block=2,
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=32,
-        attention_head_dim=8,
-    )
-    torch.manual_seed(1)
-    # Four levels, as in SD, so the VAE downsamples by 8 like the real models do.
-    vae = AutoencoderKL(
-        block_out_channels=(8, 16, 16, 16),
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=64,
-    )
-    torch.manual_seed(2)
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            intermediate_size=37,
-            num_attention_heads=4,
-            num_hidden_layers=5,
-            max_position_embeddings=77,
-            bos_token_id=bos_id,
-            eos_token_id=eos_id,
-            pad_token_id=eos_id,
-        )
-    )
-    scheduler = DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    )
-    pipe = StableDiffusionPipeline(
-        unet=unet,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+def _save(pipe, target: Path, scratch: Path) -> None:
     pipe.save_pretrained(target)
-    shutil.rmtree(vocab_dir)
+    shutil.rmtree(scratch)
 
 
 def _clip_tokenizer(scratch: Path):
@@ -191,6 +125,50 @@ def _tiny_vae(latent_channels: int, **extra):
     )
 
 
+def _build_tiny_sd(target: Path) -> None:
+    import torch
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    scratch = target.parent / (target.name + ".vocab")
+    tokenizer, ids = _clip_tokenizer(scratch)
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+    )
+    torch.manual_seed(1)
+    vae = _tiny_vae(4)
+    torch.manual_seed(2)
+    text_encoder = CLIPTextModel(_clip_text_config(ids))
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    pipe = StableDiffusionPipeline(
+        unet=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    _save(pipe, target, scratch)
+
+
 def _build_tiny_sdxl(target: Path) -> None:
     import torch
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
@@ -235,8 +213,7 @@ def _build_tiny_sdxl(target: Path) -> None:
         scheduler=scheduler,
         add_watermarker=False,
     )
-    pipe.save_pretrained(target)
-    shutil.rmtree(scratch)
+    _save(pipe, target, scratch)
 
 
 def _build_tiny_sd3(target: Path) -> None:
@@ -279,8 +256,7 @@ def _build_tiny_sd3(target: Path) -> None:
         text_encoder_3=text_encoder_3,
         tokenizer_3=t5_tokenizer,
     )
-    pipe.save_pretrained(target)
-    shutil.rmtree(scratch)
+    _save(pipe, target, scratch)
 
 
 def _build_tiny_flux(target: Path) -> None:
@@ -319,8 +295,7 @@ def _build_tiny_flux(target: Path) -> None:
         tokenizer_2=t5_tokenizer,
         transformer=transformer,
     )
-    pipe.save_pretrained(target)
-    shutil.rmtree(scratch)
+    _save(pipe, target, scratch)
 
 
 _BUILDERS = {
