@@ -9,6 +9,10 @@ Each side runs in a fresh process, so neither sees the other's in-memory compile
 and writes bench/results.json and bench/results.png.
 
     .venv/bin/python scripts/bench.py [--repeat N]
+
+With --compile instead: the compile seconds of one Flux transformer forward (tiny width) at 14 blocks
+(2 double + 12 single) and at Flux.1's real depth of 57 (19 + 38), unrolled vs compile.scan_blocks, each in
+a fresh process; writes bench/compile.json.
 """
 
 from __future__ import annotations
@@ -129,6 +133,94 @@ def run_tpugen(workdir: Path, run_id: str) -> dict:
     }
 
 
+def compile_worker(double: int, single: int, scanned: bool) -> None:
+    """Compile one forward of a tiny-width Flux transformer; prints compile and wall seconds as JSON."""
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    import torch
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    from diffusers import FluxTransformer2DModel
+
+    from tpugen.backends import scan_repeated_blocks
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=double,
+        num_single_layers=single,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=False,
+        axes_dims_rope=[4, 4, 8],
+    ).eval()
+    if scanned:
+        scan_repeated_blocks(model)
+    device = torch_xla.device()
+    model.to(device)
+    g = torch.Generator().manual_seed(1)
+    inputs = {
+        "hidden_states": torch.randn(2, 64, 16, generator=g).to(device),
+        "encoder_hidden_states": torch.randn(2, 16, 32, generator=g).to(device),
+        "pooled_projections": torch.randn(2, 32, generator=g).to(device),
+        "timestep": torch.tensor([0.5, 0.5]).to(device),
+        "img_ids": torch.zeros(64, 3).to(device),
+        "txt_ids": torch.zeros(16, 3).to(device),
+    }
+    met.clear_all()
+    with torch.no_grad():
+        start = time.perf_counter()
+        model(**inputs, return_dict=False)[0].cpu()
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        model(**inputs, return_dict=False)[0].cpu()
+        second = time.perf_counter() - start
+    compiled = met.metric_data("CompileTime")
+    print(
+        json.dumps(
+            {
+                "compile_seconds": compiled[1] / 1e9,
+                "graphs": int(compiled[0]),
+                "first_call_seconds": first,
+                "second_call_seconds": second,
+            }
+        )
+    )
+
+
+def run_compile_bench() -> None:
+    rows = []
+    for double, single in ((2, 12), (19, 38)):
+        row = {"blocks": double + single, "double": double, "single": single}
+        for scanned in (False, True):
+            proc = subprocess.run(
+                [sys.executable, __file__, "--compile-worker", str(double), str(single), str(int(scanned))],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PJRT_DEVICE": "CPU"},
+            )
+            if proc.returncode:
+                sys.exit(f"compile worker failed:\n{proc.stderr}")
+            row["scan" if scanned else "loop"] = json.loads(proc.stdout.strip().splitlines()[-1])
+        row["compile_ratio"] = row["loop"]["compile_seconds"] / row["scan"]["compile_seconds"]
+        rows.append(row)
+    print("one Flux transformer forward, tiny width, XLA:CPU, each in a fresh process")
+    print(
+        f"{'blocks':>8}{'loop compile s':>16}{'scan compile s':>16}{'loop/scan':>11}{'loop 2nd call s':>17}{'scan 2nd call s':>17}"
+    )
+    for r in rows:
+        print(
+            f"{r['blocks']:>8}{r['loop']['compile_seconds']:>16.2f}{r['scan']['compile_seconds']:>16.2f}"
+            f"{r['compile_ratio']:>11.2f}{r['loop']['second_call_seconds']:>17.3f}{r['scan']['second_call_seconds']:>17.3f}"
+        )
+    out = ROOT / "bench"
+    out.mkdir(exist_ok=True)
+    (out / "compile.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"wrote {out / 'compile.json'}")
+
+
 def bar_chart(results: dict, path: Path) -> None:
     """Three panels (compiles, wall seconds, steady seconds per image), naive vs tpugen."""
     from PIL import Image, ImageDraw
@@ -160,10 +252,18 @@ def bar_chart(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side (medians are reported)")
+    parser.add_argument("--compile", action="store_true", help="scan_blocks vs unrolled compile seconds instead")
     parser.add_argument("--naive-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-worker", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.naive_worker:
         naive_worker()
+        return
+    if args.compile_worker:
+        compile_worker(args.compile_worker[0], args.compile_worker[1], bool(args.compile_worker[2]))
+        return
+    if args.compile:
+        run_compile_bench()
         return
 
     runs: dict[str, list[dict]] = {"naive": [], "tpugen": []}

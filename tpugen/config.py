@@ -60,6 +60,8 @@ class TorchTpuConfig(_Section):
 class CompileConfig(_Section):
     # torch.compile the denoiser on the cpu and cuda backends (xla compiles through torch_xla already).
     torch_compile: bool = False
+    # xla: run Flux's repeated blocks through torch_xla's scan, so one block per type is compiled.
+    scan_blocks: bool = False
 
 
 class ExecutionConfig(_Section):
@@ -502,6 +504,10 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
         problems.append(
             "compile.torch_compile: is for the cpu and cuda backends; xla compiles through torch_xla, "
             "and torch_tpu compiles with execution.torch_tpu.mode: compile"
+        )
+    if config.compile.scan_blocks and (execution.backend != "xla" or family.name != "flux"):
+        problems.append(
+            "compile.scan_blocks: is built for Flux models on execution.backend: xla (SD3's blocks are not yet)"
         )
     if execution.offload == "model" and execution.backend not in ("cuda", "torch_tpu"):
         problems.append(

@@ -48,6 +48,7 @@ KNOWN_MODELS = {
     "tiny-sdxl": KnownModel("sdxl", size=64),
     "tiny-sd3": KnownModel("sd3", size=64),
     "tiny-flux": KnownModel("flux", size=64),
+    "tiny-flux-deep": KnownModel("flux", size=64),
     "stable-diffusion-v1-5/stable-diffusion-v1-5": KnownModel("sd", note="fits one v5e chip"),
     "stabilityai/stable-diffusion-2-1": KnownModel("sd", size=768, note="fits one v5e chip"),
     "stabilityai/stable-diffusion-xl-base-1.0": KnownModel("sdxl", note="fits one v5e chip in bfloat16"),

@@ -371,6 +371,11 @@ def load_pipeline(run: ResolvedRun, backend: Backend, *, ranks_in_process: int =
             pipe, label, scheduler_name = _read_from_disk(run)
 
     pipe.set_progress_bar_config(disable=True)
+    if run.config.compile.scan_blocks:
+        from tpugen.backends import scan_repeated_blocks
+
+        # Weights are stacked on the host, before they move to the device.
+        scan_repeated_blocks(pipe.transformer)
     execution = run.config.execution
     offload = execution.offload == "model"
     backend.place(pipe, offload=offload)

@@ -259,7 +259,7 @@ def _build_tiny_sd3(target: Path) -> None:
     _save(pipe, target, scratch)
 
 
-def _build_tiny_flux(target: Path) -> None:
+def _build_tiny_flux(target: Path, double_blocks: int = 2, single_blocks: int = 2) -> None:
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel
@@ -271,8 +271,8 @@ def _build_tiny_flux(target: Path) -> None:
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=16,  # 4 latent channels packed 2x2
-        num_layers=2,
-        num_single_layers=2,
+        num_layers=double_blocks,
+        num_single_layers=single_blocks,
         attention_head_dim=16,
         num_attention_heads=2,
         joint_attention_dim=32,
@@ -303,6 +303,8 @@ _BUILDERS = {
     "tiny-sdxl": _build_tiny_sdxl,
     "tiny-sd3": _build_tiny_sd3,
     "tiny-flux": _build_tiny_flux,
+    # Flux.1's real depth at a tiny width: what compile time (and scan_blocks) is measured on.
+    "tiny-flux-deep": lambda target: _build_tiny_flux(target, double_blocks=19, single_blocks=38),
 }
 
 
