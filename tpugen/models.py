@@ -31,14 +31,14 @@ BUILTINS = {
         "SD 3 architecture (MMDiT, two CLIP encoders and T5) with tiny random weights; noise",
         build_version=1,
     ),
-    "tiny-flux-deep": BuiltinModel(
-        "tiny-flux-deep",
-        "Flux.1's real depth (19 double + 38 single blocks) at a tiny width, for compile-time work; noise",
-        build_version=1,
-    ),
     "tiny-flux": BuiltinModel(
         "tiny-flux",
         "Flux.1-schnell architecture (double and single stream blocks, CLIP and T5) with tiny random weights; noise",
+        build_version=1,
+    ),
+    "tiny-flux-deep": BuiltinModel(
+        "tiny-flux-deep",
+        "Flux.1's real depth (19 double + 38 single blocks) at a tiny width, for compile-time work; noise",
         build_version=1,
     ),
 }
