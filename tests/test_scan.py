@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import generate, run_cli, tiny_config, write_config
+from conftest import run_cli, tiny_config, write_config
 from PIL import Image
 
 
