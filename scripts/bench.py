@@ -139,23 +139,12 @@ def compile_worker(double: int, single: int, scanned: bool) -> None:
     import torch
     import torch_xla
     import torch_xla.debug.metrics as met
-    from diffusers import FluxTransformer2DModel
 
     from tpugen.backends import scan_repeated_blocks
+    from tpugen.tiny import tiny_flux_transformer
 
     torch.manual_seed(0)
-    model = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=double,
-        num_single_layers=single,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        guidance_embeds=False,
-        axes_dims_rope=[4, 4, 8],
-    ).eval()
+    model = tiny_flux_transformer(double, single).eval()
     if scanned:
         scan_repeated_blocks(model)
     device = torch_xla.device()

@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from tpugen.errors import InputError
 from tpugen.families import family_of, model_defaults
-from tpugen.models import BUILTINS, ModelSource, classify_model_id
+from tpugen.models import ModelSource, classify_model_id
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
 
 
@@ -592,7 +592,3 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
 def dump_config(config: RunConfig) -> str:
     """The resolved config as YAML, keys in schema order."""
     return yaml.safe_dump(config.model_dump(), sort_keys=False, allow_unicode=True, width=1000)
-
-
-def builtin_names() -> list[str]:
-    return list(BUILTINS)

@@ -259,16 +259,11 @@ def _build_tiny_sd3(target: Path) -> None:
     _save(pipe, target, scratch)
 
 
-def _build_tiny_flux(target: Path, double_blocks: int = 2, single_blocks: int = 2) -> None:
-    import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextModel
+def tiny_flux_transformer(double_blocks: int, single_blocks: int):
+    """Flux.1's transformer at a tiny width (random weights from the current torch seed)."""
+    from diffusers import FluxTransformer2DModel
 
-    scratch = target.parent / (target.name + ".vocab")
-    tokenizer, ids = _clip_tokenizer(scratch)
-    t5_tokenizer, t5_vocab = _t5_tokenizer()
-    torch.manual_seed(0)
-    transformer = FluxTransformer2DModel(
+    return FluxTransformer2DModel(
         patch_size=1,
         in_channels=16,  # 4 latent channels packed 2x2
         num_layers=double_blocks,
@@ -280,6 +275,18 @@ def _build_tiny_flux(target: Path, double_blocks: int = 2, single_blocks: int = 
         guidance_embeds=False,  # like FLUX.1-schnell
         axes_dims_rope=[4, 4, 8],
     )
+
+
+def _build_tiny_flux(target: Path, double_blocks: int = 2, single_blocks: int = 2) -> None:
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from transformers import CLIPTextModel
+
+    scratch = target.parent / (target.name + ".vocab")
+    tokenizer, ids = _clip_tokenizer(scratch)
+    t5_tokenizer, t5_vocab = _t5_tokenizer()
+    torch.manual_seed(0)
+    transformer = tiny_flux_transformer(double_blocks, single_blocks)
     torch.manual_seed(1)
     vae = _tiny_vae(4, shift_factor=0.1159, scaling_factor=0.3611, use_quant_conv=False, use_post_quant_conv=False)
     torch.manual_seed(2)
