@@ -73,6 +73,10 @@ class Backend:
         else:
             pipe.to(self.device)
 
+    def split_batch(self, tensor):
+        """Lay a batch-first tensor out over the devices' data axis (a no-op without SPMD)."""
+        return tensor
+
     def sync(self) -> None:
         """Cut the lazy graph here (a no-op for eager backends)."""
 
@@ -232,6 +236,94 @@ class XlaBackend(Backend):
             "world_size": self._xr.world_size(),
             "rank": self._xr.global_ordinal(),
         }
+
+
+def mesh_shape(data: int, model: int, devices: int) -> tuple[int, int]:
+    """(data, model) axes of a mesh over `devices`; model 0 means every device the data axis leaves."""
+    from tpugen.errors import InputError
+
+    if devices % data:
+        raise InputError(f"execution.mesh.data: {data} does not divide the {devices} devices of this machine")
+    model = model or devices // data
+    if data * model != devices:
+        raise InputError(
+            f"execution.mesh: data {data} x model {model} = {data * model} devices, but this machine has {devices}; "
+            "the mesh must cover every device (model: 0 takes the rest)"
+        )
+    return data, model
+
+
+class SpmdBackend(XlaBackend):
+    """torch_xla SPMD: one process drives every local device as a (data, model) mesh.
+
+    The denoiser's large linear layers (and big text encoders) are split over the model axis by the rule
+    tables in tpugen.sharding; a batch is split over the data axis. XLA inserts the communication, so the
+    images are those of one device, up to the order of floating-point sums.
+    """
+
+    def __init__(self, cache_enabled: bool | str, cache_dir: str | None, *, data: int, model: int, cores: int) -> None:
+        if "PJRT_DEVICE" not in os.environ:
+            os.environ["PJRT_DEVICE"] = "TPU" if tpu_present() else "CPU"
+        if os.environ["PJRT_DEVICE"].upper() == "CPU" and cores > 0:
+            os.environ["CPU_NUM_DEVICES"] = str(cores)  # read when the runtime starts, just below
+        elif cores > 0:
+            from tpugen.errors import InputError
+
+            raise InputError(f"execution.cores: on a TPU VM SPMD uses every chip; set cores: 0 (got {cores})")
+        try:
+            import torch_xla.runtime as xr
+        except ImportError:
+            super().__init__(cache_enabled, cache_dir)  # raises the one-line "needs torch_xla" error
+            raise
+        # Before the compile cache and the first tensor: SPMD replaces the devices with one virtual device.
+        xr.use_spmd()
+        super().__init__(cache_enabled, cache_dir)
+        if xr.process_count() > 1:
+            from tpugen.errors import InputError
+
+            raise InputError(
+                "execution.sharding: spmd over a pod's hosts is not built; each pod worker runs its own mesh "
+                "only when the runtime is per worker"
+            )
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
+
+        self.devices = xr.global_runtime_device_count()
+        self.data, self.model = mesh_shape(data, model, self.devices)
+        self._xs = xs
+        self.mesh = xs.Mesh(np.arange(self.devices), (self.data, self.model), ("data", "model"))
+        self.sharding: dict | None = None
+
+    def place(self, pipe, offload: bool = False) -> None:
+        from tpugen.sharding import plan_sharding
+
+        plan = plan_sharding(pipe, self.model)  # from names and shapes, while the weights are on the host
+        pipe.to(self.device)
+        tensors = []
+        for entry in plan.parameters:
+            component = getattr(pipe, entry.component)
+            # Stacked block weights (compile.scan_blocks) are buffers, every other weight a parameter.
+            find = component.get_buffer if ".stacked_" in entry.parameter else component.get_parameter
+            tensor = find(entry.parameter)
+            self._xs.mark_sharding(tensor, self.mesh, entry.spec)
+            tensors.append(tensor)
+        # Read back from the runtime, so the report shows what the device holds, not what was asked.
+        verified = sum(1 for t in tensors if self._torch_xla._XLAC._get_xla_sharding_spec(t))
+        self.sharding = {
+            "mesh": {"data": self.data, "model": self.model},
+            "devices": self.devices,
+            "split_tensors": len(plan.parameters),
+            "split_tensors_verified": verified,
+            "components": plan.components,
+        }
+
+    def split_batch(self, tensor):
+        if self.data > 1:
+            self._xs.mark_sharding(tensor, self.mesh, ("data",) + (None,) * (tensor.dim() - 1))
+        return tensor
+
+    def describe(self) -> dict:
+        return {**super().describe(), "world_size": 1, "devices": self.devices, "sharding": self.sharding}
 
 
 def scan_repeated_blocks(transformer) -> int:
@@ -402,6 +494,9 @@ def make_backend(config) -> Backend:
     """The backend a run config names. Importing torch_xla or torch_tpu happens here, never at tpugen import."""
     execution, cache = config.execution, config.cache
     name = execution.backend
+    if name == "xla" and execution.sharding == "spmd":
+        mesh = execution.mesh
+        return SpmdBackend(cache.enabled, cache.dir, data=mesh.data, model=mesh.model, cores=execution.cores)
     if name == "xla":
         return XlaBackend(cache.enabled, cache.dir)
     if name == "cpu":

@@ -64,15 +64,26 @@ class CompileConfig(_Section):
     scan_blocks: bool = False
 
 
+class MeshConfig(_Section):
+    # Devices that each take a share of the batch (batch_size must divide by it).
+    data: int = Field(default=1, ge=1)
+    # Devices each weight is split over; 0 = every device the data axis leaves.
+    model: int = Field(default=0, ge=0)
+
+
 class ExecutionConfig(_Section):
     backend: Literal["xla", "cpu", "cuda", "torch_tpu"] = "xla"
     mode: Literal["single", "multi"] = "single"
-    # multi: how many devices (0 = every local device; on XLA:CPU, CPU_NUM_DEVICES or 1).
+    # multi and spmd: how many devices (0 = every local device; on XLA:CPU, CPU_NUM_DEVICES or 1).
     cores: int = Field(default=0, ge=0)
     strict_shapes: bool = False
     pod: PodConfig = PodConfig()
     # model: each component moves to the device only while it runs (cuda, torch_tpu).
     offload: Literal["none", "model"] = "none"
+    # spmd (xla): one process drives every local device as a mesh; big weights are split over it.
+    sharding: Literal["none", "spmd"] = "none"
+    # The SPMD mesh: {data: D, model: M}, D x M = the devices (on XLA:CPU, execution.cores).
+    mesh: MeshConfig = MeshConfig()
     # The TPU generation memory plans are made for (HBM per chip: v4 32 GB, v5e 16, v5p 95, v6e 32).
     chip: Literal["v4", "v5e", "v5p", "v6e"] = "v5e"
     # Overrides the chip's HBM in GB.
@@ -514,6 +525,11 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
             "execution.offload: model needs execution.backend cuda or torch_tpu (offload on xla is not built yet)"
         )
 
+    if execution.sharding == "spmd":
+        problems.extend(_spmd_problems(config))
+    elif execution.mesh != MeshConfig():
+        problems.append("execution.mesh: is used only with execution.sharding: spmd")
+
     if config.model.custom_pipeline and not config.model.allow_remote_code:
         problems.append(
             "model.custom_pipeline: runs code downloaded with the model; set model.allow_remote_code: true to allow it"
@@ -555,6 +571,30 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
     if problems:
         raise InputError(*problems)
     return ResolvedRun(config, prompts, source, config_hash(config, prompts), family.name)
+
+
+def _spmd_problems(config: RunConfig) -> list[str]:
+    execution, problems = config.execution, []
+    if execution.backend != "xla":
+        problems.append(f"execution.sharding: spmd needs execution.backend: xla, not {execution.backend}")
+    if execution.offload != "none":
+        problems.append(
+            "execution.offload: model and execution.sharding: spmd exclude each other: split the model over the "
+            "chips (spmd) or move it on and off one chip (offload), not both"
+        )
+    if execution.mode == "multi":
+        problems.append(
+            "execution.mode: multi runs a replica per chip, and spmd one model over all chips; use mode: single"
+        )
+    mesh, cores = execution.mesh, execution.cores
+    if config.batch_size % mesh.data:
+        problems.append(f"execution.mesh.data: {mesh.data} does not divide batch_size {config.batch_size}")
+    if cores and (cores % mesh.data or (mesh.model and mesh.data * mesh.model != cores)):
+        problems.append(
+            f"execution.mesh: data {mesh.data} x model {mesh.model or '(the rest)'} does not cover "
+            f"execution.cores: {cores} devices exactly"
+        )
+    return problems
 
 
 def _local_dir(key: str, value: str, problems: list[str]) -> str:

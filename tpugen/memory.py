@@ -262,13 +262,17 @@ def plan_memory(counts: dict[str, int], *, dtype: str, chip: str, chip_gb: float
     elif largest <= capacity:
         verdict = "offload"
         advice = (
-            f"too big for one {chip} chip all at once; each component alone fits: offload (components on the chip "
-            f"only while they run), or shard over {chips} chips"
+            f"too big for one {chip} chip all at once; each component alone fits: offload (execution.offload: "
+            f"model), place components on different chips (execution.placement: auto), or shard over {chips} chips "
+            "(execution.sharding: spmd)"
         )
     else:
         biggest = components[0].name
         verdict = "shard"
-        advice = f"{biggest} alone does not fit one {chip} chip: shard it over {chips} or more chips"
+        advice = (
+            f"{biggest} alone does not fit one {chip} chip: shard it over {chips} or more chips "
+            "(execution.sharding: spmd)"
+        )
     return MemoryPlan(components, source, chip, capacity / 1e9, verdict, chips, advice)
 
 

@@ -197,7 +197,7 @@ class LoadedPipeline:
             shape = (1, denoiser.config.in_channels, height // scale, width // scale)
             noise = [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
         dtype = (getattr(pipe, "unet", None) or pipe.transformer).dtype
-        return torch.cat(noise).to(self.backend.device, dtype=dtype), generators
+        return self.backend.split_batch(torch.cat(noise).to(self.backend.device, dtype=dtype)), generators
 
     def _call_arguments(self, batch: Batch, latents, generators) -> dict:
         rows = batch.rows

@@ -43,6 +43,24 @@ def _memory_line(memory: dict | None) -> str:
     )
 
 
+def _sharding_lines(sharding: dict | None) -> list[str]:
+    if not sharding:
+        return []
+    mesh = sharding["mesh"]
+    lines = [
+        f"- SPMD: mesh data {mesh['data']} x model {mesh['model']} over {sharding['devices']} devices; "
+        f"{sharding['split_tensors']} weight tensors split over the model axis "
+        f"({sharding['split_tensors_verified']} carry the split on the device)"
+    ]
+    for name, component in sharding["components"].items():
+        uneven = f", {component['uneven_layers']} uneven layers replicated" if component["uneven_layers"] else ""
+        lines.append(
+            f"  - {name} ({component['architecture']}): {component['decision']}"
+            f" ({component['split_layers']} linear layers split{uneven})"
+        )
+    return lines
+
+
 def render_markdown(report: dict) -> str:
     """report.md: the same facts as report.json, laid out for a person."""
     timed = report["timed_phase"]
@@ -59,6 +77,7 @@ def render_markdown(report: dict) -> str:
         f"- images: {report['images']} in {report['batches']} batches ({report['padding_rows']} padding rows)",
         f"- model load: {_fmt(report['model_load_seconds'], 2)} s",
         _memory_line(report.get("memory")),
+        *_sharding_lines(device.get("sharding")),
         "",
         "## Warmup (compile) per shape key",
         "",
