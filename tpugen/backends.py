@@ -73,9 +73,17 @@ class Backend:
         else:
             pipe.to(self.device)
 
+    def device_for(self, component: str):
+        """The device a component computes on (under offload too, where it waits on the host between calls)."""
+        return self.device
+
     def split_batch(self, tensor):
         """Lay a batch-first tensor out over the devices' data axis (a no-op without SPMD)."""
         return tensor
+
+    def memory(self) -> dict | None:
+        """Device memory in use and its peak (bytes), where the device reports it."""
+        return None
 
     def sync(self) -> None:
         """Cut the lazy graph here (a no-op for eager backends)."""
@@ -187,6 +195,19 @@ class XlaBackend(Backend):
         sets, so that asking does not start the runtime before the compile cache is set up."""
         return int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", "0"))
 
+    def place(self, pipe, offload: bool = False) -> None:
+        if offload:
+            _let_diffusers_offload_to_xla()
+        super().place(pipe, offload)
+
+    def memory(self) -> dict:
+        """Device memory in use and its peak so far (bytes), as the runtime reports it."""
+        try:
+            info = self._xm.get_memory_info(self.device)
+        except RuntimeError as exc:  # XLA:CPU: "GetAllocatorStats is not supported"
+            return {"unavailable": (str(exc).splitlines() or ["unsupported"])[0].split(": ")[-1]}
+        return {"bytes_in_use": info.get("bytes_used"), "peak_bytes": info.get("peak_bytes_used")}
+
     def rank(self) -> int:
         return self._xr.global_ordinal()
 
@@ -238,6 +259,119 @@ class XlaBackend(Backend):
         }
 
 
+def _let_diffusers_offload_to_xla() -> None:
+    """diffusers' model offload empties the device's allocator cache through `torch.xla`, which torch_xla does
+    not register, so it fails on XLA. XLA frees a buffer when its last tensor dies: there is nothing to empty."""
+    import diffusers.pipelines.pipeline_utils as pipeline_utils
+
+    empty = pipeline_utils.empty_device_cache
+    if getattr(empty, "tpugen_xla", False):
+        return
+
+    def empty_device_cache(device_type: str | None = None) -> None:
+        if device_type != "xla":
+            empty(device_type)
+
+    empty_device_cache.tpugen_xla = True
+    pipeline_utils.empty_device_cache = empty_device_cache
+
+
+def _xla_cpu_devices(cores: int, what: str) -> None:
+    """Before the runtime starts: on XLA:CPU, `cores` devices; on a TPU VM every chip, so cores must be 0."""
+    if "PJRT_DEVICE" not in os.environ:
+        os.environ["PJRT_DEVICE"] = "TPU" if tpu_present() else "CPU"
+    if os.environ["PJRT_DEVICE"].upper() == "CPU" and cores > 0:
+        os.environ["CPU_NUM_DEVICES"] = str(cores)
+    elif cores > 0:
+        from tpugen.errors import InputError
+
+        raise InputError(f"execution.cores: on a TPU VM {what} uses every chip; set cores: 0 (got {cores})")
+
+
+def _move(value, device):
+    """Tensors anywhere in an argument or output (tuples, lists, dicts, model outputs) moved to `device`."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):  # transformers' ModelOutput is a dict too, and keeps its type this way
+        for key in list(value.keys()):
+            value[key] = _move(value[key], device)
+        return value
+    if isinstance(value, (tuple, list)):
+        moved = [_move(v, device) for v in value]
+        return type(value)(moved) if not hasattr(value, "_fields") else type(value)(*moved)
+    return value
+
+
+class PlacedBackend(XlaBackend):
+    """Whole components on different local devices of one process (execution.placement), no SPMD.
+
+    Each component's inputs move to its device as it is called and its outputs come back to the denoiser's
+    device, where the pipeline itself runs; the moves go through the host, once per call of that component.
+    """
+
+    def __init__(self, cache_enabled: bool | str, cache_dir: str | None, *, cores: int) -> None:
+        _xla_cpu_devices(cores, "placement")
+        super().__init__(cache_enabled, cache_dir)
+        self.devices = [self._torch_xla.device(i) for i in range(self._xr.addressable_device_count())]
+        self.assignment: dict[str, int] = {}
+
+    def rank(self) -> int:
+        return 0  # one replica, whatever devices its components sit on
+
+    def world_size(self) -> int:
+        return 1
+
+    def ranks_in_process(self) -> int:
+        return 1
+
+    def capacities(self, chip_bytes: float) -> list[float]:
+        """Memory per device: as the device reports it, or the configured chip's HBM where it cannot."""
+        out = []
+        for device in self.devices:
+            try:
+                out.append(float(self._xm.get_memory_info(device)["bytes_limit"]))
+            except (RuntimeError, KeyError):
+                out.append(chip_bytes)
+        return out
+
+    def assign(self, assignment: dict[str, int], denoiser: str) -> None:
+        self.assignment = dict(assignment)
+        self.device = self.devices[assignment.get(denoiser, 0)]  # the pipeline's own tensors live here
+
+    def device_for(self, component: str):
+        return self.devices[self.assignment[component]] if component in self.assignment else self.device
+
+    def place(self, pipe, offload: bool = False) -> None:
+        from torch import nn
+
+        main = self.device
+        for name, component in pipe.components.items():
+            if not isinstance(component, nn.Module):
+                continue
+            device = self.devices[self.assignment.get(name, self.devices.index(main))]
+            component.to(device)
+            if device == main:
+                continue
+
+            def inputs_here(module, args, kwargs, device=device):
+                return _move(args, device), _move(kwargs, device)
+
+            def outputs_back(module, args, kwargs, output):
+                return _move(output, main)
+
+            component.register_forward_pre_hook(inputs_here, with_kwargs=True)
+            component.register_forward_hook(outputs_back, with_kwargs=True)
+
+    def describe(self) -> dict:
+        return {
+            **super().describe(),
+            "devices": len(self.devices),
+            "placement": {name: str(self.devices[i]) for name, i in self.assignment.items()},
+        }
+
+
 def mesh_shape(data: int, model: int, devices: int) -> tuple[int, int]:
     """(data, model) axes of a mesh over `devices`; model 0 means every device the data axis leaves."""
     from tpugen.errors import InputError
@@ -262,14 +396,7 @@ class SpmdBackend(XlaBackend):
     """
 
     def __init__(self, cache_enabled: bool | str, cache_dir: str | None, *, data: int, model: int, cores: int) -> None:
-        if "PJRT_DEVICE" not in os.environ:
-            os.environ["PJRT_DEVICE"] = "TPU" if tpu_present() else "CPU"
-        if os.environ["PJRT_DEVICE"].upper() == "CPU" and cores > 0:
-            os.environ["CPU_NUM_DEVICES"] = str(cores)  # read when the runtime starts, just below
-        elif cores > 0:
-            from tpugen.errors import InputError
-
-            raise InputError(f"execution.cores: on a TPU VM SPMD uses every chip; set cores: 0 (got {cores})")
+        _xla_cpu_devices(cores, "SPMD")
         try:
             import torch_xla.runtime as xr
         except ImportError:
@@ -497,6 +624,8 @@ def make_backend(config) -> Backend:
     if name == "xla" and execution.sharding == "spmd":
         mesh = execution.mesh
         return SpmdBackend(cache.enabled, cache.dir, data=mesh.data, model=mesh.model, cores=execution.cores)
+    if name == "xla" and execution.placement != "none":
+        return PlacedBackend(cache.enabled, cache.dir, cores=execution.cores)
     if name == "xla":
         return XlaBackend(cache.enabled, cache.dir)
     if name == "cpu":

@@ -84,6 +84,8 @@ class ExecutionConfig(_Section):
     sharding: Literal["none", "spmd"] = "none"
     # The SPMD mesh: {data: D, model: M}, D x M = the devices (on XLA:CPU, execution.cores).
     mesh: MeshConfig = MeshConfig()
+    # xla: whole components on different chips of this VM: auto (greedy by size), or {component: chip index}.
+    placement: Literal["none", "auto"] | dict[str, Annotated[int, Field(ge=0)]] = "none"
     # The TPU generation memory plans are made for (HBM per chip: v4 32 GB, v5e 16, v5p 95, v6e 32).
     chip: Literal["v4", "v5e", "v5p", "v6e"] = "v5e"
     # Overrides the chip's HBM in GB.
@@ -520,15 +522,16 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
         problems.append(
             "compile.scan_blocks: is built for Flux models on execution.backend: xla (SD3's blocks are not yet)"
         )
-    if execution.offload == "model" and execution.backend not in ("cuda", "torch_tpu"):
-        problems.append(
-            "execution.offload: model needs execution.backend cuda or torch_tpu (offload on xla is not built yet)"
-        )
+    if execution.offload == "model" and execution.backend == "cpu":
+        problems.append("execution.offload: model moves components onto an accelerator; the cpu backend has none")
 
     if execution.sharding == "spmd":
         problems.extend(_spmd_problems(config))
     elif execution.mesh != MeshConfig():
         problems.append("execution.mesh: is used only with execution.sharding: spmd")
+
+    if execution.placement != "none":
+        problems.extend(_placement_problems(config))
 
     if config.model.custom_pipeline and not config.model.allow_remote_code:
         problems.append(
@@ -571,6 +574,20 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
     if problems:
         raise InputError(*problems)
     return ResolvedRun(config, prompts, source, config_hash(config, prompts), family.name)
+
+
+def _placement_problems(config: RunConfig) -> list[str]:
+    execution, problems = config.execution, []
+    if execution.backend != "xla":
+        problems.append(f"execution.placement: needs execution.backend: xla, not {execution.backend}")
+    for key, active in (
+        ("execution.sharding: spmd", execution.sharding == "spmd"),
+        ("execution.offload: model", execution.offload == "model"),
+        ("execution.mode: multi", execution.mode == "multi"),
+    ):
+        if active:
+            problems.append(f"execution.placement: and {key} exclude each other; choose one way to use the chips")
+    return problems
 
 
 def _spmd_problems(config: RunConfig) -> list[str]:

@@ -80,6 +80,7 @@ class LoadedPipeline:
         self.scheduler_name = scheduler_name
         self.family = FAMILIES[family]
         self._census: list[tuple[str, int]] | None = None
+        self.phase_memory: dict[str, dict | None] = {}  # device memory after each phase of the last census
         self._loop_started = False
         # tpugen decodes the latents itself, so decoding and the conversion to pixels are one graph. A
         # safety checker or a watermark runs on the host, so pipelines with one keep their own path.
@@ -111,7 +112,13 @@ class LoadedPipeline:
                 loaded._mark("text encoding")
             return base.interrupt.fget(pipe)
 
-        self.pipe.__class__ = type(base.__name__, (base,), {"interrupt": property(interrupt)})
+        patches = {"interrupt": property(interrupt)}
+        if getattr(self.backend, "assignment", None):
+            # Components sit on several devices; the pipeline's own tensors belong on the denoiser's, not on
+            # the first component's (which is what diffusers would pick).
+            device = self.backend.device
+            patches["_execution_device"] = property(lambda pipe: device)
+        self.pipe.__class__ = type(base.__name__, (base,), patches)
 
     def _timesteps_to_device(self) -> None:
         """Keep timesteps on the host and hand them to the denoiser as data.
@@ -164,6 +171,8 @@ class LoadedPipeline:
     def _mark(self, phase: str) -> None:
         if self._census is not None:
             self._census.append((phase, self.backend.counters().compiles))
+            # With offload only this phase's component is on the device, so this is its footprint.
+            self.phase_memory[phase] = self.backend.memory()
 
     def _step_end(self, pipe, step: int, timestep, tensors: dict) -> dict:
         # Cut the lazy graph once per denoising step, so XLA compiles one step and replays it, even in
@@ -240,7 +249,7 @@ class LoadedPipeline:
             latents = latents * std / config.scaling_factor + mean
         else:
             latents = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
-        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        image = vae.decode(latents.to(device=self.backend.device_for("vae"), dtype=vae.dtype), return_dict=False)[0]
         return (image / 2 + 0.5).clamp(0, 1)
 
     def generate(self, batch: Batch, census: bool = False):
@@ -253,6 +262,7 @@ class LoadedPipeline:
 
         counting = census and self.backend.counters() is not None
         self._census = [("start", self.backend.counters().compiles)] if counting else None
+        self.phase_memory = {}
         self._loop_started = False
         latents, generators = self._initial_noise(batch)
         with torch.no_grad():  # inference_mode tensors break torch_xla (version counters)

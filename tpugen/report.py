@@ -43,6 +43,13 @@ def _memory_line(memory: dict | None) -> str:
     )
 
 
+def _placement_lines(placement: dict | None) -> list[str]:
+    if not placement:
+        return []
+    where = ", ".join(f"{name} on {device}" for name, device in placement.items())
+    return [f"- placement: {where} (inputs move to each component's device, outputs back, through the host)"]
+
+
 def _sharding_lines(sharding: dict | None) -> list[str]:
     if not sharding:
         return []
@@ -58,6 +65,36 @@ def _sharding_lines(sharding: dict | None) -> list[str]:
             f"  - {name} ({component['architecture']}): {component['decision']}"
             f" ({component['split_layers']} linear layers split{uneven})"
         )
+    return lines
+
+
+# The components that run in each phase of a pipeline call.
+_PHASE_COMPONENTS = {
+    "text encoding": "text encoders",
+    "first denoising step": "denoiser",
+    "later denoising steps": "denoiser",
+    "decoding": "VAE",
+}
+
+
+def _device_memory_lines(warmup: list[dict]) -> list[str]:
+    """Device memory after each phase of each shape key's warmup call, or why the device cannot say."""
+    lines = []
+    for entry in warmup:
+        phases = entry.get("device_memory_per_phase") or {}
+        readings = [(phase, m) for phase, m in phases.items() if m]
+        if not readings:
+            continue
+        missing = {m.get("unavailable") for _, m in readings} - {None}
+        if missing:
+            lines.append(f"\nDevice memory per phase: n/a ({missing.pop()})")
+            return lines
+        parts = [
+            f"{phase} ({_PHASE_COMPONENTS.get(phase, phase)}): {m['bytes_in_use'] / 1e9:.2f} GB in use, "
+            f"peak so far {m['peak_bytes'] / 1e9:.2f} GB"
+            for phase, m in readings
+        ]
+        lines.append(f"\nDevice memory after each phase of {entry['shape_key']}: " + "; ".join(parts))
     return lines
 
 
@@ -78,6 +115,7 @@ def render_markdown(report: dict) -> str:
         f"- model load: {_fmt(report['model_load_seconds'], 2)} s",
         _memory_line(report.get("memory")),
         *_sharding_lines(device.get("sharding")),
+        *_placement_lines(device.get("placement")),
         "",
         "## Warmup (compile) per shape key",
         "",
@@ -93,6 +131,7 @@ def render_markdown(report: dict) -> str:
         )
     if not report["warmup"]:
         lines.append("| (skipped) | | | | |")
+    lines.extend(_device_memory_lines(report["warmup"]))
     cache = report.get("persistent_cache") or {}
     if cache:
         counted = (

@@ -131,6 +131,7 @@ def warmup(loaded, plan: RunPlan, display: RunDisplay, checkpoint=lambda: None) 
                 "compiles": delta.compiles if delta else None,
                 "compile_seconds": delta.compile_seconds if delta else None,
                 "graphs_per_phase": graphs,
+                "device_memory_per_phase": dict(loaded.phase_memory) or None,
                 "persistent_cache_hits": delta.persistent_cache_hits if delta else None,
                 "persistent_cache_misses": delta.persistent_cache_misses if delta else None,
                 "persistent_cache_load_failures": delta.persistent_cache_load_failures if delta else None,
@@ -362,6 +363,8 @@ def load(run: ResolvedRun, display: RunDisplay):
     """The backend (with its compile cache started) and the pipeline on it; returns (loaded, seconds)."""
     cfg = run.config
     backend = make_backend(cfg)
+    if cfg.execution.placement != "none":
+        _assign_components(run, backend)
 
     from tpugen.pipeline import load_pipeline
 
@@ -370,6 +373,24 @@ def load(run: ResolvedRun, display: RunDisplay):
     loaded = load_pipeline(run, backend)
     backend.wait()
     return loaded, time.perf_counter() - start
+
+
+def _assign_components(run: ResolvedRun, backend) -> None:
+    """execution.placement, decided from the component sizes on disk before any weights load."""
+    from tpugen.memory import memory_plan_for
+    from tpugen.placement import assign_components
+
+    execution = run.config.execution
+    plan = memory_plan_for(run, execution.chip, execution.chip_memory_gb)
+    if plan is None:
+        raise InputError(
+            f"execution.placement: the component sizes of {run.config.model.id} are not known without its files; "
+            "download it first (its safetensors headers give the sizes)"
+        )
+    sizes = {c.name: c.bytes for c in plan.components}
+    explicit = execution.placement if isinstance(execution.placement, dict) else None
+    denoiser = "unet" if "unet" in sizes else "transformer"
+    backend.assign(assign_components(sizes, backend.capacities(plan.chip_gb * 1e9), explicit), denoiser)
 
 
 def persistent_cache_summary(cache: dict, warmup_results: list[dict]) -> dict:
