@@ -508,20 +508,15 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
         problems.append(f"execution.pod.worker_index: {pod.worker_index} is not below num_workers ({pod.num_workers})")
 
     execution = config.execution
-    if execution.mode == "multi" and execution.backend != "xla":
-        problems.append(
-            "execution.mode: multi is built for execution.backend: xla (torch_xla.launch); "
-            "multi-chip TorchTPU (torchrun) is not built yet"
-        )
+    if execution.mode == "multi" and execution.backend == "cpu" and execution.cores == 0:
+        problems.append("execution.cores: mode multi on backend cpu starts that many rank processes; set it above 0")
     if config.compile.torch_compile and execution.backend not in ("cpu", "cuda"):
         problems.append(
             "compile.torch_compile: is for the cpu and cuda backends; xla compiles through torch_xla, "
             "and torch_tpu compiles with execution.torch_tpu.mode: compile"
         )
-    if config.compile.scan_blocks and (execution.backend != "xla" or family.name != "flux"):
-        problems.append(
-            "compile.scan_blocks: is built for Flux models on execution.backend: xla (SD3's blocks are not yet)"
-        )
+    if config.compile.scan_blocks and (execution.backend != "xla" or family.name not in ("flux", "sd3")):
+        problems.append("compile.scan_blocks: is built for Flux and SD3 models on execution.backend: xla")
     if execution.offload == "model" and execution.backend == "cpu":
         problems.append("execution.offload: model moves components onto an accelerator; the cpu backend has none")
 
