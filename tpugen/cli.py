@@ -218,7 +218,11 @@ def generate(
     ] = None,
     mode: Annotated[
         str | None,
-        typer.Option("--mode", help="single (one chip) or multi (one replica per chip of this VM); execution.mode."),
+        typer.Option(
+            "--mode",
+            help="single (one chip) or multi (one replica per chip of this VM: torch_xla.launch on xla, torchrun "
+            "on torch_tpu, cuda and cpu); execution.mode.",
+        ),
     ] = None,
 ) -> None:
     """Generate the config's images: load, compile each shape once, run timed, write images and a report."""

@@ -73,6 +73,8 @@ class MeshConfig(_Section):
 
 class ExecutionConfig(_Section):
     backend: Literal["xla", "cpu", "cuda", "torch_tpu"] = "xla"
+    # single: one device; multi: one replica per device, through torch_xla.launch (xla) or torchrun, one
+    # process each (torch_tpu: process group tpu_dist, cuda: nccl, cpu: gloo, with cores processes).
     mode: Literal["single", "multi"] = "single"
     # multi and spmd: how many devices (0 = every local device; on XLA:CPU, CPU_NUM_DEVICES or 1).
     cores: int = Field(default=0, ge=0)

@@ -1,4 +1,4 @@
-"""All chips of a VM: one replica per device through torch_xla.launch, each making its share of the images."""
+"""All chips of a VM: one replica per device, each making its share of the images, merged into one run."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from tpugen.backends import Counters, host_index, launch_ranks, make_backend
+from tpugen.backends import Backend, Counters, host_index, launch_ranks, make_backend
 from tpugen.config import ResolvedRun, dump_config
 from tpugen.errors import Interrupted, RunError
 from tpugen.outputs import atomic_write_text, write_json
@@ -78,7 +80,8 @@ class _StopRequest:
     """SIGTERM/SIGINT in a rank process: its ranks stop after the batch in flight; a second one, at once.
 
     Installed when torch_xla.launch's process imports this module (in its main thread, where handlers
-    live), because on XLA:CPU the ranks themselves are threads that cannot install handlers.
+    live), because on XLA:CPU the ranks themselves are threads that cannot install handlers; torchrun's
+    rank processes install it themselves (tpugen.dist).
     """
 
     def __init__(self) -> None:
@@ -94,36 +97,65 @@ class _StopRequest:
         self.signum = signum
 
 
-_STOP = _StopRequest()
+STOP_REQUEST = _StopRequest()
 if os.environ.get(RANK_PROCESS_ENV) and threading.current_thread() is threading.main_thread():
-    _STOP.install()
+    STOP_REQUEST.install()
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """Where one rank stands among the run's ranks, and how it meets the others."""
+
+    rank: int
+    world_size: int
+    ranks_in_process: int  # ranks that share this process (and its process-wide counters)
+    share: tuple[int, int]  # (parts, part): this rank makes plan_share(run, parts, part)
+    meet: Callable[[str], bool]  # wait at a named point; False if a rank failed (so nobody waits for the dead)
 
 
 def rank_main(index: int, run: ResolvedRun, run_dir: str, finished: frozenset[int]) -> None:
     """What torch_xla.launch runs on every device. Never raises: it leaves rank-N.json for the parent."""
-    directory = Path(run_dir)
-    result: dict = {"rank": index, "pid": os.getpid(), "error": None}
+
+    def join(backend) -> RankGroup:
+        rank, world, local = backend.rank(), backend.world_size(), backend.ranks_in_process()
+        worker, workers = pod_position(run.config.execution.pod, os.environ, host_index)
+        # Worker w of W with local rank r of R takes index % (W*R) == w*R + r. A pod-wide runtime (a real
+        # pod) numbers ranks globally already; a runtime per worker (simulated pods) numbers them locally.
+        share = (world, rank) if workers == 1 or world == workers * local else (workers * world, worker * world + rank)
+        return RankGroup(rank, world, local, share, lambda name: _MEETING.meet(name, local))
+
+    run_rank(index, run, Path(run_dir), finished, join, lambda exc: _MEETING.abort())
+
+
+def run_rank(
+    rank: int,
+    run: ResolvedRun,
+    run_dir: Path,
+    finished: frozenset[int],
+    join: Callable[[Backend], RankGroup],
+    abort: Callable[[BaseException], None],
+) -> dict:
+    """One rank's whole share: its backend, then `join` places it among the ranks, then load, warm up and
+    generate. Never raises: the result (or the error) goes to rank-N.json for the parent, and is returned.
+    `abort` releases the ranks that would otherwise wait for this one."""
+    result: dict = {"rank": rank, "pid": os.getpid(), "error": None}
     try:
-        result.update(_rank_work(run, directory, finished, result))
+        backend = make_backend(run.config)
+        result.update(_rank_work(run, run_dir, finished, result, backend, join(backend)))
     except BaseException as exc:  # report, and release the ranks waiting for this one
-        _MEETING.abort()
+        abort(exc)
         result["error"] = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0]
         result["traceback"] = traceback.format_exc()
-    write_json(directory / f"rank-{result['rank']}.json", result)
+    write_json(run_dir / f"rank-{result['rank']}.json", result)
+    return result
 
 
-def _rank_work(run: ResolvedRun, run_dir: Path, finished: frozenset[int], result: dict) -> dict:
-    cfg = run.config
-    backend = make_backend(cfg)
-    rank, world, local = backend.rank(), backend.world_size(), backend.ranks_in_process()
-    result.update(rank=rank, world_size=world, ranks_in_process=local)
-    worker, workers = pod_position(cfg.execution.pod, os.environ, host_index)
-    # Worker w of W with local rank r of R takes index % (W*R) == w*R + r. A pod-wide runtime (a real
-    # pod) numbers ranks globally already; a runtime per worker (simulated pods) numbers them locally.
-    parts, part = (
-        (world, rank) if workers == 1 or world == workers * local else (workers * world, worker * world + rank)
-    )
-    plan = plan_share(run, parts, part, finished)
+def _rank_work(
+    run: ResolvedRun, run_dir: Path, finished: frozenset[int], result: dict, backend: Backend, group: RankGroup
+) -> dict:
+    rank, local = group.rank, group.ranks_in_process
+    result.update(rank=rank, world_size=group.world_size, ranks_in_process=local)
+    plan = plan_share(run, *group.share, finished)
 
     from tpugen.pipeline import load_pipeline
 
@@ -131,23 +163,23 @@ def _rank_work(run: ResolvedRun, run_dir: Path, finished: frozenset[int], result
     loaded = load_pipeline(run, backend, ranks_in_process=local)
     backend.wait()
     result["load_seconds"] = time.perf_counter() - start
-    result["device"] = backend.describe()
+    result["device"] = {**backend.describe(), "world_size": group.world_size, "rank": rank}
     result["cache"] = backend.cache
     result["scheduler"] = loaded.scheduler_name
 
     with _WARMUP_LOCK:
         result["warmup"] = warmup(loaded, plan, RunDisplay())
     # Counters are process-wide: read them only while no rank of this process is working.
-    _MEETING.meet("warmed", local)
+    group.meet("warmed")
     before = backend.counters()
-    _MEETING.meet("timed phase", local)
+    group.meet("timed phase")
 
     phase = TimedPhase()
     fail_rank = os.environ.get(FAIL_RANK_ENV)
 
     def checkpoint() -> None:
-        if _STOP.signum is not None:
-            raise Interrupted(_STOP.signum, f"interrupted by {signal.Signals(_STOP.signum).name}")
+        if STOP_REQUEST.signum is not None:
+            raise Interrupted(STOP_REQUEST.signum, f"interrupted by {signal.Signals(STOP_REQUEST.signum).name}")
         if fail_rank is not None and int(fail_rank) == rank and phase.batches:
             raise RuntimeError(f"failed on purpose after its first batch ({FAIL_RANK_ENV}={rank})")
 
@@ -174,15 +206,71 @@ def _rank_work(run: ResolvedRun, run_dir: Path, finished: frozenset[int], result
             write_seconds=phase.write_seconds,
             wall_seconds=phase.wall_seconds,
         )
-    all_done = _MEETING.meet("done", local)
+    all_done = group.meet("done")
     after = backend.counters()
     result["process_counters"] = (after - before).as_dict() if all_done and before and after else None
     return result
 
 
+class XlaLaunch:
+    """torch_xla.launch, in a thread of the parent: one process per chip on a TPU VM; on XLA:CPU, one
+    process whose ranks are threads."""
+
+    def __init__(self, cores: int) -> None:
+        self.cores = cores
+        self.world_size: int | None = None  # known only from the ranks' own results
+        self._thread: threading.Thread | None = None
+        self._error: list[BaseException] = []
+
+    def announce(self) -> str:
+        return f"launching one replica per device (execution.cores: {self.cores or 'all'})"
+
+    def start(self, run: ResolvedRun, run_dir: Path, finished: frozenset[int]) -> None:
+        def launch() -> None:
+            try:
+                launch_ranks(rank_main, (run, str(run_dir), finished), self.cores)
+            except BaseException as exc:  # reported with the ranks' own results
+                self._error.append(exc)
+
+        os.environ[RANK_PROCESS_ENV] = "1"
+        self._thread = threading.Thread(target=launch, name="tpugen-launch")
+        self._thread.start()
+
+    def running(self, seconds: float) -> bool:
+        self._thread.join(seconds)
+        return self._thread.is_alive()
+
+    def stop_ranks(self, signum: int) -> None:
+        # A terminal's Ctrl-C reaches the rank processes itself; SIGTERM to tpugen is passed on.
+        if signum == signal.SIGTERM:
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGTERM)
+
+    def failure(self) -> str | None:
+        if not self._error:
+            return None
+        return f"torch_xla.launch failed: {(str(self._error[0]).splitlines() or [''])[0]}"
+
+    def finish(self, run_dir: Path, ok: bool) -> None:
+        """Nothing of its own to clean up."""
+
+    def report_fields(self) -> dict:
+        return {"launcher": {"tool": "torch_xla.launch", "devices": self.cores or "all"}}
+
+
 def run_multi(run: ResolvedRun, *, display: RunDisplay | None = None, resume_dir: Path | None = None) -> dict:
-    """`tpugen generate` with execution.mode: multi. The parent plans, launches, then merges the ranks."""
+    """`tpugen generate` with execution.mode: multi. The parent plans, launches, then merges the ranks.
+
+    Backend xla launches through torch_xla.launch; the others through torchrun (tpugen.dist).
+    """
     display = display or RunDisplay()
+    if run.config.execution.backend == "xla":
+        launcher = XlaLaunch(run.config.execution.cores)
+    else:
+        from tpugen.dist import TorchrunLaunch
+
+        # Counts the chips first, so a missing backend or device is one line and nothing is written.
+        launcher = TorchrunLaunch(run)
     full_plan = plan_run(run)
     finished: dict[int, dict] = {}
     if resume_dir is not None:
@@ -197,36 +285,23 @@ def run_multi(run: ResolvedRun, *, display: RunDisplay | None = None, resume_dir
     for stale in run_dir.glob("rank-*.json"):
         stale.unlink()
 
-    launch_error: list[BaseException] = []
-
-    def launch() -> None:
-        try:
-            launch_ranks(rank_main, (run, str(run_dir), frozenset(finished)), run.config.execution.cores)
-        except BaseException as exc:  # reported with the ranks' own results below
-            launch_error.append(exc)
-
-    display.phase(f"launching one replica per device (execution.cores: {run.config.execution.cores or 'all'})")
+    display.phase(launcher.announce())
     started = time.perf_counter()
-    os.environ[RANK_PROCESS_ENV] = "1"
-    launcher = threading.Thread(target=launch, name="tpugen-launch")
     stopped: list[int] = []
 
     def forward(signum: int, frame) -> None:
-        # The rank processes stop after their batch in flight; a terminal's Ctrl-C reaches them itself.
+        # The rank processes stop after their batch in flight.
         stopped.append(signum)
         display.phase(f"{signal.Signals(signum).name}: the ranks stop after their batch in flight")
-        if signum == signal.SIGTERM:
-            for child in multiprocessing.active_children():
-                os.kill(child.pid, signal.SIGTERM)
+        launcher.stop_ranks(signum)
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
     try:
-        launcher.start()
+        launcher.start(run, run_dir, frozenset(finished))
         total = len(full_plan.items)
         display.batches_started(total)
-        while launcher.is_alive():
-            launcher.join(0.5)
+        while launcher.running(0.5):
             done = len({r["index"] for r in all_records(run_dir)})
             display.progress(done, total)
     finally:
@@ -245,19 +320,22 @@ def run_multi(run: ResolvedRun, *, display: RunDisplay | None = None, resume_dir
     write_grid(run_dir, sorted(run_dir.glob("[0-9]*.png")))
 
     failures = [f"rank {r['rank']}: {r['error']}" for r in results if r.get("error")]
-    world = results[0].get("world_size") if results else None
+    world = launcher.world_size or (results[0].get("world_size") if results else None)
     if world and len(results) < world:
         missing = sorted(set(range(world)) - {r["rank"] for r in results})
         failures.append(f"ranks {missing} left no result (killed?)")
-    if launch_error and not failures:
-        failures.append(f"torch_xla.launch failed: {(str(launch_error[0]).splitlines() or [''])[0]}")
+    launch_failure = launcher.failure()
+    if launch_failure and not failures:
+        failures.append(launch_failure)
     if not results and not failures:
         failures.append("no rank reported back")
 
     if stopped:
         failures = [f"interrupted by {signal.Signals(stopped[0]).name}"]
     report = _merged_report(run, run_id, run_dir, full_plan, results, finished, wall, "; ".join(failures) or None)
+    report.update(launcher.report_fields())
     write_report(run_dir, report)
+    launcher.finish(run_dir, ok=not failures)
     if stopped:
         raise Interrupted(
             stopped[0],
@@ -269,6 +347,7 @@ def run_multi(run: ResolvedRun, *, display: RunDisplay | None = None, resume_dir
         raise RunError(
             *failures,
             f"{report['images']} images (the other ranks' included), the manifest and report.json are in {run_dir}",
+            *([launch_failure] if launch_failure and launch_failure not in failures else []),
             f"resume with: tpugen resume {run_dir}",
         )
     return report
@@ -296,7 +375,10 @@ def _merged_report(run, run_id, run_dir, plan, results, finished, wall, error) -
         run_id=run_id,
         run_dir=run_dir,
         plan=plan,
-        device=first.get("device", {"backend": "xla", "device_kind": "unknown", "world_size": len(results)}),
+        device=first.get(
+            "device",
+            {"backend": run.config.execution.backend, "device_kind": "unknown", "world_size": len(results)},
+        ),
         scheduler=first.get("scheduler", "unknown"),
         load_seconds=max((r.get("load_seconds", 0.0) for r in ok), default=0.0),
         warmup_results=warm,
