@@ -47,3 +47,44 @@ def test_plan_prints_the_memory_table_offline(tmp_path):
     result = run_cli("plan", write_config(tmp_path / "c.yaml", config), "--chip", "v6e")
     assert result.exit_code == 0, result.output
     assert "offload" in result.stdout and "transformer" in result.stdout and "23.78" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "execution,devices,expected",
+    [
+        ({}, 1, "model.id: flux needs 40.5 GB with headroom, more than one v5e chip (16 GB): "),
+        (
+            {"offload": "model"},
+            1,
+            "execution.offload: transformer alone needs 28.6 GB with headroom, more than one "
+            "v5e chip (16 GB): split it with execution.sharding: spmd",
+        ),
+        ({"sharding": "spmd"}, 4, None),  # transformer and T5 split in 4, the CLIP and the VAE whole: 10.5 GB
+        (
+            {"sharding": "spmd", "mesh": {"data": 2}},
+            4,
+            "execution.sharding: flux split over 2 chips still needs "
+            "20.5 GB on one v5e chip (16 GB); it needs about 3 chips on the model axis",
+        ),
+        ({"placement": "auto"}, 2, None),
+    ],
+)
+def test_fit_problem_per_way_of_running(flux_dev, execution, devices, expected):
+    from tpugen.config import ExecutionConfig
+    from tpugen.memory import fit_problem
+
+    plan = plan_memory(flux_dev, dtype="bfloat16", chip="v5e", chip_gb=None, source="configs on the meta device")
+    problem = fit_problem(plan, ExecutionConfig(**execution), devices, "flux")
+    if expected is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.startswith(expected), problem
+
+
+def test_a_model_too_big_for_the_named_chip_stops_before_its_weights_load(tmp_path):
+    config = tiny_config(tmp_path, execution={"chip_memory_gb": 0.0001})
+    result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
+    assert result.exit_code == 2, result.output
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("error: model.id: tiny-sd needs 0.00") and "more than one v5e chip (0.0001 GB): " in last
+    assert not (tmp_path / "outputs").exists()

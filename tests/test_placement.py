@@ -177,3 +177,51 @@ def test_components_on_two_devices_give_the_single_device_images(tmp_path, xla_r
         assert report["compiles_after_warmup"] == 0
         assert "- placement: text_encoder on" in (run / "report.md").read_text()
         _assert_same_images(xla_run, run)
+
+
+def test_out_of_memory_advice_follows_the_config():
+    from tpugen.config import ExecutionConfig
+    from tpugen.memory import is_out_of_memory, out_of_memory_advice
+
+    assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Error allocating device buffer: 2.1G"))
+    assert is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert not is_out_of_memory(RuntimeError("shapes cannot be multiplied")) and not is_out_of_memory(MemoryError())
+    plan = "; `tpugen plan CONFIG` shows each component's size against the chip"
+    assert out_of_memory_advice(ExecutionConfig(), 1, "bfloat16") == (
+        "try execution.offload: model (one component on the chip at a time); execution.sharding: spmd (split the "
+        "weights over the VM's chips); execution.placement: auto (components on different chips)" + plan
+    )
+    spmd = ExecutionConfig(sharding="spmd", mesh={"data": 2})
+    assert out_of_memory_advice(spmd, 4, "float32") == (
+        "try model.dtype: bfloat16 (half the bytes of float32); a smaller execution.mesh.data, so more chips split "
+        "each weight; a smaller batch_size" + plan
+    )
+    assert out_of_memory_advice(ExecutionConfig(offload="model"), 1, "bfloat16") == (
+        "try a bigger chip (execution.chip)" + plan
+    )
+
+
+@pytest.mark.parametrize(
+    "target,running",
+    [("transformers.CLIPTextModel.forward", "text encoders"), ("diffusers.UNet2DConditionModel.forward", "unet")],
+)
+def test_out_of_memory_on_the_device_names_the_component(tmp_path, monkeypatch, target, running):
+    import importlib
+
+    module_name, class_name, method = target.rsplit(".", 2)
+    owner = getattr(importlib.import_module(module_name), class_name)
+
+    def exhausted(*args, **kwargs):
+        raise RuntimeError("Bad StatusOr access: RESOURCE_EXHAUSTED: Error allocating device buffer: 15.8G")
+
+    monkeypatch.setattr(owner, method, exhausted)
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path, execution={"backend": "cpu"}))
+    result = run_cli("generate", config, "--quiet")
+    assert result.exit_code == 1, result.output
+    first = [line for line in result.stderr.splitlines() if line.startswith("error: ")][0]
+    assert first == (
+        f"error: out of memory on the device while the {running} ran (64x64 b2 cfg): try model.dtype: bfloat16 "
+        "(half the bytes of float32); execution.offload: model (one component on the chip at a time); "
+        "execution.sharding: spmd (split the weights over the VM's chips); execution.placement: auto (components "
+        "on different chips); a smaller batch_size; `tpugen plan CONFIG` shows each component's size against the chip"
+    )

@@ -66,6 +66,8 @@ class Backend:
         self.torch_compile = torch_compile
         self.cache = {"enabled": False, "dir": None, "note": "eager backend: no XLA compile cache"}
 
+    placing: str | None = None  # the component moving onto the device now, for an out-of-memory message
+
     def place(self, pipe, offload: bool = False) -> None:
         """Put the pipeline on the device: all of it, or (offload) each component only while it runs."""
         if offload:
@@ -198,7 +200,15 @@ class XlaBackend(Backend):
     def place(self, pipe, offload: bool = False) -> None:
         if offload:
             _let_diffusers_offload_to_xla()
-        super().place(pipe, offload)
+            super().place(pipe, offload)
+            return
+        from torch import nn
+
+        for name, component in pipe.components.items():  # one at a time, to name the one that does not fit
+            if isinstance(component, nn.Module):
+                self.placing = name
+                component.to(self.device)
+        self.placing = None
 
     def memory(self) -> dict:
         """Device memory in use and its peak so far (bytes), as the runtime reports it."""
@@ -422,18 +432,36 @@ class SpmdBackend(XlaBackend):
         self.sharding: dict | None = None
 
     def place(self, pipe, offload: bool = False) -> None:
+        from torch import nn
+
         from tpugen.sharding import plan_sharding
 
         plan = plan_sharding(pipe, self.model)  # from names and shapes, while the weights are on the host
-        pipe.to(self.device)
-        tensors = []
-        for entry in plan.parameters:
-            component = getattr(pipe, entry.component)
-            # Stacked block weights (compile.scan_blocks) are buffers, every other weight a parameter.
-            find = component.get_buffer if ".stacked_" in entry.parameter else component.get_parameter
-            tensor = find(entry.parameter)
-            self._xs.mark_sharding(tensor, self.mesh, entry.spec)
-            tensors.append(tensor)
+        specs = {(p.component, p.parameter): p.spec for p in plan.parameters}
+        tensors, moved = [], {}
+        for name, component in pipe.components.items():
+            if not isinstance(component, nn.Module):
+                continue
+            self.placing = name
+            # Tensor by tensor, each split as soon as it lands: moving a whole model first would put a full
+            # copy on every chip, which is what a model too big for one chip cannot afford.
+            for module_name, module in component.named_modules():
+                prefix = f"{module_name}." if module_name else ""
+                for store in (module._parameters, module._buffers):
+                    for key, tensor in list(store.items()):
+                        if tensor is None:
+                            continue
+                        if id(tensor) not in moved:  # a tied weight moves once and stays tied
+                            data = tensor.data.to(self.device)
+                            moved[id(tensor)] = (
+                                nn.Parameter(data, requires_grad=False) if isinstance(tensor, nn.Parameter) else data
+                            )
+                            spec = specs.get((name, prefix + key))
+                            if spec is not None:
+                                self._xs.mark_sharding(moved[id(tensor)], self.mesh, spec)
+                                tensors.append(moved[id(tensor)])
+                        store[key] = moved[id(tensor)]
+        self.placing = None
         # Read back from the runtime, so the report shows what the device holds, not what was asked.
         verified = sum(1 for t in tensors if self._torch_xla._XLAC._get_xla_sharding_spec(t))
         self.sharding = {
@@ -443,6 +471,9 @@ class SpmdBackend(XlaBackend):
             "split_tensors_verified": verified,
             "components": plan.components,
         }
+
+    def memory(self) -> dict:
+        return {"unavailable": "torch_xla reports no memory for the SPMD virtual device"}
 
     def split_batch(self, tensor):
         if self.data > 1:

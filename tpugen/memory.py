@@ -291,3 +291,76 @@ def memory_plan_for(run, chip: str = "v5e", chip_gb: float | None = None) -> Mem
     else:
         return None
     return plan_memory(counts, dtype=dtype, chip=chip, chip_gb=chip_gb, source=how)
+
+
+# ---------------------------------------------------------------- out of memory on the device (pure)
+
+_OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM when allocating")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """XLA reports RESOURCE_EXHAUSTED, CUDA and TorchTPU "out of memory"; all arrive as RuntimeError."""
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _OUT_OF_MEMORY)
+
+
+def out_of_memory_advice(execution, batch_size: int, dtype: str) -> str:
+    """What would make the run fit, given what the config already does."""
+    options = ["model.dtype: bfloat16 (half the bytes of float32)"] if dtype == "float32" else []
+    if execution.offload == "none" and execution.sharding == "none" and execution.placement == "none":
+        options += [
+            "execution.offload: model (one component on the chip at a time)",
+            "execution.sharding: spmd (split the weights over the VM's chips)",
+            "execution.placement: auto (components on different chips)",
+        ]
+    elif execution.sharding == "spmd" and execution.mesh.data > 1:
+        options.append("a smaller execution.mesh.data, so more chips split each weight")
+    elif execution.placement != "none":
+        options.append("execution.sharding: spmd (a component too big for a chip must be split)")
+    if batch_size > 1:
+        options.append("a smaller batch_size")
+    hint = "; ".join(options) if options else "a bigger chip (execution.chip)"
+    return f"try {hint}; `tpugen plan CONFIG` shows each component's size against the chip"
+
+
+def fit_problem(plan: MemoryPlan, execution, devices: int, model: str) -> str | None:
+    """Why the configured way of running cannot fit this model on these chips, or None if it can.
+
+    Estimates with the plan's headroom: under spmd the denoiser (and text encoders from 2 GiB) is divided
+    over the model axis and the rest copied to every chip; under offload the biggest component must fit alone.
+    """
+    from tpugen.sharding import DENOISERS, TEXT_ENCODER_SHARD_BYTES
+
+    capacity = plan.chip_gb * 1e9
+    chip = f"one {plan.chip} chip ({plan.chip_gb:g} GB)"
+    if execution.placement != "none":
+        return None  # decided per chip when the components are assigned
+    if execution.sharding == "spmd":
+        axis = execution.mesh.model or max(1, devices // execution.mesh.data)
+
+        def split(c: ComponentSize) -> bool:
+            return c.name in DENOISERS or (c.name.startswith("text_encoder") and c.bytes >= TEXT_ENCODER_SHARD_BYTES)
+
+        whole = sum(c.bytes for c in plan.components if not split(c)) * HEADROOM
+        parts = sum(c.bytes for c in plan.components if split(c)) * HEADROOM
+        if whole + parts / axis <= capacity:
+            return None
+        needed = math.ceil(parts / (capacity - whole)) if capacity > whole else None
+        more = f"about {needed} chips on the model axis" if needed else "more memory than the copied components leave"
+        return (
+            f"execution.sharding: {model} split over {axis} chips still needs {(whole + parts / axis) / 1e9:.3g} GB "
+            f"on {chip}; it needs {more}"
+        )
+    if execution.offload == "model":
+        largest = plan.components[0]
+        if largest.bytes * HEADROOM <= capacity:
+            return None
+        return (
+            f"execution.offload: {largest.name} alone needs {largest.bytes * HEADROOM / 1e9:.3g} GB with headroom, "
+            f"more than {chip}: split it with execution.sharding: spmd"
+        )
+    if plan.total_bytes * HEADROOM <= capacity:
+        return None
+    return (
+        f"model.id: {model} needs {plan.total_bytes * HEADROOM / 1e9:.3g} GB with headroom, more than {chip}: "
+        f"{plan.advice}"
+    )

@@ -16,6 +16,7 @@ from tpugen.backends import Backend
 from tpugen.config import ResolvedRun
 from tpugen.errors import RunError
 from tpugen.families import FAMILIES
+from tpugen.memory import is_out_of_memory, out_of_memory_advice
 from tpugen.plan import Batch
 from tpugen.schedulers import display_name, find_scheduler
 
@@ -81,6 +82,9 @@ class LoadedPipeline:
         self.family = FAMILIES[family]
         self._census: list[tuple[str, int]] | None = None
         self.phase_memory: dict[str, dict | None] = {}  # device memory after each phase of the last census
+        self.denoiser_name = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
+        self.running = "text encoders"  # what runs on the device now, for an out-of-memory message
+        self.out_of_memory_advice = "`tpugen plan CONFIG` shows each component's size against the chip"
         self._loop_started = False
         # tpugen decodes the latents itself, so decoding and the conversion to pixels are one graph. A
         # safety checker or a watermark runs on the host, so pipelines with one keep their own path.
@@ -109,6 +113,7 @@ class LoadedPipeline:
             if not loaded._loop_started:
                 loaded._loop_started = True
                 loaded.backend.sync()
+                loaded.running = loaded.denoiser_name
                 loaded._mark("text encoding")
             return base.interrupt.fget(pipe)
 
@@ -264,15 +269,26 @@ class LoadedPipeline:
         self._census = [("start", self.backend.counters().compiles)] if counting else None
         self.phase_memory = {}
         self._loop_started = False
-        latents, generators = self._initial_noise(batch)
-        with torch.no_grad():  # inference_mode tensors break torch_xla (version counters)
-            output = self.pipe(**self._call_arguments(batch, latents, generators)).images
-            self._mark("later denoising steps")
-            images = self._decode(output, batch) if self.decodes_itself else output
-            # The one read back to the host for the whole batch. Padding rows are dropped on the host:
-            # slicing on the device would be a new graph for every count of real rows.
-            host = images.to("cpu").float()[: len(batch.items)]
-            self._mark("decoding")
+        self.running = "text encoders"
+        try:
+            latents, generators = self._initial_noise(batch)
+            with torch.no_grad():  # inference_mode tensors break torch_xla (version counters)
+                output = self.pipe(**self._call_arguments(batch, latents, generators)).images
+                self._mark("later denoising steps")
+                self.running = "vae"
+                images = self._decode(output, batch) if self.decodes_itself else output
+                # The one read back to the host for the whole batch. Padding rows are dropped on the host:
+                # slicing on the device would be a new graph for every count of real rows.
+                host = images.to("cpu").float()[: len(batch.items)]
+                self._mark("decoding")
+        except RuntimeError as exc:
+            from tpugen.memory import is_out_of_memory
+
+            if not is_out_of_memory(exc):
+                raise
+            raise RunError(
+                f"out of memory on the device while the {self.running} ran ({batch.shape}): {self.out_of_memory_advice}"
+            ) from exc
         pixels = (host.permute(0, 2, 3, 1).numpy() * 255.0).round().clip(0, 255).astype(np.uint8)
         graphs = self._graphs_per_phase()
         self._census = None
@@ -388,7 +404,15 @@ def load_pipeline(run: ResolvedRun, backend: Backend, *, ranks_in_process: int =
         scan_repeated_blocks(pipe.transformer)
     execution = run.config.execution
     offload = execution.offload == "model"
-    backend.place(pipe, offload=offload)
+    advice = out_of_memory_advice(execution, run.config.batch_size, run.config.model.dtype)
+    try:
+        backend.place(pipe, offload=offload)
+    except RuntimeError as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise RunError(
+            f"out of memory on the device while {backend.placing or 'the model'} moved onto it: {advice}"
+        ) from exc
     component = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
     spec = compile_spec(
         backend.name,
@@ -398,4 +422,6 @@ def load_pipeline(run: ResolvedRun, backend: Backend, *, ranks_in_process: int =
         component=component,
     )
     apply_compile(pipe, spec)
-    return LoadedPipeline(pipe, backend, label, scheduler_name, run.family)
+    loaded = LoadedPipeline(pipe, backend, label, scheduler_name, run.family)
+    loaded.out_of_memory_advice = out_of_memory_advice(execution, run.config.batch_size, run.config.model.dtype)
+    return loaded

@@ -363,6 +363,7 @@ def load(run: ResolvedRun, display: RunDisplay):
     """The backend (with its compile cache started) and the pipeline on it; returns (loaded, seconds)."""
     cfg = run.config
     backend = make_backend(cfg)
+    _check_fit(run, backend)
     if cfg.execution.placement != "none":
         _assign_components(run, backend)
 
@@ -373,6 +374,28 @@ def load(run: ResolvedRun, display: RunDisplay):
     loaded = load_pipeline(run, backend)
     backend.wait()
     return loaded, time.perf_counter() - start
+
+
+def _check_fit(run: ResolvedRun, backend) -> None:
+    """Refuse, before any weights load, a model that cannot fit the chips the way the config runs it.
+
+    Only where the chip is known: on a TPU, or when the config names the chip (execution.chip or
+    chip_memory_gb); elsewhere (XLA:CPU, GPUs) the chip in the config is a planning assumption only.
+    """
+    from tpugen.memory import fit_problem, memory_plan_for
+
+    execution = run.config.execution
+    named = {"chip", "chip_memory_gb"} & execution.model_fields_set
+    if backend.name not in ("xla", "torch_tpu") or not (named or os.environ.get("PJRT_DEVICE", "").upper() == "TPU"):
+        return
+    plan = memory_plan_for(run, execution.chip, execution.chip_memory_gb)
+    devices = getattr(backend, "devices", 1)
+    problem = plan and fit_problem(
+        plan, execution, devices if isinstance(devices, int) else len(devices), run.config.model.id
+    )
+    if problem:
+        hint = "" if named else f" (if these chips are not {execution.chip}, set execution.chip)"
+        raise InputError(problem + hint)
 
 
 def _assign_components(run: ResolvedRun, backend) -> None:
