@@ -190,11 +190,10 @@ def test_cpu_torch_compile_compiles_in_warmup_only_and_matches_eager(cpu_run, tm
 
 
 def test_compile_options_are_checked_against_the_backend(tmp_path):
-    config = tiny_config(tmp_path, compile={"torch_compile": True}, execution={"backend": "xla", "offload": "model"})
+    config = tiny_config(tmp_path, compile={"torch_compile": True}, execution={"backend": "xla"})
     result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [
         "error: compile.torch_compile: is for the cpu and cuda backends; xla compiles through torch_xla, "
         "and torch_tpu compiles with execution.torch_tpu.mode: compile",
-        "error: execution.offload: model needs execution.backend cuda or torch_tpu (offload on xla is not built yet)",
     ]

@@ -47,6 +47,20 @@ def test_plan_prints_the_memory_table_offline(tmp_path):
     result = run_cli("plan", write_config(tmp_path / "c.yaml", config), "--chip", "v6e")
     assert result.exit_code == 0, result.output
     assert "offload" in result.stdout and "transformer" in result.stdout and "23.78" in result.stdout
+    text = " ".join(result.stdout.split())  # rich wraps long lines
+    assert (
+        "this config (the whole model on each chip): model.id: black-forest-labs/FLUX.1-schnell needs 40.5 GB" in text
+    )
+
+
+def test_plan_says_how_many_chips_the_shipped_flux_config_needs():
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "flux-schnell.yaml"
+    text = " ".join(run_cli("plan", config).stdout.split())
+    assert "this config (execution.sharding: spmd, mesh data 1 x model the rest): fits a VM of 4 chips or more" in text
+    text = " ".join(run_cli("plan", config, "--chip", "v6e").stdout.split())
+    assert "fits a VM of 2 chips or more" in text
 
 
 @pytest.mark.parametrize(

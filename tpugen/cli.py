@@ -57,7 +57,8 @@ def _boundary(command):
             if os.environ.get("TPUGEN_DEBUG") == "1":
                 traceback.print_exc()
             first = (str(exc).strip().splitlines() or [""])[0]
-            typer.echo(f"error: {type(exc).__name__}: {first} (set TPUGEN_DEBUG=1 for the traceback)", err=True)
+            hint = "" if os.environ.get("TPUGEN_DEBUG") == "1" else " (set TPUGEN_DEBUG=1 for the traceback)"
+            typer.echo(f"error: {type(exc).__name__}: {first}{hint}", err=True)
             raise typer.Exit(1) from None
 
     return wrapper
@@ -119,6 +120,32 @@ def plan(
     table.add_row("total", "", f"{memory.total_bytes / 1e9:.2f}")
     out.print(table)
     out.print(f"{memory.chip} ({memory.chip_gb:g} GB per chip): {memory.verdict} -- {memory.advice}")
+    out.print(f"this config ({_how_it_runs(execution)}): {_config_fit(memory, execution, run.config.model.id)}")
+
+
+def _how_it_runs(execution) -> str:
+    if execution.sharding == "spmd":
+        return f"execution.sharding: spmd, mesh data {execution.mesh.data} x model {execution.mesh.model or 'the rest'}"
+    if execution.offload == "model":
+        return "execution.offload: model"
+    if execution.placement != "none":
+        return f"execution.placement: {execution.placement}"
+    return "the whole model on each chip"
+
+
+def _config_fit(memory, execution, model: str) -> str:
+    """Whether the config's own way of running fits; for spmd without a device count, per VM size."""
+    from tpugen.memory import fit_problem
+
+    if execution.placement != "none":
+        return "decided per chip by `tpugen generate` from each chip's memory"
+    if execution.sharding == "spmd" and not (execution.mesh.model or execution.cores):
+        fits = [
+            n for n in (1, 2, 4, 8) if n % execution.mesh.data == 0 and not fit_problem(memory, execution, n, model)
+        ]
+        return f"fits a VM of {fits[0]} chips or more" if fits else "does not fit 8 chips"
+    devices = execution.cores or (execution.mesh.data * execution.mesh.model) or 1
+    return fit_problem(memory, execution, devices, model) or "fits"
 
 
 def _print_plan(run_plan) -> None:
