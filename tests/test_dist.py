@@ -106,7 +106,8 @@ def test_two_cpu_rank_processes_make_the_images_of_one(cpu_run, tmp_path):
     assert report["launcher"]["command"][1:] == torchrun_command(2, run_dir)[1:]
     assert report["device"]["backend"] == "cpu" and report["device"]["world_size"] == 2
     assert report["counters_scope"] == "one process per rank: every count is that rank's own"
-    assert "## Ranks (2)" in (run_dir / "report.md").read_text()
+    markdown = (run_dir / "report.md").read_text()
+    assert "## Ranks (2)" in markdown and "Launched by torchrun: 2 processes in a gloo process group" in markdown
 
 
 def test_torch_tpu_ranks_take_one_chip_each_in_a_tpu_dist_group(cpu_run, tmp_path):

@@ -43,6 +43,19 @@ def _memory_line(memory: dict | None) -> str:
     )
 
 
+def _launcher_lines(launcher: dict | None) -> list[str]:
+    if not launcher:
+        return []
+    if launcher.get("tool") != "torchrun":
+        return [f"Launched by {launcher.get('tool')} (devices: {launcher.get('devices')})."]
+    env = " ".join(f"{k}={v}" for k, v in (launcher.get("environment") or {}).items())
+    return [
+        f"Launched by torchrun: {launcher['processes']} processes in a {launcher['process_group']} process group"
+        + (f", with {env}" if env else "")
+        + f": `{' '.join(launcher['command'])}`."
+    ]
+
+
 def _placement_lines(placement: dict | None) -> list[str]:
     if not placement:
         return []
@@ -172,6 +185,7 @@ def render_markdown(report: dict) -> str:
             f"## Ranks ({len(report['ranks'])})",
             "",
             f"Weights loaded {report['weights_loaded']}. Counters: {report['counters_scope']}.",
+            *_launcher_lines(report.get("launcher")),
             "",
             "| rank | images | warmup s | warmup graphs | s per image | timed wall s | compiles after warmup | error |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
