@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 # Before anything imports torch_xla: tests always run on XLA:CPU, with a cache of their own.
@@ -74,3 +77,13 @@ def xla_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def cpu_run(tmp_path_factory) -> Path:
     return generate(tmp_path_factory.mktemp("cpu"), execution={"backend": "cpu"})
+
+
+def sigterm_after_a_rank_image(proc: subprocess.Popen, run_dir: Path, timeout: float) -> str:
+    """Wait until some rank has written a manifest line, send SIGTERM, and return stderr once it exits."""
+    deadline = time.perf_counter() + timeout
+    while not any(p.stat().st_size for p in run_dir.glob("manifest.rank*.jsonl")):
+        assert proc.poll() is None and time.perf_counter() < deadline, proc.stderr.read()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=timeout)[1]

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import generate, run_cli, tiny_config, write_config
+from conftest import generate, run_cli, sigterm_after_a_rank_image, tiny_config, write_config
 from PIL import Image
 
 from tpugen.config import load_config
@@ -202,12 +200,7 @@ def test_sigterm_reaches_every_rank_process_and_resume_finishes_the_run(tmp_path
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.perf_counter() + 120
-    while not any(p.stat().st_size for p in run_dir.glob("manifest.rank*.jsonl")):
-        assert proc.poll() is None and time.perf_counter() < deadline, proc.stderr.read()
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    stderr = proc.communicate(timeout=120)[1]
+    stderr = sigterm_after_a_rank_image(proc, run_dir, 120)
     assert proc.returncode == 143, stderr
     assert stderr.splitlines()[-1] == f"error: resume with: tpugen resume {run_dir}"
     report = json.loads((run_dir / "report.json").read_text())

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import generate, tiny_config, write_config
+from conftest import generate, sigterm_after_a_rank_image, tiny_config, write_config
 from PIL import Image
 
 from tpugen.multi import FAIL_RANK_ENV
@@ -119,14 +117,7 @@ def test_sigterm_stops_every_rank_after_its_batch_and_resume_finishes(tmp_path):
     tpugen = str(Path(sys.executable).parent / "tpugen")
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     proc = subprocess.Popen([tpugen, "generate", str(path), "--quiet"], stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.perf_counter() + 300
-    while not any(run_dir.glob("manifest.rank*.jsonl")) or not any(
-        p.stat().st_size for p in run_dir.glob("manifest.rank*.jsonl")
-    ):
-        assert proc.poll() is None and time.perf_counter() < deadline, proc.stderr.read()
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    stderr = proc.communicate(timeout=300)[1]
+    stderr = sigterm_after_a_rank_image(proc, run_dir, 300)
     assert proc.returncode == 143, stderr
     assert stderr.splitlines()[-1] == f"error: resume with: tpugen resume {run_dir}"
     report = json.loads((run_dir / "report.json").read_text())

@@ -51,27 +51,14 @@ def test_sd35_style_blocks_scan_in_stacks_of_equal_structure():
     import torch
     import torch_xla
     import torch_xla.debug.metrics as met
-    from diffusers import SD3Transformer2DModel
 
     from tpugen.backends import scan_repeated_blocks
+    from tpugen.tiny import tiny_sd3_transformer
 
     torch.manual_seed(0)
-    config = dict(
-        sample_size=8,
-        patch_size=1,
-        in_channels=4,
-        num_layers=6,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        caption_projection_dim=16,
-        joint_attention_dim=16,
-        pooled_projection_dim=16,
-        out_channels=4,
-        dual_attention_layers=(0, 1),
-    )
     device = torch_xla.device()
-    unrolled = SD3Transformer2DModel(**config).eval()
-    scanned = SD3Transformer2DModel(**config).eval()
+    unrolled = tiny_sd3_transformer(6, dual_attention_layers=(0, 1)).eval()
+    scanned = tiny_sd3_transformer(6, dual_attention_layers=(0, 1)).eval()
     scanned.load_state_dict(unrolled.state_dict())
     assert scan_repeated_blocks(scanned) == 5  # blocks 0-1 and 2-4 scanned, block 5 (context_pre_only) as is
     kinds = [type(b).__name__ for b in scanned.transformer_blocks]
@@ -83,8 +70,8 @@ def test_sd35_style_blocks_scan_in_stacks_of_equal_structure():
         g = torch.Generator().manual_seed(seed)
         return {
             "hidden_states": torch.randn(1, 4, 8, 8, generator=g).to(device),
-            "encoder_hidden_states": torch.randn(1, 6, 16, generator=g).to(device),
-            "pooled_projections": torch.randn(1, 16, generator=g).to(device),
+            "encoder_hidden_states": torch.randn(1, 6, 32, generator=g).to(device),
+            "pooled_projections": torch.randn(1, 64, generator=g).to(device),
             "timestep": torch.tensor([500.0]).to(device),
             "return_dict": False,
         }

@@ -569,14 +569,7 @@ def launch_ranks(fn, args: tuple, cores: int) -> None:
     On a TPU VM that is one process per chip; on XLA:CPU, CPU_NUM_DEVICES devices driven by threads of one
     child process. `cores` > 0 sets how many CPU devices; on TPU every chip is used.
     """
-    if "PJRT_DEVICE" not in os.environ:
-        os.environ["PJRT_DEVICE"] = "TPU" if tpu_present() else "CPU"
-    if os.environ["PJRT_DEVICE"].upper() == "CPU" and cores > 0:
-        os.environ["CPU_NUM_DEVICES"] = str(cores)
-    elif cores > 0:
-        from tpugen.errors import InputError
-
-        raise InputError(f"execution.cores: on a TPU VM tpugen uses every chip; set cores: 0 (got {cores})")
+    _xla_cpu_devices(cores, "tpugen")
     import torch_xla
 
     torch_xla.launch(fn, args=args)

@@ -218,25 +218,14 @@ def _build_tiny_sdxl(target: Path) -> None:
 
 def _build_tiny_sd3(target: Path) -> None:
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
 
     scratch = target.parent / (target.name + ".vocab")
     tokenizer, ids = _clip_tokenizer(scratch)
     t5_tokenizer, t5_vocab = _t5_tokenizer()
     torch.manual_seed(0)
-    transformer = SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=1,
-        in_channels=4,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        caption_projection_dim=32,
-        joint_attention_dim=32,  # = T5's d_model, so CLIP's padded embeddings are not cropped
-        pooled_projection_dim=64,  # both CLIP encoders' pooled projections side by side
-        out_channels=4,
-    )
+    transformer = tiny_sd3_transformer(2)
     torch.manual_seed(1)
     vae = _tiny_vae(4, shift_factor=0.0609, scaling_factor=1.5035, use_quant_conv=False, use_post_quant_conv=False)
     torch.manual_seed(2)
@@ -257,6 +246,25 @@ def _build_tiny_sd3(target: Path) -> None:
         tokenizer_3=t5_tokenizer,
     )
     _save(pipe, target, scratch)
+
+
+def tiny_sd3_transformer(layers: int, dual_attention_layers: tuple[int, ...] = ()):
+    """A random SD3 (MMDiT) transformer at a tiny width; SD 3.5 Medium's first blocks have dual attention."""
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=1,
+        in_channels=4,
+        num_layers=layers,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=32,  # = T5's d_model, so CLIP's padded embeddings are not cropped
+        pooled_projection_dim=64,  # both CLIP encoders' pooled projections side by side
+        out_channels=4,
+        dual_attention_layers=dual_attention_layers,
+    )
 
 
 def tiny_flux_transformer(double_blocks: int, single_blocks: int):
