@@ -125,6 +125,18 @@ def _tiny_vae(latent_channels: int, **extra):
     )
 
 
+# The UNet both SD 1.x and SDXL built-ins start from: two levels, 32 and 64 channels, attention in the second.
+_TINY_UNET = dict(
+    block_out_channels=(32, 64),
+    layers_per_block=2,
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+)
+
+
 def _build_tiny_sd(target: Path) -> None:
     import torch
     from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
@@ -134,13 +146,7 @@ def _build_tiny_sd(target: Path) -> None:
     tokenizer, ids = _clip_tokenizer(scratch)
     torch.manual_seed(0)
     unet = UNet2DConditionModel(
-        block_out_channels=(32, 64),
-        layers_per_block=2,
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        **_TINY_UNET,
         cross_attention_dim=32,
         attention_head_dim=8,
     )
@@ -178,13 +184,7 @@ def _build_tiny_sdxl(target: Path) -> None:
     tokenizer, ids = _clip_tokenizer(scratch)
     torch.manual_seed(0)
     unet = UNet2DConditionModel(
-        block_out_channels=(32, 64),
-        layers_per_block=2,
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        **_TINY_UNET,
         attention_head_dim=(2, 4),
         use_linear_projection=True,
         addition_embed_type="text_time",
