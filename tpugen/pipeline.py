@@ -282,8 +282,6 @@ class LoadedPipeline:
                 host = images.to("cpu").float()[: len(batch.items)]
                 self._mark("decoding")
         except RuntimeError as exc:
-            from tpugen.memory import is_out_of_memory
-
             if not is_out_of_memory(exc):
                 raise
             raise RunError(
@@ -423,5 +421,5 @@ def load_pipeline(run: ResolvedRun, backend: Backend, *, ranks_in_process: int =
     )
     apply_compile(pipe, spec)
     loaded = LoadedPipeline(pipe, backend, label, scheduler_name, run.family)
-    loaded.out_of_memory_advice = out_of_memory_advice(execution, run.config.batch_size, run.config.model.dtype)
+    loaded.out_of_memory_advice = advice
     return loaded

@@ -388,7 +388,12 @@ def _check_fit(run: ResolvedRun, backend) -> None:
     named = {"chip", "chip_memory_gb"} & execution.model_fields_set
     if backend.name not in ("xla", "torch_tpu") or not (named or os.environ.get("PJRT_DEVICE", "").upper() == "TPU"):
         return
-    plan = memory_plan_for(run, execution.chip, execution.chip_memory_gb)
+    if execution.placement != "none":
+        return  # the placement itself is checked chip by chip
+    try:
+        plan = memory_plan_for(run, execution.chip, execution.chip_memory_gb)
+    except Exception:  # a model tpugen cannot size is not refused for that; its report says why
+        return
     devices = getattr(backend, "devices", 1)
     problem = plan and fit_problem(
         plan, execution, devices if isinstance(devices, int) else len(devices), run.config.model.id
