@@ -76,6 +76,13 @@ def test_impossible_placements_name_the_problem(sizes, capacities, explicit, exp
     [
         ({"backend": "cpu", "placement": "auto"}, ["execution.placement: needs execution.backend: xla, not cpu"]),
         (
+            {"placement": {"unet": -1}},
+            [
+                "execution.placement: must be none, auto, or a mapping of component to chip index such as "
+                "{text_encoder: 1, unet: 0}, got {'unet': -1}"
+            ],
+        ),
+        (
             {"placement": {"unet": 0}, "offload": "model"},
             ["execution.placement: and execution.offload: model exclude each other; choose one way to use the chips"],
         ),

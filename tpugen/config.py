@@ -64,6 +64,26 @@ class CompileConfig(_Section):
     scan_blocks: bool = False
 
 
+def _check_placement(value: Any) -> Any:
+    if value in ("none", "auto"):
+        return value
+    if (
+        isinstance(value, dict)
+        and value
+        and all(isinstance(k, str) for k in value)
+        and all(type(v) is int and v >= 0 for v in value.values())
+    ):
+        return value
+    shown = value if not isinstance(value, str) else repr(value)
+    raise ValueError(
+        f"must be none, auto, or a mapping of component to chip index such as {{text_encoder: 1, unet: 0}}, "
+        f"got {shown}"
+    )
+
+
+Placement = Annotated[Any, AfterValidator(_check_placement)]
+
+
 class MeshConfig(_Section):
     # Devices that each take a share of the batch (batch_size must divide by it).
     data: int = Field(default=1, ge=1)
@@ -87,7 +107,7 @@ class ExecutionConfig(_Section):
     # The SPMD mesh: {data: D, model: M}, D x M = the devices (on XLA:CPU, execution.cores).
     mesh: MeshConfig = MeshConfig()
     # xla: whole components on different chips of this VM: auto (greedy by size), or {component: chip index}.
-    placement: Literal["none", "auto"] | dict[str, Annotated[int, Field(ge=0)]] = "none"
+    placement: Placement = "none"
     # The TPU generation memory plans are made for (HBM per chip: v4 32 GB, v5e 16, v5p 95, v6e 32).
     chip: Literal["v4", "v5e", "v5p", "v6e"] = "v5e"
     # Overrides the chip's HBM in GB.
