@@ -76,8 +76,7 @@ def _check_placement(value: Any) -> Any:
         return value
     shown = value if not isinstance(value, str) else repr(value)
     raise ValueError(
-        f"must be none, auto, or a mapping of component to chip index such as {{text_encoder: 1, unet: 0}}, "
-        f"got {shown}"
+        f"must be none, auto, or a mapping of component to chip index such as {{text_encoder: 1, unet: 0}}, got {shown}"
     )
 
 

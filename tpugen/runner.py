@@ -394,10 +394,8 @@ def _check_fit(run: ResolvedRun, backend) -> None:
         plan = memory_plan_for(run, execution.chip, execution.chip_memory_gb)
     except Exception:  # a model tpugen cannot size is not refused for that; its report says why
         return
-    devices = getattr(backend, "devices", 1)
-    problem = plan and fit_problem(
-        plan, execution, devices if isinstance(devices, int) else len(devices), run.config.model.id
-    )
+    devices = backend.devices if execution.sharding == "spmd" else 1  # SpmdBackend counts its mesh's devices
+    problem = plan and fit_problem(plan, execution, devices, run.config.model.id)
     if problem:
         hint = "" if named else f" (if these chips are not {execution.chip}, set execution.chip)"
         raise InputError(problem + hint)
