@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import run_cli, tiny_config, write_config
+
+ROOT = Path(__file__).parent.parent
 
 
 def test_import_cli_loads_no_ml_stack():
@@ -32,3 +36,23 @@ def test_plan_prints_shape_keys_without_loading_a_model(tmp_path):
     assert "96x64 b2 cfg" in result.stdout
     assert "3 images in 2 batches" in result.stdout
     assert not (tmp_path / "outputs").exists()
+
+
+def test_plan_of_a_hub_model_starts_no_device_stack(tmp_path):
+    code = (
+        "import sys; from typer.testing import CliRunner; from tpugen.cli import app; "
+        "result = CliRunner().invoke(app, ['plan', 'configs/flux-schnell.yaml']); "
+        "print(result.exit_code, 'torch_xla' in sys.modules); print(result.stdout, file=sys.stderr)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    for attempt in ("cold", "warm"):  # the second plan reads the parameter counts tpugen kept
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env={**env, "TPUGEN_CACHE": str(tmp_path / "cache")},
+        )
+        assert proc.stdout.split() == ["0", "False"], (attempt, proc.stderr)
+        assert "PJRT" not in proc.stderr and "transformer" in proc.stderr

@@ -12,6 +12,7 @@ from conftest import run_cli, tiny_config, write_config
 
 from tpugen.config import all_keys, load_config
 
+_DECIMAL = "error: {key}: expected a decimal integer without leading zeros or ':', got '{value}'"
 # (case id, changes to the tiny config (None deletes a key), overrides, expected stderr lines)
 BAD_CONFIGS = [
     ("unknown key", {"stpes": 3}, [], ["error: stpes: unknown key (did you mean 'steps'?)"]),
@@ -23,6 +24,21 @@ BAD_CONFIGS = [
     ),
     ("wrong type", {"steps": "ten"}, [], ["error: steps: expected an integer, got 'ten'"]),
     ("string number", {"height": "64"}, [], ["error: height: expected an integer, got '64'"]),
+    (
+        "infinite guidance",
+        {},
+        ["guidance_scale=.inf"],
+        ["error: guidance_scale: must be a finite number, got inf"],
+    ),
+    (
+        "infinite chip memory",
+        {"execution": {"backend": "xla", "chip_memory_gb": float("inf")}},
+        [],
+        ["error: execution.chip_memory_gb: must be a finite number, got inf"],
+    ),
+    ("octal-looking seed override", {}, ["seed=0042"], [_DECIMAL.format(key="seed", value="0042")]),
+    ("base-60 steps override", {}, ["steps=1:30"], [_DECIMAL.format(key="steps", value="1:30")]),
+    ("hex seed override", {}, ["seed=0x10"], [_DECIMAL.format(key="seed", value="0x10")]),
     (
         "height 65",
         {"height": 65},
@@ -221,6 +237,11 @@ def test_missing_config_file(tmp_path):
         ("p.jsonl", b'{"prompt": " "}\n', "prompts_file:1: prompt is empty"),
         (
             "p.jsonl",
+            b'{"prompt": "a", "guidance_scale": Infinity}\n',
+            "prompts_file:1: Infinity is not a number JSON allows (give a finite number)",
+        ),
+        (
+            "p.jsonl",
             b'{"prompt": "a", "height": 65}\n',
             "prompts_file:1: height must be a positive multiple of 8, got 65",
         ),
@@ -237,6 +258,7 @@ def test_missing_config_file(tmp_path):
         "no-prompt",
         "bad-steps",
         "blank-prompt",
+        "infinite-guidance",
         "bad-height",
     ],
 )
@@ -328,3 +350,50 @@ def _flatten(data: dict, prefix: str = "") -> list[str]:
         else:
             keys.append(f"{prefix}{key}")
     return keys
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("seed: 0042\n", "seed: expected a decimal integer without leading zeros or ':', got '0042'"),
+        ("steps: 1:30\n", "steps: expected a decimal integer without leading zeros or ':', got '1:30'"),
+        ("seed: 0x10\n", "seed: expected a decimal integer without leading zeros or ':', got '0x10'"),
+        ("seed: 08\n", "seed: expected a decimal integer without leading zeros or ':', got '08'"),
+        ("guidance_scale: .inf\n", "guidance_scale: must be a finite number, got inf"),
+    ],
+    ids=["octal", "base-60", "hex", "leading-zero", "infinity"],
+)
+def test_numbers_in_the_config_file_are_read_as_written(tmp_path, text, expected):
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path))
+    config.write_text(config.read_text().replace("seed: 7\n", "").replace("steps: 3\n", "") + text)
+    result = run_cli("validate", config)
+    assert result.exit_code == 2
+    assert result.stderr == f"error: {expected}\n"
+
+
+def test_decimal_numbers_and_strings_that_look_like_numbers_round_trip(tmp_path):
+    config = tiny_config(tmp_path, seed=42, guidance_scale=1000.5, prompts=["1e3", "0042", "1:30", "yes"])
+    run = load_config(write_config(tmp_path / "c.yaml", config), ["steps=25"])
+    assert (run.config.seed, run.config.steps, run.config.guidance_scale) == (42, 25, 1000.5)
+    assert run.config.prompts == ["1e3", "0042", "1:30", "yes"]
+    # tpugen's own YAML reads back as the same config (the run directory's config.yaml, a resume).
+    (tmp_path / "again.yaml").write_text(run.to_yaml())
+    again = load_config(tmp_path / "again.yaml")
+    assert again.config == run.config and again.config_hash == run.config_hash
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85", "\x0c", "\x0b", "\x1c", "\x1d", "\x1e"])
+def test_prompt_files_break_lines_at_newlines_only(tmp_path, separator):
+    (tmp_path / "p.txt").write_text(f"a cat{separator}on a mat\r\na dog\n", encoding="utf-8", newline="")
+    (tmp_path / "p.jsonl").write_text(
+        f'{{"prompt": "an owl{separator}at night"}}\n{{"prompt": "a fox"}}\n', encoding="utf-8", newline=""
+    )
+    # JSON allows these characters raw in a string except the control characters (below U+0020).
+    names = ("p.txt", "p.jsonl") if ord(separator) >= 0x20 else ("p.txt",)
+    for name in names:
+        first = f"a cat{separator}on a mat" if name == "p.txt" else f"an owl{separator}at night"
+        config = tiny_config(tmp_path, prompts=None)
+        config.pop("prompts")
+        config["prompts_file"] = name
+        run = load_config(write_config(tmp_path / "c.yaml", config))
+        assert [p.prompt for p in run.prompts] == [first, "a dog" if name == "p.txt" else "a fox"]

@@ -207,8 +207,8 @@ def test_sigterm_reaches_every_rank_process_and_resume_finishes_the_run(tmp_path
     assert report["complete"] is False and report["error"] == "interrupted by SIGTERM"
     # Each rank process got the signal and stopped between batches, leaving its result.
     assert [(r["rank"], r["error"]) for r in report["ranks"]] == [
-        (0, "Interrupted: interrupted by SIGTERM"),
-        (1, "Interrupted: interrupted by SIGTERM"),
+        (0, "interrupted by SIGTERM"),
+        (1, "interrupted by SIGTERM"),
     ]
     kept = [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")]
     assert 1 <= len(kept) < len(prompts)
@@ -218,6 +218,7 @@ def test_sigterm_reaches_every_rank_process_and_resume_finishes_the_run(tmp_path
         "manifest.jsonl",
         "report.json",
         "report.md",
+        "run.json",
     ]
 
     result = run_cli("resume", run_dir, "--quiet")

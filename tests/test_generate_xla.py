@@ -27,7 +27,9 @@ def mean_abs_diff_255(a, b) -> float:
 
 def test_run_directory_holds_images_manifest_config_and_reports(xla_run):
     names = sorted(p.name for p in xla_run.iterdir())
-    assert names == sorted(EXPECTED_FILES + ["config.yaml", "grid.png", "manifest.jsonl", "report.json", "report.md"])
+    assert names == sorted(
+        EXPECTED_FILES + ["config.yaml", "grid.png", "manifest.jsonl", "report.json", "report.md", "run.json"]
+    )
     assert Image.open(xla_run / "grid.png").size == (128, 128)  # 3 images in a 2x2 sheet of 64 px cells
 
 

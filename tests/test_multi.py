@@ -65,6 +65,7 @@ def test_four_devices_make_each_image_once_like_one_chip(single, tmp_path):
         "manifest.jsonl",
         "report.json",
         "report.md",
+        "run.json",
     ]
     records = read_manifest(run_dir / "manifest.jsonl")
     assert [r["index"] for r in records] == list(range(10))

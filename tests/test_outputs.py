@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 from PIL import Image
@@ -78,3 +80,59 @@ def test_torn_manifest_line_is_skipped(tmp_path):
     path = tmp_path / "manifest.jsonl"
     path.write_text('{"index": 0}\n{"index": 1}\n{"ind')
     assert read_manifest(path) == [{"index": 0}, {"index": 1}]
+
+
+def parse_like_the_web_ui(text: str) -> tuple[str, str, str]:
+    """(prompt, negative prompt, settings line) as AUTOMATIC1111's parse_generation_parameters splits them:
+    the last line is the settings if it holds at least three `key: value` pairs; a line that starts with
+    "Negative prompt:" begins the negative prompt."""
+    import re
+
+    *lines, last = text.strip().split("\n")
+    if len(re.findall(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)', last)) < 3:
+        lines.append(last)
+        last = ""
+    prompt, negative, in_negative = "", "", False
+    for line in lines:
+        line = line.strip()
+        if line.startswith("Negative prompt:"):
+            in_negative, line = True, line[16:].strip()
+        if in_negative:
+            negative += ("" if not negative else "\n") + line
+        else:
+            prompt += ("" if not prompt else "\n") + line
+    return prompt, negative, last
+
+
+@pytest.mark.parametrize(
+    "prompt,negative",
+    [
+        ("a cat\nNegative prompt: a dog", ""),
+        ("a cat\nSteps: 99, Sampler: Fake, Seed: 1", "blurry"),
+        ("a cat", "ugly\nSteps: 99, Sampler: Fake, Seed: 1, Size: 8x8"),
+        ("a cat\u2028Negative prompt: x\r\ny", "z\x85w"),
+    ],
+)
+def test_a_prompt_cannot_forge_the_negative_prompt_or_the_settings(prompt, negative):
+    record = {**RECORD, "prompt": prompt, "negative_prompt": negative}
+    read_prompt, read_negative, settings = parse_like_the_web_ui(a1111_parameters(record))
+    assert read_prompt == " ".join(prompt.splitlines())  # line breaks became spaces, nothing else changed
+    assert read_negative == " ".join(negative.splitlines())
+    assert settings.startswith("Steps: 20, Sampler: DPM++ 2M Karras, CFG scale: 7.5, Seed: 42")
+
+
+def test_files_get_the_mode_an_ordinary_new_file_gets(tmp_path):
+    mask = os.umask(0o022)
+    os.umask(mask)
+    save_png(tmp_path / "x.png", Image.new("RGB", (8, 8)), RECORD)
+    assert stat.S_IMODE((tmp_path / "x.png").stat().st_mode) == 0o666 & ~mask
+
+
+def test_manifest_lines_end_at_newlines_only_and_non_records_are_skipped(tmp_path):
+    path = tmp_path / "manifest.jsonl"
+    path.write_text(
+        '{"index": 0, "prompt": "a\u2028b\x85c"}\r\n[1, 2]\nnull\n{"file": "x.png"}\n{"index": 1}\n',
+        encoding="utf-8",
+        newline="",
+    )
+    assert read_manifest(path) == [{"index": 0, "prompt": "a\u2028b\x85c"}, {"index": 1}]

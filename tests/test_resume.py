@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -17,7 +18,9 @@ from conftest import generate, run_cli, tiny_config, write_config
 from PIL import Image
 
 import tpugen.outputs
+import tpugen.runner
 from tpugen.outputs import read_manifest
+from tpugen.report import session_summary
 
 TPUGEN = str(Path(sys.executable).parent / "tpugen")
 KILL_PROMPTS = [
@@ -71,6 +74,14 @@ def test_sigterm_after_the_second_batch_then_resume_gives_the_same_files(referen
     report = json.loads((run_dir / "report.json").read_text())
     assert report["complete"] is True
     assert (report["images"], report["images_reused"]) == (len(KILL_PROMPTS), done)
+    # The killed session's figures stay in the report beside the resumed one's.
+    [killed] = report["earlier_sessions"]
+    assert (killed["images"], killed["error"], len(killed["timed_phase"]["batches"])) == (
+        done,
+        "interrupted by SIGTERM",
+        done,
+    )
+    assert "## Earlier sessions of this run (1;" in (run_dir / "report.md").read_text()
     assert image_bytes(run_dir) == image_bytes(reference)  # the same bytes, image for image
     assert [r["index"] for r in read_manifest(manifest)] == list(range(len(KILL_PROMPTS)))
     print(f"killed after {killed_after:.1f} s with {done} images; resume took {resume_seconds:.1f} s")
@@ -93,7 +104,10 @@ def test_torn_manifest_and_missing_image_resume(reference, tmp_path):
     records = read_manifest(run_dir / "manifest.jsonl")
     assert [r["index"] for r in records] == list(range(len(KILL_PROMPTS)))
     assert records[-1]["file"] == last["file"]
-    assert json.loads((run_dir / "report.json").read_text())["images_reused"] == len(KILL_PROMPTS) - 3
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["images_reused"] == len(KILL_PROMPTS) - 3
+    first = json.loads((reference / "report.json").read_text())
+    assert report["earlier_sessions"] == [session_summary(first)]
 
 
 def test_resume_with_a_config_that_changes_images_is_refused(xla_run, tmp_path):
@@ -156,3 +170,125 @@ def test_hostile_prompts_give_safe_files_and_exact_metadata(tmp_path, monkeypatc
         assert json.loads(image.text["tpugen"])["prompt"] == prompt
     for file in run_dir.iterdir():
         assert b"hf_secret_token_value_123" not in file.read_bytes(), file.name
+
+
+def files_and_times(run_dir: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run_dir.iterdir())}
+
+
+def test_resuming_a_complete_run_loads_nothing_and_rewrites_nothing(cpu_run, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    shutil.copytree(cpu_run, run_dir)
+    before = files_and_times(run_dir)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a complete run must not load its model")
+
+    monkeypatch.setattr(tpugen.runner, "load", no_loading)
+    for command in (["resume", run_dir], ["generate", run_dir / "config.yaml", "--resume", run_dir]):
+        result = run_cli(*command)
+        assert result.exit_code == 0, result.output
+        assert result.stdout.splitlines() == [
+            f"{run_dir} is complete: 3 of 3 images; nothing to do",
+            f"images: {run_dir}",
+            f"report: {run_dir / 'report.md'}",
+        ]
+        assert files_and_times(run_dir) == before
+
+
+def test_every_file_and_folder_gets_the_ordinary_mode(cpu_run):
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert stat.S_IMODE(cpu_run.stat().st_mode) == 0o777 & ~mask
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in cpu_run.iterdir()}
+    assert modes == dict.fromkeys(modes, 0o666 & ~mask), modes
+
+
+def cut_last_image(run_dir: Path) -> None:
+    """What a kill after the first batch leaves: the last batch's image and manifest line are missing."""
+    lines = (run_dir / "manifest.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / json.loads(lines[-1])["file"]).unlink()
+    (run_dir / "manifest.jsonl").write_text("".join(lines[:-1]))
+
+
+def test_resume_keeps_the_prompts_and_config_the_run_started_with(tmp_path):
+    (tmp_path / "p.txt").write_text("a lighthouse\na red fox\nan astronaut\n")
+    config = tiny_config(tmp_path, prompts=None, execution={"backend": "cpu"})
+    config.pop("prompts")
+    config["prompts_file"] = "p.txt"
+    path = write_config(tmp_path / "c.yaml", config)
+    assert run_cli("generate", path, "--quiet").exit_code == 0
+    run_dir = tmp_path / "outputs" / "run"
+    reference = image_bytes(run_dir)
+    cut_last_image(run_dir)
+    (tmp_path / "p.txt").write_text("a lighthouse\na red fox\na different third line\nand a fourth\n")
+
+    # The user's edited config makes other images: refused, naming the prompts.
+    result = run_cli("generate", path, "--resume", run_dir, "--quiet")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"error: --resume: the config differs from the run in {run_dir} in keys that change images: "
+        "prompts_file (its prompts)\n"
+    )
+    # The run's own config resumes with the prompts the run started with, whatever the file says now.
+    result = run_cli("resume", run_dir, "--quiet")
+    assert result.exit_code == 0, result.output
+    assert image_bytes(run_dir) == reference
+    records = read_manifest(run_dir / "manifest.jsonl")
+    assert [r["index"] for r in records] == [0, 1, 2] and len({r["config_hash"] for r in records}) == 1
+    assert json.loads((run_dir / "report.json").read_text())["images_planned"] == 3
+
+    # An edit of the run's own config.yaml that changes images is refused too.
+    cut_last_image(run_dir)
+    config_yaml = run_dir / "config.yaml"
+    config_yaml.write_text(
+        config_yaml.read_text().replace("steps: 3\n", "steps: 4\n").replace("seed: 7\n", "seed: 8\n")
+    )
+    result = run_cli("resume", run_dir, "--quiet")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"error: --resume: the config differs from the run in {run_dir} in keys that change images: seed, steps\n"
+    )
+
+
+def test_manifest_lines_that_are_not_this_runs_records_are_named_and_ignored(cpu_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(cpu_run, run_dir)
+    reference = image_bytes(run_dir)
+    cut_last_image(run_dir)
+    first = read_manifest(run_dir / "manifest.jsonl")[0]
+    with open(run_dir / "manifest.jsonl", "a") as manifest:
+        manifest.write('[1, 2]\nnull\n{"file": "x.png"}\n')
+        manifest.write(json.dumps({**first, "index": 99}) + "\n")  # a valid PNG, but no image of this plan
+        manifest.write(json.dumps({**first, "index": 2}) + "\n")  # index 2's record must name index 2's file
+
+    result = run_cli("resume", run_dir, "--quiet")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        "warning: manifest.jsonl line 3: not an image record ([1, 2]); ignored",
+        "warning: manifest.jsonl line 4: not an image record (null); ignored",
+        "warning: manifest.jsonl line 5: no image index; ignored",
+        "warning: manifest.jsonl line 6: image 99 is not in this run's plan (3 images); ignored",
+        f"warning: manifest.jsonl line 7: image 2 is not {sorted(reference)[2]}; ignored",
+    ]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert (report["images"], report["images_planned"], report["images_reused"]) == (3, 3, 2)
+    assert image_bytes(run_dir) == reference
+    assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == [0, 1, 2]
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("mode", ["single", "multi"])
+def test_a_model_that_cannot_load_leaves_no_run_and_says_why_in_one_line(tmp_path, mode):
+    config = tiny_config(tmp_path, model={"id": "some-org/not-in-the-cache"}, execution={"mode": mode, "cores": 2})
+    if mode == "single":
+        config["execution"].pop("cores")
+    path = write_config(tmp_path / "c.yaml", config)
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([TPUGEN, "generate", str(path), "--quiet"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        "error: model.id: cannot load 'some-org/not-in-the-cache': offline: the hub cannot be reached and the model "
+        "is not in the local cache (HF_HOME)\n"
+    )
+    assert not (tmp_path / "outputs" / "run").exists()

@@ -108,7 +108,7 @@ def plan(
     run = load_config(config, overrides or [])
     _print_plan(plan_run(run))
     execution = run.config.execution
-    memory = memory_plan_for(run, execution.chip, execution.chip_memory_gb)
+    memory = memory_plan_for(run, execution.chip, execution.chip_memory_gb, device_free=True)
     if memory is None:
         out.print(f"memory: {run.config.model.id} is neither on disk nor known to tpugen; no memory plan")
         return
@@ -203,6 +203,9 @@ class _RichDisplay:
             self._bar.stop()
             self._bar = None
 
+    def warning(self, text: str) -> None:
+        typer.echo(f"warning: {text}", err=True)
+
 
 def _print_summary(report: dict) -> None:
     timed = report["timed_phase"]
@@ -215,9 +218,10 @@ def _print_summary(report: dict) -> None:
         compiles = "" if entry["compiles"] is None else f", {entry['compiles']} graphs"
         rank = f"rank {entry['rank']} " if "rank" in entry else ""
         table.add_row(f"{rank}warmup {entry['shape_key']} s", f"{entry['seconds']:.2f}{compiles}")
-    table.add_row("timed phase s", f"{timed['wall_seconds']:.2f}")
-    table.add_row("per image s (mean)", f"{timed['per_image_seconds']['mean']:.3f}")
-    table.add_row("images per s", f"{timed['images_per_second']:.2f}")
+    show = lambda v, fmt: "n/a" if v is None else fmt.format(v)  # noqa: E731
+    table.add_row("timed phase s", show(timed["wall_seconds"], "{:.2f}"))
+    table.add_row("per image s (mean)", show(timed["per_image_seconds"]["mean"], "{:.3f}"))
+    table.add_row("images per s", show(timed["images_per_second"], "{:.2f}"))
     after = report["compiles_after_warmup"]
     table.add_row("compiles after warmup", "n/a (eager)" if after is None else str(after))
     out.print(table)
@@ -288,9 +292,11 @@ def _set_backend_environment(run) -> None:
 
 
 def _finish(report: dict, quiet: bool) -> None:
-    if not quiet:
-        _print_summary(report)
     run_dir = report["run_dir"]
+    if report.get("already_complete"):
+        typer.echo(f"{run_dir} is complete: {report['images']} of {report['images_planned']} images; nothing to do")
+    elif not quiet:
+        _print_summary(report)
     typer.echo(f"images: {run_dir}")
     typer.echo(f"report: {Path(run_dir) / 'report.md'}")
 
@@ -302,13 +308,12 @@ def resume(
     quiet: Quiet = False,
 ) -> None:
     """Finish an interrupted run from its own config.yaml: finished images are kept, the rest are made."""
-    from tpugen.config import load_config
-    from tpugen.errors import InputError
+    from tpugen.resume import load_run
     from tpugen.runner import generate as run_generate
 
-    if not (run_dir / "config.yaml").is_file():
-        raise InputError(f"{run_dir}: not a tpugen run directory (no config.yaml)")
-    report = run_generate(load_config(run_dir / "config.yaml"), display=_RichDisplay(quiet), resume_dir=run_dir)
+    run = load_run(run_dir)
+    _set_backend_environment(run)
+    report = run_generate(run, display=_RichDisplay(quiet), resume_dir=run_dir)
     _finish(report, quiet)
 
 
@@ -344,7 +349,9 @@ def warmup(config: ConfigPath, overrides: Overrides = None, quiet: Quiet = False
     from tpugen.config import load_config
     from tpugen.runner import warmup_only
 
-    result = warmup_only(load_config(config, overrides or []), display=_RichDisplay(quiet))
+    run = load_config(config, overrides or [])
+    _set_backend_environment(run)
+    result = warmup_only(run, display=_RichDisplay(quiet))
     table = Table(title=f"warmup on {result['device']['backend']} ({result['device']['device_kind']})")
     for column in ("shape key", "wall s", "compile s", "graphs compiled", "cache hits", "cache misses"):
         table.add_column(column, justify="right")

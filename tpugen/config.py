@@ -17,13 +17,15 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from tpugen.errors import InputError
 from tpugen.families import family_of, model_defaults
+from tpugen.lines import text_lines
 from tpugen.models import ModelSource, classify_model_id
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
 
 
 class _Section(BaseModel):
     # strict: YAML already types its values, so "20" for steps is a mistake worth naming, not coercing.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # No infinities: guidance_scale .inf runs to all-black images, chip_memory_gb .inf plans nothing.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -226,6 +228,50 @@ class ResolvedRun:
         return dump_config(self.config)
 
 
+# ---------------------------------------------------------------- reading YAML as written
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """yaml.safe_load with YAML 1.2's numbers instead of YAML 1.1's.
+
+    YAML 1.1 reads `seed: 0042` as octal 34, `steps: 1:30` as 90 (base 60) and `0x10` as 16. Here an
+    integer is decimal digits with an optional sign and no leading zero, and a float has a decimal point
+    (as in YAML 1.1, so `1e3` stays text); anything else stays a string, which the schema then refuses with
+    the key's name.
+    """
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(0|[1-9][0-9]*)$"), list("-+0123456789"))
+_YamlLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(r"^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+class _YamlDumper(yaml.SafeDumper):
+    """Quotes every string that either YAML 1.1 or tpugen's loader would read as something else ("1e3",
+    "0042"), so a config written by tpugen reads back the same anywhere."""
+
+
+_YamlDumper.yaml_implicit_resolvers = {
+    first: list(resolvers) + [r for r in _YamlLoader.yaml_implicit_resolvers.get(first, []) if r not in resolvers]
+    for first, resolvers in yaml.SafeDumper.yaml_implicit_resolvers.items()
+}
+for _first, _resolvers in _YamlLoader.yaml_implicit_resolvers.items():
+    _YamlDumper.yaml_implicit_resolvers.setdefault(_first, list(_resolvers))
+
+
+def yaml_load(text: str) -> Any:
+    """A YAML document read safely (no tags, no objects), numbers as YAML 1.2 reads them."""
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 -- a SafeLoader subclass
+
+
 # ---------------------------------------------------------------- schema walking
 
 
@@ -302,7 +348,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> list[str]:
             value: Any = raw
         else:
             try:
-                value = yaml.safe_load(raw) if raw.strip() else None
+                value = yaml_load(raw) if raw.strip() else None
             except yaml.YAMLError:
                 problems.append(f"{key}: cannot read the value {raw!r}")
                 continue
@@ -352,6 +398,10 @@ def _describe(value: Any) -> str:
     return f"{value!r}"
 
 
+# What YAML 1.1 would have read as an integer and tpugen reads as text: octal, hex, base 60.
+_YAML11_INTEGER = re.compile(r"[-+]?(0[0-9_]+|0[xXoObB][0-9a-fA-F_]+|[0-9]+(:[0-5]?[0-9])+)")
+
+
 def _format_error(err: dict) -> str:
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
     where = _dotted(loc)
@@ -361,8 +411,12 @@ def _format_error(err: dict) -> str:
         return f"{where}: unknown key{_suggest(str(loc[-1]), _field_names(section))}"
     if kind == "missing":
         return f"{where}: required key is missing"
+    if kind == "int_type" and isinstance(err.get("input"), str) and _YAML11_INTEGER.fullmatch(err["input"]):
+        return f"{where}: expected a decimal integer without leading zeros or ':', got {err['input']!r}"
     if kind in _TYPE_NAMES:
         return f"{where}: expected {_TYPE_NAMES[kind]}, got {_describe(err.get('input'))}"
+    if kind == "finite_number":
+        return f"{where}: must be a finite number, got {_describe(err.get('input'))}"
     if kind == "literal_error":
         return f"{where}: {err['msg'].replace('Input should be', 'must be')}, got {_describe(err.get('input'))}"
     if kind == "value_error":
@@ -375,6 +429,10 @@ def _format_error(err: dict) -> str:
 # ---------------------------------------------------------------- prompt files
 
 _JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width"}
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows (give a finite number)")
 
 
 def _read_prompt_file(path: Path, problems: list[str]) -> list[dict]:
@@ -397,16 +455,19 @@ def _read_prompt_file(path: Path, problems: list[str]) -> list[dict]:
         problems.append(f"{where}: {str(path)!r} is not UTF-8 (bad byte at offset {exc.start})")
         return []
     entries: list[dict] = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text_lines(text), start=1):
         if not line.strip():
             continue
         if path.suffix == ".txt":
             entries.append({"prompt": line.strip(), "_line": number})
             continue
         try:
-            entry = json.loads(line)
+            entry = json.loads(line, parse_constant=_no_constant)
         except json.JSONDecodeError as exc:
             problems.append(f"{where}:{number}: not valid JSON ({exc.msg})")
+            continue
+        except ValueError as exc:
+            problems.append(f"{where}:{number}: {exc}")
             continue
         if not isinstance(entry, dict):
             problems.append(f"{where}:{number}: expected a JSON object with a 'prompt' key")
@@ -475,7 +536,7 @@ def read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise InputError(f"{path}: is not a file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise InputError(f"{path}: is not UTF-8 text") from None
     except yaml.YAMLError as exc:
@@ -490,15 +551,20 @@ def read_yaml(path: Path) -> dict:
     return data
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> ResolvedRun:
+def load_config(path: str | Path, overrides: list[str] = (), *, prompts: list[PromptSpec] | None = None) -> ResolvedRun:
     """Read, override, validate and resolve a run config. Raises InputError listing every problem."""
     path = Path(path)
     data = read_yaml(path)
-    return resolve(data, overrides, base_dir=path.resolve().parent)
+    return resolve(data, overrides, base_dir=path.resolve().parent, prompts=prompts)
 
 
-def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> ResolvedRun:
-    """Validate a config mapping; fill defaults; make paths absolute; read the prompts."""
+def resolve(
+    data: dict, overrides: list[str] = (), *, base_dir: Path, prompts: list[PromptSpec] | None = None
+) -> ResolvedRun:
+    """Validate a config mapping; fill defaults; make paths absolute; read the prompts.
+
+    With `prompts` (a run's own, as it recorded them), those are the prompts and no prompts file is read."""
+    given = prompts
     data = json.loads(json.dumps(data, default=str))  # a deep copy we may edit
     problems = apply_overrides(data, list(overrides))
     try:
@@ -561,7 +627,9 @@ def resolve(data: dict, overrides: list[str] = (), *, base_dir: Path) -> Resolve
         config.width = config.width or defaults["width"]
 
     prompts: list[PromptSpec] = []
-    if config.prompts is not None and config.prompts_file is not None:
+    if given is not None:
+        prompts = list(given)
+    elif config.prompts is not None and config.prompts_file is not None:
         problems.append("prompts: give either prompts or prompts_file, not both")
     elif config.prompts is None and config.prompts_file is None:
         problems.append("prompts: no prompts given; set prompts (a list) or prompts_file (.txt or .jsonl)")
@@ -664,4 +732,4 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
 
 def dump_config(config: RunConfig) -> str:
     """The resolved config as YAML, keys in schema order."""
-    return yaml.safe_dump(config.model_dump(), sort_keys=False, allow_unicode=True, width=1000)
+    return yaml.dump(config.model_dump(), Dumper=_YamlDumper, sort_keys=False, allow_unicode=True, width=1000)

@@ -6,9 +6,12 @@ that are not on disk, from each component built from its config on the meta devi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,14 +230,64 @@ def directory_parameters(model_dir: Path, variant: str | None = None) -> dict[st
     return counts
 
 
-def meta_parameters(components: dict[str, tuple[str, dict]]) -> dict[str, int]:
-    """Parameters of each component built from its config on the meta device: no memory, no download."""
+def _without_torch_xla() -> None:
+    """Keep torch_xla unimported while model classes are imported: diffusers, accelerate and transformers
+    import it at their own import when it is installed, which starts nothing useful for planning and logs
+    "Defaulting to PJRT_DEVICE=CPU". Only for a process that plans and exits (`tpugen plan`): a run needs
+    their XLA paths, so nothing changes once any of them is loaded."""
+    if {"diffusers", "transformers", "accelerate", "torch_xla"} & set(sys.modules):
+        return
+    os.environ["USE_TORCH_XLA"] = "0"  # accelerate and transformers read it
+    import diffusers.utils.import_utils as diffusers_imports  # imports no model code yet
+
+    diffusers_imports._torch_xla_available = False
+
+
+def _counts_cache() -> Path:
+    from tpugen.models import cache_root
+
+    return cache_root() / "parameter-counts.json"
+
+
+def _count_key(class_name: str, config: dict) -> str:
+    from importlib import metadata
+
+    versions = []
+    for package in ("diffusers", "transformers"):
+        try:
+            versions.append(metadata.version(package))
+        except metadata.PackageNotFoundError:
+            versions.append(None)
+    payload = json.dumps([class_name, config, versions], sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def meta_parameters(components: dict[str, tuple[str, dict]], *, device_free: bool = False) -> dict[str, int]:
+    """Parameters of each component built from its config on the meta device: no memory, no download.
+
+    Counts are kept in tpugen's cache, keyed by class, config and library versions, so planning the same
+    model again imports no model code at all. With `device_free`, torch_xla stays unimported.
+    """
+    cache_file = _counts_cache()
+    try:
+        known = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    keys = {name: _count_key(class_name, config) for name, (class_name, config) in components.items()}
+    if all(isinstance(known.get(key), int) for key in keys.values()):
+        return {name: known[key] for name, key in keys.items()}
+
+    if device_free:
+        _without_torch_xla()
     import diffusers
     import torch
     import transformers
 
     counts = {}
     for name, (class_name, config) in components.items():
+        if isinstance(known.get(keys[name]), int):
+            counts[name] = known[keys[name]]
+            continue
         with torch.device("meta"):
             if hasattr(diffusers, class_name):
                 model = getattr(diffusers, class_name)(**config)
@@ -243,6 +296,13 @@ def meta_parameters(components: dict[str, tuple[str, dict]]) -> dict[str, int]:
                 config_class = model_class.config_class
                 model = model_class(config_class(**config))
         counts[name] = sum(p.numel() for p in model.parameters())
+    try:
+        from tpugen.outputs import write_json
+
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        write_json(cache_file, {**known, **{keys[name]: count for name, count in counts.items()}})
+    except OSError:  # a cache that cannot be written only costs the next plan its speed
+        pass
     return counts
 
 
@@ -276,18 +336,28 @@ def plan_memory(counts: dict[str, int], *, dtype: str, chip: str, chip_gb: float
     return MemoryPlan(components, source, chip, capacity / 1e9, verdict, chips, advice)
 
 
-def memory_plan_for(run, chip: str = "v5e", chip_gb: float | None = None) -> MemoryPlan | None:
-    """The memory plan of a resolved run, or None when neither its files nor its configs are known here."""
+def memory_plan_for(
+    run, chip: str = "v5e", chip_gb: float | None = None, *, device_free: bool = False
+) -> MemoryPlan | None:
+    """The memory plan of a resolved run, or None when neither its files nor its configs are known here.
+
+    `device_free`: the caller only plans (`tpugen plan`), so torch_xla must not be started for it."""
     source = run.model_source
     dtype = run.config.model.dtype
     if source.kind == "builtin":
         from tpugen.tiny import builtin_path
 
+        if device_free:
+            _without_torch_xla()  # a built-in not built yet is built here
+
         counts, how = directory_parameters(builtin_path(source.ref)), "safetensors headers"
     elif source.kind == "local":
         counts, how = directory_parameters(Path(source.ref), run.config.model.variant), "safetensors headers"
     elif source.ref in KNOWN_COMPONENTS:
-        counts, how = meta_parameters(KNOWN_COMPONENTS[source.ref]), "configs on the meta device"
+        counts, how = (
+            meta_parameters(KNOWN_COMPONENTS[source.ref], device_free=device_free),
+            "configs on the meta device",
+        )
     else:
         return None
     return plan_memory(counts, dtype=dtype, chip=chip, chip_gb=chip_gb, source=how)

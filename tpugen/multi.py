@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import threading
 import time
@@ -15,15 +16,17 @@ from pathlib import Path
 
 from tpugen.backends import Backend, Counters, host_index, launch_ranks, make_backend
 from tpugen.config import ResolvedRun, dump_config
-from tpugen.errors import Interrupted, RunError
+from tpugen.errors import Interrupted, RunError, TpugenError
 from tpugen.outputs import atomic_write_text, write_json
 from tpugen.plan import plan_run, plan_share
 from tpugen.pod import pod_position
-from tpugen.resume import all_records, check_resumable, finished_records, rewrite_manifest
+from tpugen.resume import all_records, check_resumable, finished_records, rewrite_manifest, write_run_record
 from tpugen.runner import (
     RunDisplay,
     TimedPhase,
+    already_complete,
     build_report,
+    earlier_sessions_of,
     make_run_dir,
     persistent_cache_summary,
     run_batches,
@@ -127,6 +130,13 @@ def rank_main(index: int, run: ResolvedRun, run_dir: str, finished: frozenset[in
     run_rank(index, run, Path(run_dir), finished, join, lambda exc: _MEETING.abort())
 
 
+def error_line(exc: BaseException) -> str:
+    """A rank's failure in one line: tpugen's own errors as worded, anything else with its type."""
+    if isinstance(exc, TpugenError) and exc.lines:
+        return exc.lines[0]
+    return (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0]
+
+
 def run_rank(
     rank: int,
     run: ResolvedRun,
@@ -144,7 +154,7 @@ def run_rank(
         result.update(_rank_work(run, run_dir, finished, result, backend, join(backend)))
     except BaseException as exc:  # report, and release the ranks waiting for this one
         abort(exc)
-        result["error"] = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0]
+        result["error"] = error_line(exc)
         result["traceback"] = traceback.format_exc()
     write_json(run_dir / f"rank-{result['rank']}.json", result)
     return result
@@ -273,15 +283,22 @@ def run_multi(run: ResolvedRun, *, display: RunDisplay | None = None, resume_dir
         launcher = TorchrunLaunch(run)
     full_plan = plan_run(run)
     finished: dict[int, dict] = {}
+    earlier: list[dict] = []
     if resume_dir is not None:
         run_dir = Path(resume_dir).resolve()
         check_resumable(run, run_dir)
-        finished = finished_records(run_dir)
+        finished, problems = finished_records(run_dir, run)
+        for problem in problems:
+            display.warning(problem)
+        if len(finished) == len(full_plan.items):
+            return already_complete(run_dir, len(full_plan.items), finished)
+        earlier = earlier_sessions_of(run_dir)
         run_id = run_dir.name
     else:
         run_id = run_id_for(run)
         run_dir = make_run_dir(run, run_id)
         atomic_write_text(run_dir / "config.yaml", dump_config(run.config))
+        write_run_record(run_dir, run, run_id)
     for stale in run_dir.glob("rank-*.json"):
         stale.unlink()
 
@@ -332,7 +349,13 @@ def run_multi(run: ResolvedRun, *, display: RunDisplay | None = None, resume_dir
 
     if stopped:
         failures = [f"interrupted by {signal.Signals(stopped[0]).name}"]
+    elif resume_dir is None and results and not records and all("load_seconds" not in r for r in results):
+        # No rank got its model loaded (a bad model id, offline, gated): no run to resume, so none is left.
+        launcher.finish(run_dir, ok=False)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise RunError(*(dict.fromkeys(r["error"] for r in results if r.get("error")) or failures))
     report = _merged_report(run, run_id, run_dir, full_plan, results, finished, wall, "; ".join(failures) or None)
+    report["earlier_sessions"] = earlier
     report.update(launcher.report_fields())
     write_report(run_dir, report)
     launcher.finish(run_dir, ok=not failures)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from PIL import Image, PngImagePlugin
 
+from tpugen.lines import text_lines
+
 SLUG_MAX = 40
 GRID_MAX_IMAGES = 64
 GRID_CELL_MAX = 256
@@ -37,6 +39,13 @@ def inside(run_dir: Path, name: str) -> Path:
     return path
 
 
+def _one_line(text: str) -> str:
+    """Line breaks (any that a reader may split on) as spaces: the web UI's text format has no escape, so a
+    prompt holding one could forge the negative prompt or the settings line. The exact text stays in the
+    `tpugen` chunk and the manifest."""
+    return " ".join(text.splitlines())
+
+
 def _a1111_value(value: object) -> str:
     text = str(value)
     # The format splits on ", " and ": ", so a value holding either (or a newline) is JSON-quoted.
@@ -45,9 +54,9 @@ def _a1111_value(value: object) -> str:
 
 def a1111_parameters(record: dict) -> str:
     """The `parameters` text that AUTOMATIC1111-compatible tools read from a PNG."""
-    lines = [record["prompt"]]
+    lines = [_one_line(record["prompt"])]
     if record.get("negative_prompt"):
-        lines.append(f"Negative prompt: {record['negative_prompt']}")
+        lines.append(f"Negative prompt: {_one_line(record['negative_prompt'])}")
     fields = {
         "Steps": record["steps"],
         "Sampler": record["scheduler"],
@@ -61,10 +70,27 @@ def a1111_parameters(record: dict) -> str:
     return "\n".join(lines)
 
 
+def _new_file_mode() -> int:
+    """The mode an ordinary new file gets under this process's umask (0644 under 022).
+
+    Read once, at import: os.umask can only be read by setting it, which must not race with rank threads
+    that create files."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+NEW_FILE_MODE = _new_file_mode()
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same directory, then rename: a crash leaves all or nothing."""
+    """Write via a temporary file in the same directory, then rename: a crash leaves all or nothing.
+
+    The temporary file is private (0600) while it is written; it gets an ordinary file's mode before the rename.
+    """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, NEW_FILE_MODE)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -110,13 +136,16 @@ class Manifest:
 
 
 def read_manifest(path: Path) -> list[dict]:
-    """The manifest's records; a torn last line (a crash mid-write) is skipped."""
+    """The manifest's image records; a torn last line (a crash mid-write), or a line that is not a record, is
+    skipped."""
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in text_lines(path.read_text(encoding="utf-8")):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict) and type(record.get("index")) is int:  # anything else is not an image's
+            records.append(record)
     return records
 
 

@@ -26,6 +26,24 @@ def latency_summary(per_image: list[float]) -> dict:
     }
 
 
+def session_summary(report: dict) -> dict:
+    """One session's own figures from the report it left (a resumed run has one session per start)."""
+    timed = report.get("timed_phase") or {}
+    return {
+        "finished_utc": report.get("finished_utc"),
+        "complete": report.get("complete"),
+        "error": report.get("error"),
+        "images": report.get("images_this_session", report.get("images")),
+        "device": report.get("device"),
+        "model_load_seconds": report.get("model_load_seconds"),
+        "warmup_seconds": report.get("warmup_seconds"),
+        "warmup": report.get("warmup"),
+        "timed_phase": timed,
+        "compiles_after_warmup": report.get("compiles_after_warmup"),
+        "recompiles": report.get("recompiles"),
+    }
+
+
 def _fmt(value, digits: int = 3) -> str:
     if value is None:
         return "n/a"
@@ -195,6 +213,26 @@ def render_markdown(report: dict) -> str:
                 f"| {r['rank']} | {r['images']} | {_fmt(r['warmup_seconds'], 2)} | {r['warmup_compiles']} "
                 f"| {_fmt(r['per_image_seconds'])} | {_fmt(r['timed_wall_seconds'], 2)} "
                 f"| {_fmt(r['compiles_after_warmup'])} | {r['error'] or ''} |"
+            )
+    earlier = report.get("earlier_sessions") or []
+    if earlier:
+        lines += [
+            "",
+            f"## Earlier sessions of this run ({len(earlier)}; the figures above are this session's)",
+            "",
+            "| session | finished (UTC) | images | load s | warmup s | timed wall s | images/s | s per image "
+            "| compiles after warmup | ended |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for number, session in enumerate(earlier, start=1):
+            timed_then = session.get("timed_phase") or {}
+            per_image = (timed_then.get("per_image_seconds") or {}).get("mean")
+            lines.append(
+                f"| {number} | {session.get('finished_utc') or 'n/a'} | {_fmt(session.get('images'))} "
+                f"| {_fmt(session.get('model_load_seconds'), 2)} | {_fmt(session.get('warmup_seconds'), 2)} "
+                f"| {_fmt(timed_then.get('wall_seconds'), 2)} | {_fmt(timed_then.get('images_per_second'), 2)} "
+                f"| {_fmt(per_image)} | {_fmt(session.get('compiles_after_warmup'))} "
+                f"| {session.get('error') or 'complete'} |"
             )
     lines += ["", "| batch | shape key | images | seconds | compiles |", "| --- | --- | --- | --- | --- |"]
     for b in timed["batches"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import threading
@@ -30,8 +31,8 @@ from tpugen.outputs import (
 )
 from tpugen.plan import Batch, RunPlan, ShapeKey, plan_run, plan_share
 from tpugen.pod import pod_position
-from tpugen.report import latency_summary, render_markdown
-from tpugen.resume import check_resumable, finished_records, rewrite_manifest
+from tpugen.report import latency_summary, render_markdown, session_summary
+from tpugen.resume import check_resumable, finished_records, rewrite_manifest, write_run_record
 
 
 class RunDisplay:
@@ -46,6 +47,9 @@ class RunDisplay:
     def progress(self, done: int, total: int) -> None: ...
 
     def finished(self) -> None: ...
+
+    def warning(self, text: str) -> None:
+        """Something the user should know even under --quiet (a damaged manifest line, say)."""
 
 
 class GracefulStop:
@@ -266,6 +270,7 @@ def build_report(
     images_reused: int = 0,
     error: str | None = None,
     pod: tuple[int, int] = (0, 1),
+    earlier_sessions: list[dict] = (),
 ) -> dict:
     """report.json's content. `error` marks a run that stopped early; what it finished is still listed."""
     rows = phase.batches
@@ -324,6 +329,7 @@ def build_report(
             if counters
             else None
         ),
+        "earlier_sessions": list(earlier_sessions),
         "files": {"manifest": "manifest.jsonl", "config": "config.yaml", "grid": "grid.png"},
     }
 
@@ -349,6 +355,46 @@ def _total(values) -> float | None:
 def write_report(run_dir: Path, report: dict) -> None:
     write_json(run_dir / "report.json", report)
     atomic_write_text(run_dir / "report.md", render_markdown(report))
+
+
+def read_report(run_dir: Path) -> dict | None:
+    """The run's report.json as an earlier session left it, or None (none yet, or unreadable)."""
+    try:
+        report = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def earlier_sessions_of(run_dir: Path) -> list[dict]:
+    """Every earlier session's figures, from the report the last one left: a resume never drops them."""
+    previous = read_report(run_dir)
+    if previous is None or "timed_phase" not in previous:
+        return []
+    return [*previous.get("earlier_sessions", []), session_summary(previous)]
+
+
+def already_complete(run_dir: Path, images_planned: int, finished: dict[int, dict]) -> dict:
+    """A resume with nothing left to make: load no model, rewrite nothing, say so.
+
+    A run that finished every image but stopped before its final report (killed in between) gets that report
+    now, from the last one it wrote."""
+    report = read_report(run_dir)
+    if report is None or not report.get("complete"):
+        rewrite_manifest(run_dir, finished)
+        write_grid(run_dir, sorted(run_dir.glob("[0-9]*.png")))
+        report = {**(report or {"run_id": run_dir.name, "run_dir": str(run_dir)}), "complete": True, "error": None}
+        report["images"] = len(finished)
+        write_json(run_dir / "report.json", report)
+        if "timed_phase" in report:
+            atomic_write_text(run_dir / "report.md", render_markdown(report))
+    return {
+        **report,
+        "run_dir": str(run_dir),
+        "already_complete": True,
+        "images": len(finished),
+        "images_planned": images_planned,
+    }
 
 
 def write_grid(run_dir: Path, images: list[Path]) -> None:
@@ -461,14 +507,20 @@ def generate(
 
         return run_multi(run, display=display, resume_dir=resume_dir)
     finished: dict[int, dict] = {}
+    earlier: list[dict] = []
     if resume_dir is not None:
         resume_dir = Path(resume_dir).resolve()
         check_resumable(run, resume_dir)
-        finished = finished_records(resume_dir)
+        finished, problems = finished_records(resume_dir, run)
+        for problem in problems:
+            display.warning(problem)
+        earlier = earlier_sessions_of(resume_dir)
     # On a pod, this worker takes the images whose index % workers == its index.
     worker, workers = pod_position(run.config.execution.pod, os.environ, host_index)
     full_plan = plan_share(run, workers, worker)
     plan = plan_share(run, workers, worker, frozenset(finished))
+    if resume_dir is not None and not plan.batches:
+        return already_complete(resume_dir, len(full_plan.items), finished)
 
     with GracefulStop(display) as stop:
         loaded, load_seconds = load(run, display)
@@ -481,6 +533,7 @@ def generate(
             run_id = run_id_for(run)
             run_dir = make_run_dir(run, run_id)
             atomic_write_text(run_dir / "config.yaml", dump_config(run.config))
+            write_run_record(run_dir, run, run_id)
 
         warmup_results: list[dict] = []
         phase = TimedPhase()
@@ -500,6 +553,7 @@ def generate(
                 images_reused=len(finished),
                 error=error,
                 pod=(worker, workers),
+                earlier_sessions=earlier,
             )
 
         try:
