@@ -268,3 +268,68 @@ def test_resume_a_pod_run_after_a_failed_worker(tmp_path, fake_pod, monkeypatch)
     assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == [0, 1, 2, 3]
     worker0 = json.loads((run_dir / "worker-0" / "run" / "report.json").read_text())
     assert worker0["images_reused"] == 2 and worker0["images_this_session"] == 0
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("kind", ["elsewhere", "up", "not a pod run"])
+def test_resume_takes_a_pod_run_under_output_dir_only(tmp_path, fake_pod, monkeypatch, kind):
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "worker-0").mkdir(parents=True)
+    (elsewhere / "worker-0" / "keep.txt").write_text("mine")
+    plain = tmp_path / "out" / "plain"  # a `tpugen generate` run, not a pod run
+    plain.mkdir(parents=True)
+    (plain / "manifest.jsonl").write_text("{}\n")
+    value, expected = {
+        "elsewhere": (
+            str(elsewhere),
+            f"error: --resume: {elsewhere} is not a pod run directly under output.dir ({tmp_path / 'out'}); "
+            "give its RUN_ID",
+        ),
+        "up": ("../../x", f"error: --resume: '../../x' is not a run id: {RUN_ID_RULE}"),
+        "not a pod run": (
+            "plain",
+            f"error: --resume: {plain} is not a pod run directory (no pod report.json or worker-N folders)",
+        ),
+    }[kind]
+    config = tiny_config(tmp_path, prompts=PROMPTS[:2], output={"dir": str(tmp_path / "out")})
+    path = write_config(tmp_path / "c.yaml", config)
+    before = _files(tmp_path)
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--resume", value)
+    assert result.exit_code == 2
+    assert result.stderr == expected + "\n"
+    assert not (tmp_path / "gcloud.log").exists()
+    assert _files(tmp_path) == before and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["plain"]
+
+
+UNSAFE = "a $(touch pwned) `touch pwned`"
+RUN_ID_RULE = "use 1 to 128 ASCII letters, digits, '.', '_' or '-', not starting with '.' or '-'"
+REMOTE_DIR_RULE = (
+    "use ASCII letters, digits, '.', '_', '-' and '/' (after an optional leading ~/), with no '..' part "
+    "and no leading '-'"
+)
+
+
+@pytest.mark.parametrize(
+    "options,expected",
+    [
+        ([f"output.run_id={UNSAFE}"], f"error: output.run_id: {RUN_ID_RULE}"),
+        (["--resume", UNSAFE], f"error: --resume: {UNSAFE!r} is not a run id: {RUN_ID_RULE}"),
+        (["--remote-dir", f"pods/{UNSAFE}"], f"error: --remote-dir: 'pods/{UNSAFE}' is not allowed: {REMOTE_DIR_RULE}"),
+        (["--remote-dir", "pods/../../up"], f"error: --remote-dir: 'pods/../../up' is not allowed: {REMOTE_DIR_RULE}"),
+    ],
+)
+def test_unsafe_run_ids_and_remote_dirs_are_refused_before_any_gcloud_call(
+    tmp_path, fake_pod, monkeypatch, options, expected
+):
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    config = tiny_config(tmp_path, prompts=PROMPTS[:2], output={"dir": str(tmp_path / "out")})
+    path = write_config(tmp_path / "c.yaml", config)
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", *options)
+    assert result.exit_code == 2
+    assert result.stderr == expected + "\n"
+    assert not (tmp_path / "gcloud.log").exists() and not (tmp_path / "out").exists()
+    assert not list(tmp_path.rglob("*pwned*")) and not Path("pwned").exists()

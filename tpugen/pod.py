@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -16,6 +17,14 @@ from tpugen.errors import InputError, RunError
 WORKER_LOG = "worker.log"
 WORKER_STATUS = "worker.status"
 WORKER_RUN = "run"  # the worker's own run directory, inside its pod-run folder
+STAGING = ".pod-staging"
+# gcloud scp hands NAME:PATH to a shell on the worker, which no local quoting reaches: remote folders hold
+# only characters that shell leaves alone.
+REMOTE_DIR_RULE = (
+    "use ASCII letters, digits, '.', '_', '-' and '/' (after an optional leading ~/), with no '..' part "
+    "and no leading '-'"
+)
+_REMOTE_DIR = re.compile(r"[A-Za-z0-9._/-]+")
 
 
 # ---------------------------------------------------------------- who am I
@@ -38,6 +47,56 @@ def pod_position(pod, env: Mapping[str, str], host_index=lambda: 0) -> tuple[int
     if index >= count:
         raise InputError(f"execution.pod: worker index {index} is not below the worker count {count}")
     return index, count
+
+
+# ---------------------------------------------------------------- what the options name (checked first)
+
+
+def remote_base(remote_dir: str) -> str:
+    """--remote-dir as every ssh command and scp path gives it: both start in the worker's home directory,
+    so a leading ~/ is dropped (quoted, or in an scp path, no shell would expand it)."""
+    path = (remote_dir[2:].lstrip("/") or ".") if remote_dir.startswith("~/") or remote_dir == "~" else remote_dir
+    if not _REMOTE_DIR.fullmatch(path) or path.startswith("-") or ".." in path.split("/"):
+        raise InputError(f"--remote-dir: {remote_dir!r} is not allowed: {REMOTE_DIR_RULE}")
+    return path
+
+
+def is_pod_run(folder: Path) -> bool:
+    """Whether pod-run made this folder: it holds worker-N copies, a pod report or the staging folder."""
+    if not folder.is_dir():
+        return False
+    names = {path.name for path in folder.iterdir()}
+    if STAGING in names or any(re.fullmatch(r"worker-\d+", name) for name in names):
+        return True
+    try:
+        return "tpugen_pod_report" in json.loads((folder / "report.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def resume_run_id(value: str, output_dir: str) -> str:
+    """--resume's RUN_ID, checked like output.run_id since it names a folder here and on every worker; the
+    path of a pod run directly under output.dir also names it. Anything else is refused before gcloud runs."""
+    from tpugen.config import RUN_ID_RULE, is_safe_run_id
+
+    local = not output_dir.startswith("gs://")
+    if is_safe_run_id(value):
+        run_id = value
+    elif local and Path(value).is_dir():
+        folder = Path(value).resolve()
+        if folder.parent != Path(output_dir).resolve() or not is_safe_run_id(folder.name) or not is_pod_run(folder):
+            raise InputError(
+                f"--resume: {value} is not a pod run directly under output.dir ({output_dir}); give its RUN_ID"
+            )
+        run_id = folder.name
+    else:
+        raise InputError(f"--resume: {value!r} is not a run id: {RUN_ID_RULE}")
+    existing = Path(output_dir) / run_id
+    empty = existing.is_dir() and not any(existing.iterdir())
+    # pod-run writes worker-N folders, a manifest and a report into it: never into another kind of run.
+    if local and existing.exists() and not empty and not is_pod_run(existing):
+        raise InputError(f"--resume: {existing} is not a pod run directory (no pod report.json or worker-N folders)")
+    return run_id
 
 
 # ---------------------------------------------------------------- the commands (pure)
@@ -143,7 +202,8 @@ def plan_pod(
     gather: bool = True,
     bucket: str | None = None,
 ) -> PodPlan:
-    """With `bucket` (output.dir: gs://...), workers upload there and gathering downloads from there."""
+    """`remote_dir` as remote_base gives it. With `bucket` (output.dir: gs://...), workers upload there and
+    gathering downloads from there."""
     remote_run = f"{remote_dir.rstrip('/')}/{run_id}"
     prepare = [pod.ssh_all(f"mkdir -p {shlex.quote(remote_run)}")]
     prepare += [pod.scp_to_all(path, f"{remote_run}/{path.name}") for path in staged]
@@ -286,10 +346,12 @@ def run_pod(
 
     if dry_run and workers is None:
         raise InputError("--dry-run needs --workers N (without it the count comes from running gcloud describe)")
-    run_id = resume_id or run_id_for(run)
-    bucket = run.config.output.dir if run.config.output.dir.startswith("gs://") else None
+    remote_dir = remote_base(remote_dir)
+    output_dir = run.config.output.dir
+    run_id = run_id_for(run) if resume_id is None else resume_run_id(resume_id, output_dir)
+    bucket = output_dir if output_dir.startswith("gs://") else None
     # With a bucket, the workers' folders are downloaded to a scratch folder to merge the pod report.
-    local_run = (Path(tempfile.mkdtemp(prefix="tpugen-pod-")) if bucket else Path(run.config.output.dir)) / run_id
+    local_run = (Path(tempfile.mkdtemp(prefix="tpugen-pod-")) if bucket else Path(output_dir)) / run_id
     if not dry_run:
         _gcloud_path()
         if workers is None:
@@ -300,7 +362,7 @@ def run_pod(
 
     # The shipped config: prompts inside it or in the file shipped beside it, never on a command line.
     config = run.config.model_copy(deep=True)
-    staging = local_run / ".pod-staging"
+    staging = local_run / STAGING
     staged = [staging / "config.yaml"]
     if config.prompts_file:
         prompts = Path(config.prompts_file)
