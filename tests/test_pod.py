@@ -333,3 +333,29 @@ def test_unsafe_run_ids_and_remote_dirs_are_refused_before_any_gcloud_call(
     assert result.stderr == expected + "\n"
     assert not (tmp_path / "gcloud.log").exists() and not (tmp_path / "out").exists()
     assert not list(tmp_path.rglob("*pwned*")) and not Path("pwned").exists()
+
+
+@pytest.mark.xla
+def test_remote_tpugen_and_remote_dir_under_the_workers_home(tmp_path, fake_pod, monkeypatch):
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    real = Path(sys.executable).parent / "tpugen"
+    for i in range(2):
+        wrapper = fake_pod / f"worker-{i}" / "venv" / "bin" / "tpugen"
+        wrapper.parent.mkdir(parents=True)
+        wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(str(real))} "$@"\n')
+        wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{FAKES}:/usr/bin:/bin")  # only the wrapper can run tpugen on the workers
+    config = tiny_config(tmp_path, prompts=PROMPTS[:2], steps=2, output={"dir": str(tmp_path / "out"), "run_id": "r"})
+    result = run_cli(
+        "pod-run",
+        write_config(tmp_path / "c.yaml", config),
+        *["--tpu", "t", "--zone", "z", "--workers", "2", "--quiet"],
+        *["--remote-tpugen", "~/venv/bin/tpugen", "--remote-dir", "~/pods"],
+    )
+    assert result.exit_code == 0, result.output
+    assert [r["file"] for r in read_manifest(tmp_path / "out" / "r" / "manifest.jsonl")] == [
+        f"worker-0/run/{NAMES[0]}",
+        f"worker-1/run/{NAMES[1]}",
+    ]
+    assert (fake_pod / "worker-1" / "pods" / "r" / "run" / NAMES[1]).is_file()
+    assert not list(fake_pod.glob("worker-*/~"))

@@ -142,6 +142,11 @@ def count_workers(describe_output: str) -> int:
     return len(endpoints)
 
 
+def _command_word(path: str) -> str:
+    """A shell-quoted command; a leading ~/ stays the worker's home ("$HOME"/...), which quoting would hide."""
+    return '"$HOME"/' + shlex.quote(path[2:]) if path.startswith("~/") else shlex.quote(path)
+
+
 def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen", upload: str | None = None) -> str:
     """What every worker runs: its share of the run, its output kept in worker.log, its exit status in
     worker.status (so a failed worker is named after gathering), and the log's last lines echoed.
@@ -153,7 +158,7 @@ def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen", up
     q = shlex.quote
     generate = " ".join(
         [
-            q(tpugen),
+            _command_word(tpugen),
             "generate",
             "config.yaml",
             "--quiet",
