@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -128,7 +129,7 @@ def test_dry_run_prints_every_command_and_runs_none(tmp_path, fake_pod):
             "scp",
             "--recurse",
             "my-tpu:tpugen-pod/podrun",
-            f"{tmp_path}/out/podrun/worker-0",
+            f"{tmp_path}/out/podrun/.worker-0.gathering",
             "--worker=0",
             *tail,
         ],
@@ -140,7 +141,7 @@ def test_dry_run_prints_every_command_and_runs_none(tmp_path, fake_pod):
             "scp",
             "--recurse",
             "my-tpu:tpugen-pod/podrun",
-            f"{tmp_path}/out/podrun/worker-1",
+            f"{tmp_path}/out/podrun/.worker-1.gathering",
             "--worker=1",
             *tail,
         ],
@@ -272,6 +273,47 @@ def test_resume_a_pod_run_after_a_failed_worker(tmp_path, fake_pod, monkeypatch)
 
 def _files(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.xla
+def test_resume_keeps_the_images_of_a_worker_that_lost_its_disk(tmp_path, fake_pod, monkeypatch):
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    output = {"dir": str(tmp_path / "out"), "run_id": "podrun"}
+    config = tiny_config(tmp_path, prompts=PROMPTS[:4], steps=2, output=output)
+    args = ["pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "z", "--workers", "2"]
+    assert run_cli(*args, "--quiet").exit_code == 0
+    run_dir = tmp_path / "out" / "podrun"
+    mine = [run_dir / "worker-0" / "run" / NAMES[i] for i in (0, 2)]
+
+    # Worker 0 comes back with a fresh disk and fails at once: its new copy holds no images.
+    shutil.rmtree(fake_pod / "worker-0")
+    monkeypatch.setenv("FAKE_POD_BREAK_WORKER", "0")
+    result = run_cli(*args, "--quiet", "--resume", str(run_dir))  # the run directory's path names it too
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: worker 0 failed (exit status 2): ")
+    assert all(p.is_file() for p in mine)
+    assert (run_dir / "worker-0" / "worker.status").read_text() == "2\n"  # the newer copy's status
+    assert [r["index"] for r in read_manifest(run_dir / "worker-0" / "run" / "manifest.jsonl")] == [0, 2]
+    assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == [0, 1, 2, 3]
+
+    # Then it is preempted while it runs: nothing can be gathered from it, and its earlier copy stays.
+    monkeypatch.delenv("FAKE_POD_BREAK_WORKER")
+    monkeypatch.setenv("FAKE_POD_PREEMPT_WORKER", "0")
+    before = _files(run_dir / "worker-0")
+    result = run_cli(*args, "--quiet", "--resume", "podrun")
+    assert result.exit_code == 1
+    assert _files(run_dir / "worker-0") == before
+    assert (
+        f"error: worker 0: gathering failed (scp: t:tpugen-pod/podrun: No such file or directory); "
+        f"its earlier copy is kept in {run_dir / 'worker-0'}"
+    ) in result.stderr.splitlines()
+    assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == [0, 1, 2, 3]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["images"] == 4 and report["gather_failed_workers"] == [0]
+    assert (
+        "- gathering failed for workers [0]; earlier copies kept for workers [0]" in (run_dir / "report.md").read_text()
+    )
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".")]  # no temporary folders left
 
 
 @pytest.mark.parametrize("kind", ["elsewhere", "up", "not a pod run"])

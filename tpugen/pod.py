@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -195,6 +196,12 @@ class PodPlan:
         return [shlex.join(c) for c in [*self.prepare, self.run, *self.gather]]
 
 
+def gathering_folder(local_run: Path, worker: int) -> Path:
+    """Where worker i's folder is copied before it joins OUTPUT_DIR/RUN_ID/worker-i: a failed copy never
+    costs the earlier one."""
+    return local_run / f".worker-{worker}.gathering"
+
+
 def plan_pod(
     pod: Pod,
     *,
@@ -218,7 +225,7 @@ def plan_pod(
     elif upload:
         gathers = [pod.storage_cp(f"{upload}/worker-{i}", f"{local_run}/", recursive=True) for i in range(workers)]
     else:
-        gathers = [pod.scp_from(i, remote_run, local_run / f"worker-{i}") for i in range(workers)]
+        gathers = [pod.scp_from(i, remote_run, gathering_folder(local_run, i)) for i in range(workers)]
     return PodPlan(prepare, pod.ssh_all(worker_command(remote_run, workers, tpugen, upload)), gathers)
 
 
@@ -229,6 +236,34 @@ def _tail(path: Path, lines: int = 5) -> list[str]:
     if not path.exists():
         return []
     return [line for line in path.read_text(errors="replace").splitlines() if line.strip()][-lines:]
+
+
+def adopt_gathered(fresh: Path, folder: Path) -> None:
+    """Fold a worker's newly gathered copy into its folder: files only the earlier copy holds stay (a worker
+    recreated with a fresh disk has lost the images it made before), every file both hold comes from the
+    new copy, and the manifests are joined by image index with the new copy's records winning. Each file
+    is moved in whole and the manifest written last, so a crash part way leaves no file torn or lost."""
+    from tpugen.outputs import read_manifest
+    from tpugen.resume import rewrite_manifest
+
+    if not folder.exists():
+        fresh.rename(folder)
+        return
+    manifest = Path(WORKER_RUN, "manifest.jsonl")
+    for source in sorted(fresh.rglob("*")):
+        relative = source.relative_to(fresh)
+        if source.is_dir() or relative == manifest:
+            continue
+        target = folder / relative
+        if target.is_dir():
+            shutil.rmtree(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, target)
+    if (fresh / manifest).exists():
+        records = {r["index"]: r for r in read_manifest(folder / manifest)} if (folder / manifest).exists() else {}
+        records.update({r["index"]: r for r in read_manifest(fresh / manifest)})
+        rewrite_manifest(folder / WORKER_RUN, records)
+    shutil.rmtree(fresh)
 
 
 def merge_workers(local_run: Path, workers: int) -> tuple[list[dict], list[dict]]:
@@ -285,6 +320,14 @@ def pod_report(*, run_id: str, pod: Pod, planned: int, records: list[dict], rows
     }
 
 
+def _gather_failures(report: dict) -> list[str]:
+    failed = report.get("gather_failed_workers") or []
+    kept = [r["worker"] for r in report["per_worker"] if r["worker"] in failed and r["gathered"]]
+    if not failed:
+        return []
+    return [f"- gathering failed for workers {failed}" + (f"; earlier copies kept for workers {kept}" if kept else "")]
+
+
 def render_pod_markdown(report: dict) -> str:
     def fmt(value, digits=2):
         return "n/a" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
@@ -295,6 +338,7 @@ def render_pod_markdown(report: dict) -> str:
         f"- status: {'complete' if report['complete'] else 'INCOMPLETE (failed workers: ' + str(report['failed_workers']) + ')'}",
         f"- TPU: {report['tpu']} in {report['zone']}, {report['workers']} workers",
         f"- images: {report['images']} of {report['images_planned']}",
+        *_gather_failures(report),
         f"- pod images per second: {fmt(report['pod_images_per_second'])} "
         f"(all images / the slowest worker's timed phase, {fmt(report['slowest_worker_wall_seconds'])} s)",
         "",
@@ -362,7 +406,7 @@ def run_pod(
         if workers is None:
             described = _call(pod.describe(), display)
             if described.returncode:
-                raise RunError(f"gcloud describe failed: {(described.stderr.strip().splitlines() or [''])[-1]}")
+                raise RunError(f"gcloud describe failed: {_last_line(described.stderr)}")
             workers = count_workers(described.stdout)
 
     # The shipped config: prompts inside it or in the file shipped beside it, never on a command line.
@@ -402,12 +446,19 @@ def run_pod(
     for command in plan.prepare:
         done = _call(command, display)
         if done.returncode:
-            raise RunError(f"{shlex.join(command[:6])} failed: {(done.stderr.strip().splitlines() or [''])[-1]}")
+            raise RunError(f"{shlex.join(command[:6])} failed: {_last_line(done.stderr)}")
     display.phase(f"running on {workers} workers")
     ran = _call(plan.run, display)
+    gather_errors = {}  # worker -> why its folder could not be copied this time
     for i, command in enumerate(plan.gather):
-        shutil.rmtree(local_run / f"worker-{i}", ignore_errors=True)  # a copy: the worker holds the original
-        _call(command, display)  # a worker that cannot be reached shows up below as not gathered
+        fresh = local_run / f"worker-{i}" if bucket else gathering_folder(local_run, i)
+        shutil.rmtree(fresh, ignore_errors=True)  # a copy left by an interrupted gather
+        done = _call(command, display)
+        if done.returncode or not fresh.is_dir():
+            gather_errors[i] = _last_line(done.stderr) or "nothing was copied"
+            shutil.rmtree(fresh, ignore_errors=True)  # maybe partial; any earlier copy stays as it was
+        elif not bucket:
+            adopt_gathered(fresh, local_run / f"worker-{i}")
     shutil.rmtree(staging, ignore_errors=True)
 
     total = len(plan_run(run).items)
@@ -416,6 +467,7 @@ def run_pod(
     records, rows = merge_workers(local_run, workers)
     report = pod_report(run_id=run_id, pod=pod, planned=total, records=records, rows=rows)
     report["ssh_exit_status"] = ran.returncode
+    report["gather_failed_workers"] = sorted(gather_errors)
     rewrite_manifest(local_run, {r["index"]: r for r in records})
     write_json(local_run / "report.json", report)
     atomic_write_text(local_run / "report.md", render_pod_markdown(report))
@@ -428,13 +480,23 @@ def run_pod(
             raise RunError(f"uploading the pod report to {destination} failed; it is in {local_run}")
         report["run_dir"] = destination
     failed = [r for r in rows if not r["complete"]]
-    if failed or ran.returncode:
+    kept = [i for i in sorted(gather_errors) if rows[i]["gathered"]]
+    if failed or kept or ran.returncode:
         lines = []
         for r in failed:
-            why = "not gathered" if not r["gathered"] else f"exit status {r['exit_status']}"
+            why = f"exit status {r['exit_status']}"
+            if not r["gathered"]:
+                why = f"not gathered: {gather_errors[r['worker']]}" if r["worker"] in gather_errors else "not gathered"
             tail = " | ".join(r["last_lines"][-3:])
             lines.append(f"worker {r['worker']} failed ({why}){': ' + tail if tail else ''}")
-        if not failed:
+        for i in kept:
+            folder = local_run / f"worker-{i}"
+            lines.append(f"worker {i}: gathering failed ({gather_errors[i]}); its earlier copy is kept in {folder}")
+        if ran.returncode and not failed:
             lines.append(f"gcloud ssh exited with status {ran.returncode}")
         raise RunError(*lines, f"{len(records)} images from the other workers and the pod report are in {local_run}")
     return report
+
+
+def _last_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[-1]
