@@ -6,6 +6,7 @@ import json
 import shlex
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -220,12 +221,22 @@ def test_missing_gcloud_is_one_line(tmp_path, monkeypatch):
 
 @pytest.mark.xla
 def test_bucket_output_is_uploaded_by_the_workers_with_the_pod_report(tmp_path, fake_pod, monkeypatch):
+    scratch = _scratch(tmp_path, monkeypatch)
     gcs = tmp_path / "gcs"
     monkeypatch.setenv("FAKE_GCS_ROOT", str(gcs))
     monkeypatch.setenv("FAKE_POD_WORKERS", "2")
     config = tiny_config(tmp_path, prompts=PROMPTS[:3], output={"dir": "gs://my-bucket/runs", "run_id": "podrun"})
-    result = run_cli("pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "z", "--quiet")
+    path = write_config(tmp_path / "c.yaml", config)
+    dry = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert dry.stdout.splitlines()[-1].endswith(
+        f"gs://my-bucket/runs/podrun/worker-1 {scratch}/tpugen-pod-XXXXXXXX/podrun/"
+    )
+    assert not list(scratch.iterdir()) and not (tmp_path / "gcloud.log").exists()
+
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--quiet")
     assert result.exit_code == 0, result.output
+    assert not list(scratch.iterdir())  # the downloaded copies are gone once the pod report is uploaded
     assert result.stdout.splitlines()[-1] == "report: gs://my-bucket/runs/podrun/report.md"
     run = gcs / "my-bucket" / "runs" / "podrun"
     assert sorted(p.relative_to(run).as_posix() for p in run.glob("worker-*/run/[0-9]*.png")) == [
@@ -401,3 +412,42 @@ def test_remote_tpugen_and_remote_dir_under_the_workers_home(tmp_path, fake_pod,
     ]
     assert (fake_pod / "worker-1" / "pods" / "r" / "run" / NAMES[1]).is_file()
     assert not list(fake_pod.glob("worker-*/~"))
+
+
+def _scratch(tmp_path, monkeypatch) -> Path:
+    """A TMPDIR of the test's own, so that anything tpugen leaves in it shows."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads TMPDIR again
+    return scratch
+
+
+@pytest.mark.parametrize("upload_fails", [False, True])
+def test_a_failed_bucket_run_leaves_its_scratch_folder_only_when_the_report_upload_failed(
+    tmp_path, fake_pod, monkeypatch, upload_fails
+):
+    scratch = _scratch(tmp_path, monkeypatch)
+    gcs = tmp_path / "gcs"
+    monkeypatch.setenv("FAKE_GCS_ROOT", str(gcs))
+    monkeypatch.setenv("FAKE_POD_WORKERS", "1")
+    monkeypatch.setenv("FAKE_POD_PREEMPT_WORKER", "0")  # no worker runs, so nothing is compiled
+    if upload_fails:
+        (gcs / "my-bucket" / "runs").mkdir(parents=True)
+        (gcs / "my-bucket" / "runs" / "podrun").write_text("a file where the run's folder goes")
+    config = tiny_config(tmp_path, prompts=PROMPTS[:2], output={"dir": "gs://my-bucket/runs", "run_id": "podrun"})
+    path = write_config(tmp_path / "c.yaml", config)
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "1", "--quiet")
+    assert result.exit_code == 1
+    if upload_fails:
+        [kept] = scratch.iterdir()
+        assert result.stderr.splitlines()[-1] == (
+            f"error: uploading the pod report to gs://my-bucket/runs/podrun failed; it is in {kept / 'podrun'}"
+        )
+        assert (kept / "podrun" / "report.json").is_file()
+    else:
+        assert result.stderr.splitlines()[-1] == (
+            "error: 0 images from the other workers and the pod report are in gs://my-bucket/runs/podrun"
+        )
+        assert (gcs / "my-bucket" / "runs" / "podrun" / "report.json").is_file()
+        assert not list(scratch.iterdir())

@@ -215,7 +215,7 @@ def plan_pod(
     bucket: str | None = None,
 ) -> PodPlan:
     """`remote_dir` as remote_base gives it. With `bucket` (output.dir: gs://...), workers upload there and
-    gathering downloads from there."""
+    gathering downloads from there into `local_run`, a scratch folder."""
     remote_run = f"{remote_dir.rstrip('/')}/{run_id}"
     prepare = [pod.ssh_all(f"mkdir -p {shlex.quote(remote_run)}")]
     prepare += [pod.scp_to_all(path, f"{remote_run}/{path.name}") for path in staged]
@@ -399,8 +399,6 @@ def run_pod(
     output_dir = run.config.output.dir
     run_id = run_id_for(run) if resume_id is None else resume_run_id(resume_id, output_dir)
     bucket = output_dir if output_dir.startswith("gs://") else None
-    # With a bucket, the workers' folders are downloaded to a scratch folder to merge the pod report.
-    local_run = (Path(tempfile.mkdtemp(prefix="tpugen-pod-")) if bucket else Path(output_dir)) / run_id
     if not dry_run:
         _gcloud_path()
         if workers is None:
@@ -408,6 +406,15 @@ def run_pod(
             if described.returncode:
                 raise RunError(f"gcloud describe failed: {_last_line(described.stderr)}")
             workers = count_workers(described.stdout)
+
+    # With a bucket, the workers' folders are downloaded to a scratch folder to merge the pod report; a dry
+    # run shows the folder tempfile.mkdtemp would name, and makes none.
+    scratch = None
+    if bucket and dry_run:
+        scratch = Path(tempfile.gettempdir(), "tpugen-pod-XXXXXXXX")
+    elif bucket:
+        scratch = Path(tempfile.mkdtemp(prefix="tpugen-pod-"))
+    local_run = (scratch or Path(output_dir)) / run_id
 
     # The shipped config: prompts inside it or in the file shipped beside it, never on a command line.
     config = run.config.model_copy(deep=True)
@@ -435,50 +442,59 @@ def run_pod(
             print_line(line)
         return None
 
-    if bucket or resume_id:
-        local_run.mkdir(parents=True, exist_ok=True)
-    else:
-        make_run_dir(run, run_id)
-    staging.mkdir(exist_ok=True)
-    atomic_write_text(staged[0], dump_config(config))
-    if len(staged) > 1:
-        shutil.copyfile(run.config.prompts_file, staged[1])
-    for command in plan.prepare:
-        done = _call(command, display)
-        if done.returncode:
-            raise RunError(f"{shlex.join(command[:6])} failed: {_last_line(done.stderr)}")
-    display.phase(f"running on {workers} workers")
-    ran = _call(plan.run, display)
-    gather_errors = {}  # worker -> why its folder could not be copied this time
-    for i, command in enumerate(plan.gather):
-        fresh = local_run / f"worker-{i}" if bucket else gathering_folder(local_run, i)
-        shutil.rmtree(fresh, ignore_errors=True)  # a copy left by an interrupted gather
-        done = _call(command, display)
-        if done.returncode or not fresh.is_dir():
-            gather_errors[i] = _last_line(done.stderr) or "nothing was copied"
-            shutil.rmtree(fresh, ignore_errors=True)  # maybe partial; any earlier copy stays as it was
-        elif not bucket:
-            adopt_gathered(fresh, local_run / f"worker-{i}")
-    shutil.rmtree(staging, ignore_errors=True)
+    keep_scratch = staging_made = False
+    try:
+        if bucket or resume_id:
+            local_run.mkdir(parents=True, exist_ok=True)
+        else:
+            make_run_dir(run, run_id)
+        staging_made = True  # past make_run_dir, which refuses a run directory in use without touching it
+        staging.mkdir(exist_ok=True)
+        atomic_write_text(staged[0], dump_config(config))
+        if len(staged) > 1:
+            shutil.copyfile(run.config.prompts_file, staged[1])
+        for command in plan.prepare:
+            done = _call(command, display)
+            if done.returncode:
+                raise RunError(f"{shlex.join(command[:6])} failed: {_last_line(done.stderr)}")
+        display.phase(f"running on {workers} workers")
+        ran = _call(plan.run, display)
+        gather_errors = {}  # worker -> why its folder could not be copied this time
+        for i, command in enumerate(plan.gather):
+            fresh = local_run / f"worker-{i}" if bucket else gathering_folder(local_run, i)
+            shutil.rmtree(fresh, ignore_errors=True)  # a copy left by an interrupted gather
+            done = _call(command, display)
+            if done.returncode or not fresh.is_dir():
+                gather_errors[i] = _last_line(done.stderr) or "nothing was copied"
+                shutil.rmtree(fresh, ignore_errors=True)  # maybe partial; any earlier copy stays as it was
+            elif not bucket:
+                adopt_gathered(fresh, local_run / f"worker-{i}")
 
-    total = len(plan_run(run).items)
-    if not gather:
-        return {"run_id": run_id, "workers": workers, "gathered": False, "ssh_exit_status": ran.returncode}
-    records, rows = merge_workers(local_run, workers)
-    report = pod_report(run_id=run_id, pod=pod, planned=total, records=records, rows=rows)
-    report["ssh_exit_status"] = ran.returncode
-    report["gather_failed_workers"] = sorted(gather_errors)
-    rewrite_manifest(local_run, {r["index"]: r for r in records})
-    write_json(local_run / "report.json", report)
-    atomic_write_text(local_run / "report.md", render_pod_markdown(report))
-    report["run_dir"] = str(local_run)
-    if bucket:
-        destination = f"{bucket.rstrip('/')}/{run_id}"
-        files = [str(local_run / name) for name in ("report.json", "report.md", "manifest.jsonl")]
-        uploaded = _call(pod.storage_cp(*files, f"{destination}/"), display)
-        if uploaded.returncode:
-            raise RunError(f"uploading the pod report to {destination} failed; it is in {local_run}")
-        report["run_dir"] = destination
+        total = len(plan_run(run).items)
+        if not gather:
+            return {"run_id": run_id, "workers": workers, "gathered": False, "ssh_exit_status": ran.returncode}
+        records, rows = merge_workers(local_run, workers)
+        report = pod_report(run_id=run_id, pod=pod, planned=total, records=records, rows=rows)
+        report["ssh_exit_status"] = ran.returncode
+        report["gather_failed_workers"] = sorted(gather_errors)
+        rewrite_manifest(local_run, {r["index"]: r for r in records})
+        write_json(local_run / "report.json", report)
+        atomic_write_text(local_run / "report.md", render_pod_markdown(report))
+        report["run_dir"] = str(local_run)
+        if bucket:
+            destination = f"{bucket.rstrip('/')}/{run_id}"
+            files = [str(local_run / name) for name in ("report.json", "report.md", "manifest.jsonl")]
+            uploaded = _call(pod.storage_cp(*files, f"{destination}/"), display)
+            if uploaded.returncode:
+                keep_scratch = True  # the only copy of the pod report
+                raise RunError(f"uploading the pod report to {destination} failed; it is in {local_run}")
+            report["run_dir"] = destination
+    finally:
+        if staging_made:
+            shutil.rmtree(staging, ignore_errors=True)
+        if scratch and not keep_scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
     failed = [r for r in rows if not r["complete"]]
     kept = [i for i in sorted(gather_errors) if rows[i]["gathered"]]
     if failed or kept or ran.returncode:
@@ -494,7 +510,8 @@ def run_pod(
             lines.append(f"worker {i}: gathering failed ({gather_errors[i]}); its earlier copy is kept in {folder}")
         if ran.returncode and not failed:
             lines.append(f"gcloud ssh exited with status {ran.returncode}")
-        raise RunError(*lines, f"{len(records)} images from the other workers and the pod report are in {local_run}")
+        where = report["run_dir"]
+        raise RunError(*lines, f"{len(records)} images from the other workers and the pod report are in {where}")
     return report
 
 
