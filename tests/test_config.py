@@ -123,7 +123,7 @@ BAD_CONFIGS = [
         "run id with a slash",
         {"output": {"dir": "{tmp}/out", "run_id": "../up"}},
         [],
-        ["error: output.run_id: must be a plain directory name (no '/', no leading '.')"],
+        ["error: output.run_id: use 1 to 128 ASCII letters, digits, '.', '_' or '-', not starting with '.' or '-'"],
     ),
     ("sizes and height", {"sizes": [[64, 64]]}, [], ["error: sizes: give either sizes or height/width, not both"]),
     (

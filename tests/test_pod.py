@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -128,7 +130,7 @@ def test_dry_run_prints_every_command_and_runs_none(tmp_path, fake_pod):
             "scp",
             "--recurse",
             "my-tpu:tpugen-pod/podrun",
-            f"{tmp_path}/out/podrun/worker-0",
+            f"{tmp_path}/out/podrun/.worker-0.gathering",
             "--worker=0",
             *tail,
         ],
@@ -140,7 +142,7 @@ def test_dry_run_prints_every_command_and_runs_none(tmp_path, fake_pod):
             "scp",
             "--recurse",
             "my-tpu:tpugen-pod/podrun",
-            f"{tmp_path}/out/podrun/worker-1",
+            f"{tmp_path}/out/podrun/.worker-1.gathering",
             "--worker=1",
             *tail,
         ],
@@ -219,12 +221,22 @@ def test_missing_gcloud_is_one_line(tmp_path, monkeypatch):
 
 @pytest.mark.xla
 def test_bucket_output_is_uploaded_by_the_workers_with_the_pod_report(tmp_path, fake_pod, monkeypatch):
+    scratch = _scratch(tmp_path, monkeypatch)
     gcs = tmp_path / "gcs"
     monkeypatch.setenv("FAKE_GCS_ROOT", str(gcs))
     monkeypatch.setenv("FAKE_POD_WORKERS", "2")
     config = tiny_config(tmp_path, prompts=PROMPTS[:3], output={"dir": "gs://my-bucket/runs", "run_id": "podrun"})
-    result = run_cli("pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "z", "--quiet")
+    path = write_config(tmp_path / "c.yaml", config)
+    dry = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert dry.stdout.splitlines()[-1].endswith(
+        f"gs://my-bucket/runs/podrun/worker-1 {scratch}/tpugen-pod-XXXXXXXX/podrun/"
+    )
+    assert not list(scratch.iterdir()) and not (tmp_path / "gcloud.log").exists()
+
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--quiet")
     assert result.exit_code == 0, result.output
+    assert not list(scratch.iterdir())  # the downloaded copies are gone once the pod report is uploaded
     assert result.stdout.splitlines()[-1] == "report: gs://my-bucket/runs/podrun/report.md"
     run = gcs / "my-bucket" / "runs" / "podrun"
     assert sorted(p.relative_to(run).as_posix() for p in run.glob("worker-*/run/[0-9]*.png")) == [
@@ -268,3 +280,174 @@ def test_resume_a_pod_run_after_a_failed_worker(tmp_path, fake_pod, monkeypatch)
     assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == [0, 1, 2, 3]
     worker0 = json.loads((run_dir / "worker-0" / "run" / "report.json").read_text())
     assert worker0["images_reused"] == 2 and worker0["images_this_session"] == 0
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.xla
+def test_resume_keeps_the_images_of_a_worker_that_lost_its_disk(tmp_path, fake_pod, monkeypatch):
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    output = {"dir": str(tmp_path / "out"), "run_id": "podrun"}
+    config = tiny_config(tmp_path, prompts=PROMPTS[:4], steps=2, output=output)
+    args = ["pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "z", "--workers", "2"]
+    assert run_cli(*args, "--quiet").exit_code == 0
+    run_dir = tmp_path / "out" / "podrun"
+    mine = [run_dir / "worker-0" / "run" / NAMES[i] for i in (0, 2)]
+
+    # Worker 0 comes back with a fresh disk and fails at once: its new copy holds no images.
+    shutil.rmtree(fake_pod / "worker-0")
+    monkeypatch.setenv("FAKE_POD_BREAK_WORKER", "0")
+    result = run_cli(*args, "--quiet", "--resume", str(run_dir))  # the run directory's path names it too
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: worker 0 failed (exit status 2): ")
+    assert all(p.is_file() for p in mine)
+    assert (run_dir / "worker-0" / "worker.status").read_text() == "2\n"  # the newer copy's status
+    assert [r["index"] for r in read_manifest(run_dir / "worker-0" / "run" / "manifest.jsonl")] == [0, 2]
+    assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == [0, 1, 2, 3]
+
+    # Then it is preempted while it runs: nothing can be gathered from it, and its earlier copy stays.
+    monkeypatch.delenv("FAKE_POD_BREAK_WORKER")
+    monkeypatch.setenv("FAKE_POD_PREEMPT_WORKER", "0")
+    before = _files(run_dir / "worker-0")
+    result = run_cli(*args, "--quiet", "--resume", "podrun")
+    assert result.exit_code == 1
+    assert _files(run_dir / "worker-0") == before
+    assert (
+        f"error: worker 0: gathering failed (scp: t:tpugen-pod/podrun: No such file or directory); "
+        f"its earlier copy is kept in {run_dir / 'worker-0'}"
+    ) in result.stderr.splitlines()
+    assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == [0, 1, 2, 3]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["images"] == 4 and report["gather_failed_workers"] == [0]
+    assert (
+        "- gathering failed for workers [0]; earlier copies kept for workers [0]" in (run_dir / "report.md").read_text()
+    )
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".")]  # no temporary folders left
+
+
+@pytest.mark.parametrize("kind", ["elsewhere", "up", "not a pod run"])
+def test_resume_takes_a_pod_run_under_output_dir_only(tmp_path, fake_pod, monkeypatch, kind):
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "worker-0").mkdir(parents=True)
+    (elsewhere / "worker-0" / "keep.txt").write_text("mine")
+    plain = tmp_path / "out" / "plain"  # a `tpugen generate` run, not a pod run
+    plain.mkdir(parents=True)
+    (plain / "manifest.jsonl").write_text("{}\n")
+    value, expected = {
+        "elsewhere": (
+            str(elsewhere),
+            f"error: --resume: {elsewhere} is not a pod run directly under output.dir ({tmp_path / 'out'}); "
+            "give its RUN_ID",
+        ),
+        "up": ("../../x", f"error: --resume: '../../x' is not a run id: {RUN_ID_RULE}"),
+        "not a pod run": (
+            "plain",
+            f"error: --resume: {plain} is not a pod run directory (no pod report.json or worker-N folders)",
+        ),
+    }[kind]
+    config = tiny_config(tmp_path, prompts=PROMPTS[:2], output={"dir": str(tmp_path / "out")})
+    path = write_config(tmp_path / "c.yaml", config)
+    before = _files(tmp_path)
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--resume", value)
+    assert result.exit_code == 2
+    assert result.stderr == expected + "\n"
+    assert not (tmp_path / "gcloud.log").exists()
+    assert _files(tmp_path) == before and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["plain"]
+
+
+UNSAFE = "a $(touch pwned) `touch pwned`"
+RUN_ID_RULE = "use 1 to 128 ASCII letters, digits, '.', '_' or '-', not starting with '.' or '-'"
+REMOTE_DIR_RULE = (
+    "use ASCII letters, digits, '.', '_', '-' and '/' (after an optional leading ~/), with no '..' part "
+    "and no leading '-'"
+)
+
+
+@pytest.mark.parametrize(
+    "options,expected",
+    [
+        ([f"output.run_id={UNSAFE}"], f"error: output.run_id: {RUN_ID_RULE}"),
+        (["--resume", UNSAFE], f"error: --resume: {UNSAFE!r} is not a run id: {RUN_ID_RULE}"),
+        (["--remote-dir", f"pods/{UNSAFE}"], f"error: --remote-dir: 'pods/{UNSAFE}' is not allowed: {REMOTE_DIR_RULE}"),
+        (["--remote-dir", "pods/../../up"], f"error: --remote-dir: 'pods/../../up' is not allowed: {REMOTE_DIR_RULE}"),
+    ],
+)
+def test_unsafe_run_ids_and_remote_dirs_are_refused_before_any_gcloud_call(
+    tmp_path, fake_pod, monkeypatch, options, expected
+):
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    config = tiny_config(tmp_path, prompts=PROMPTS[:2], output={"dir": str(tmp_path / "out")})
+    path = write_config(tmp_path / "c.yaml", config)
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", *options)
+    assert result.exit_code == 2
+    assert result.stderr == expected + "\n"
+    assert not (tmp_path / "gcloud.log").exists() and not (tmp_path / "out").exists()
+    assert not list(tmp_path.rglob("*pwned*")) and not Path("pwned").exists()
+
+
+@pytest.mark.xla
+def test_remote_tpugen_and_remote_dir_under_the_workers_home(tmp_path, fake_pod, monkeypatch):
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    real = Path(sys.executable).parent / "tpugen"
+    for i in range(2):
+        wrapper = fake_pod / f"worker-{i}" / "venv" / "bin" / "tpugen"
+        wrapper.parent.mkdir(parents=True)
+        wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(str(real))} "$@"\n')
+        wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{FAKES}:/usr/bin:/bin")  # only the wrapper can run tpugen on the workers
+    config = tiny_config(tmp_path, prompts=PROMPTS[:2], steps=2, output={"dir": str(tmp_path / "out"), "run_id": "r"})
+    result = run_cli(
+        "pod-run",
+        write_config(tmp_path / "c.yaml", config),
+        *["--tpu", "t", "--zone", "z", "--workers", "2", "--quiet"],
+        *["--remote-tpugen", "~/venv/bin/tpugen", "--remote-dir", "~/pods"],
+    )
+    assert result.exit_code == 0, result.output
+    assert [r["file"] for r in read_manifest(tmp_path / "out" / "r" / "manifest.jsonl")] == [
+        f"worker-0/run/{NAMES[0]}",
+        f"worker-1/run/{NAMES[1]}",
+    ]
+    assert (fake_pod / "worker-1" / "pods" / "r" / "run" / NAMES[1]).is_file()
+    assert not list(fake_pod.glob("worker-*/~"))
+
+
+def _scratch(tmp_path, monkeypatch) -> Path:
+    """A TMPDIR of the test's own, so that anything tpugen leaves in it shows."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads TMPDIR again
+    return scratch
+
+
+@pytest.mark.parametrize("upload_fails", [False, True])
+def test_a_failed_bucket_run_leaves_its_scratch_folder_only_when_the_report_upload_failed(
+    tmp_path, fake_pod, monkeypatch, upload_fails
+):
+    scratch = _scratch(tmp_path, monkeypatch)
+    gcs = tmp_path / "gcs"
+    monkeypatch.setenv("FAKE_GCS_ROOT", str(gcs))
+    monkeypatch.setenv("FAKE_POD_WORKERS", "1")
+    monkeypatch.setenv("FAKE_POD_PREEMPT_WORKER", "0")  # no worker runs, so nothing is compiled
+    if upload_fails:
+        (gcs / "my-bucket" / "runs").mkdir(parents=True)
+        (gcs / "my-bucket" / "runs" / "podrun").write_text("a file where the run's folder goes")
+    config = tiny_config(tmp_path, prompts=PROMPTS[:2], output={"dir": "gs://my-bucket/runs", "run_id": "podrun"})
+    path = write_config(tmp_path / "c.yaml", config)
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "1", "--quiet")
+    assert result.exit_code == 1
+    if upload_fails:
+        [kept] = scratch.iterdir()
+        assert result.stderr.splitlines()[-1] == (
+            f"error: uploading the pod report to gs://my-bucket/runs/podrun failed; it is in {kept / 'podrun'}"
+        )
+        assert (kept / "podrun" / "report.json").is_file()
+    else:
+        assert result.stderr.splitlines()[-1] == (
+            "error: 0 images from the other workers and the pod report are in gs://my-bucket/runs/podrun"
+        )
+        assert (gcs / "my-bucket" / "runs" / "podrun" / "report.json").is_file()
+        assert not list(scratch.iterdir())

@@ -382,7 +382,12 @@ def pod_run(
         int | None, typer.Option("--workers", min=1, help="Worker count; default: counted by gcloud describe.")
     ] = None,
     remote_dir: Annotated[
-        str, typer.Option("--remote-dir", help="Folder on every worker (relative to the home directory).")
+        str,
+        typer.Option(
+            "--remote-dir",
+            help="Folder on every worker, relative to its home directory (~/DIR means the same): ASCII letters, "
+            "digits, '.', '_', '-' and '/', no '..'.",
+        ),
     ] = "tpugen-pod",
     gather: Annotated[
         str, typer.Option("--gather", help="local: copy every worker's run here and merge; none: leave them there.")
@@ -396,7 +401,11 @@ def pod_run(
     quiet: Quiet = False,
     resume_id: Annotated[
         str | None,
-        typer.Option("--resume", help="Continue this pod run (its RUN_ID): each worker keeps what it finished."),
+        typer.Option(
+            "--resume",
+            help="Continue this pod run (its RUN_ID, or its folder directly under output.dir): each worker keeps "
+            "what it finished.",
+        ),
     ] = None,
 ) -> None:
     """Run the config on every worker of a TPU pod with gcloud, then gather the images and one pod report."""

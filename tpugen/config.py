@@ -122,6 +122,16 @@ class CacheConfig(_Section):
     dir: str | None = None
 
 
+# A run id is a folder name here and, with pod-run, in gcloud scp paths that a shell on every worker reads:
+# only characters no shell splits, expands or runs.
+RUN_ID_RULE = "use 1 to 128 ASCII letters, digits, '.', '_' or '-', not starting with '.' or '-'"
+_RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+
+def is_safe_run_id(value: str) -> bool:
+    return _RUN_ID.fullmatch(value) is not None
+
+
 class OutputConfig(_Section):
     dir: str = "outputs"
     run_id: str | None = None
@@ -129,9 +139,8 @@ class OutputConfig(_Section):
     @field_validator("run_id")
     @classmethod
     def _safe_run_id(cls, value: str | None) -> str | None:
-        if value is not None:
-            if not value or value.startswith(".") or "/" in value or "\\" in value or "\0" in value:
-                raise ValueError("must be a plain directory name (no '/', no leading '.')")
+        if value is not None and not is_safe_run_id(value):
+            raise ValueError(RUN_ID_RULE)
         return value
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -16,6 +18,14 @@ from tpugen.errors import InputError, RunError
 WORKER_LOG = "worker.log"
 WORKER_STATUS = "worker.status"
 WORKER_RUN = "run"  # the worker's own run directory, inside its pod-run folder
+STAGING = ".pod-staging"
+# gcloud scp hands NAME:PATH to a shell on the worker, which no local quoting reaches: remote folders hold
+# only characters that shell leaves alone.
+REMOTE_DIR_RULE = (
+    "use ASCII letters, digits, '.', '_', '-' and '/' (after an optional leading ~/), with no '..' part "
+    "and no leading '-'"
+)
+_REMOTE_DIR = re.compile(r"[A-Za-z0-9._/-]+")
 
 
 # ---------------------------------------------------------------- who am I
@@ -38,6 +48,56 @@ def pod_position(pod, env: Mapping[str, str], host_index=lambda: 0) -> tuple[int
     if index >= count:
         raise InputError(f"execution.pod: worker index {index} is not below the worker count {count}")
     return index, count
+
+
+# ---------------------------------------------------------------- what the options name (checked first)
+
+
+def remote_base(remote_dir: str) -> str:
+    """--remote-dir as every ssh command and scp path gives it: both start in the worker's home directory,
+    so a leading ~/ is dropped (quoted, or in an scp path, no shell would expand it)."""
+    path = (remote_dir[2:].lstrip("/") or ".") if remote_dir.startswith("~/") or remote_dir == "~" else remote_dir
+    if not _REMOTE_DIR.fullmatch(path) or path.startswith("-") or ".." in path.split("/"):
+        raise InputError(f"--remote-dir: {remote_dir!r} is not allowed: {REMOTE_DIR_RULE}")
+    return path
+
+
+def is_pod_run(folder: Path) -> bool:
+    """Whether pod-run made this folder: it holds worker-N copies, a pod report or the staging folder."""
+    if not folder.is_dir():
+        return False
+    names = {path.name for path in folder.iterdir()}
+    if STAGING in names or any(re.fullmatch(r"worker-\d+", name) for name in names):
+        return True
+    try:
+        return "tpugen_pod_report" in json.loads((folder / "report.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def resume_run_id(value: str, output_dir: str) -> str:
+    """--resume's RUN_ID, checked like output.run_id since it names a folder here and on every worker; the
+    path of a pod run directly under output.dir also names it. Anything else is refused before gcloud runs."""
+    from tpugen.config import RUN_ID_RULE, is_safe_run_id
+
+    local = not output_dir.startswith("gs://")
+    if is_safe_run_id(value):
+        run_id = value
+    elif local and Path(value).is_dir():
+        folder = Path(value).resolve()
+        if folder.parent != Path(output_dir).resolve() or not is_safe_run_id(folder.name) or not is_pod_run(folder):
+            raise InputError(
+                f"--resume: {value} is not a pod run directly under output.dir ({output_dir}); give its RUN_ID"
+            )
+        run_id = folder.name
+    else:
+        raise InputError(f"--resume: {value!r} is not a run id: {RUN_ID_RULE}")
+    existing = Path(output_dir) / run_id
+    empty = existing.is_dir() and not any(existing.iterdir())
+    # pod-run writes worker-N folders, a manifest and a report into it: never into another kind of run.
+    if local and existing.exists() and not empty and not is_pod_run(existing):
+        raise InputError(f"--resume: {existing} is not a pod run directory (no pod report.json or worker-N folders)")
+    return run_id
 
 
 # ---------------------------------------------------------------- the commands (pure)
@@ -83,6 +143,11 @@ def count_workers(describe_output: str) -> int:
     return len(endpoints)
 
 
+def _command_word(path: str) -> str:
+    """A shell-quoted command; a leading ~/ stays the worker's home ("$HOME"/...), which quoting would hide."""
+    return '"$HOME"/' + shlex.quote(path[2:]) if path.startswith("~/") else shlex.quote(path)
+
+
 def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen", upload: str | None = None) -> str:
     """What every worker runs: its share of the run, its output kept in worker.log, its exit status in
     worker.status (so a failed worker is named after gathering), and the log's last lines echoed.
@@ -94,7 +159,7 @@ def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen", up
     q = shlex.quote
     generate = " ".join(
         [
-            q(tpugen),
+            _command_word(tpugen),
             "generate",
             "config.yaml",
             "--quiet",
@@ -131,6 +196,12 @@ class PodPlan:
         return [shlex.join(c) for c in [*self.prepare, self.run, *self.gather]]
 
 
+def gathering_folder(local_run: Path, worker: int) -> Path:
+    """Where worker i's folder is copied before it joins OUTPUT_DIR/RUN_ID/worker-i: a failed copy never
+    costs the earlier one."""
+    return local_run / f".worker-{worker}.gathering"
+
+
 def plan_pod(
     pod: Pod,
     *,
@@ -143,7 +214,8 @@ def plan_pod(
     gather: bool = True,
     bucket: str | None = None,
 ) -> PodPlan:
-    """With `bucket` (output.dir: gs://...), workers upload there and gathering downloads from there."""
+    """`remote_dir` as remote_base gives it. With `bucket` (output.dir: gs://...), workers upload there and
+    gathering downloads from there into `local_run`, a scratch folder."""
     remote_run = f"{remote_dir.rstrip('/')}/{run_id}"
     prepare = [pod.ssh_all(f"mkdir -p {shlex.quote(remote_run)}")]
     prepare += [pod.scp_to_all(path, f"{remote_run}/{path.name}") for path in staged]
@@ -153,7 +225,7 @@ def plan_pod(
     elif upload:
         gathers = [pod.storage_cp(f"{upload}/worker-{i}", f"{local_run}/", recursive=True) for i in range(workers)]
     else:
-        gathers = [pod.scp_from(i, remote_run, local_run / f"worker-{i}") for i in range(workers)]
+        gathers = [pod.scp_from(i, remote_run, gathering_folder(local_run, i)) for i in range(workers)]
     return PodPlan(prepare, pod.ssh_all(worker_command(remote_run, workers, tpugen, upload)), gathers)
 
 
@@ -164,6 +236,34 @@ def _tail(path: Path, lines: int = 5) -> list[str]:
     if not path.exists():
         return []
     return [line for line in path.read_text(errors="replace").splitlines() if line.strip()][-lines:]
+
+
+def adopt_gathered(fresh: Path, folder: Path) -> None:
+    """Fold a worker's newly gathered copy into its folder: files only the earlier copy holds stay (a worker
+    recreated with a fresh disk has lost the images it made before), every file both hold comes from the
+    new copy, and the manifests are joined by image index with the new copy's records winning. Each file
+    is moved in whole and the manifest written last, so a crash part way leaves no file torn or lost."""
+    from tpugen.outputs import read_manifest
+    from tpugen.resume import rewrite_manifest
+
+    if not folder.exists():
+        fresh.rename(folder)
+        return
+    manifest = Path(WORKER_RUN, "manifest.jsonl")
+    for source in sorted(fresh.rglob("*")):
+        relative = source.relative_to(fresh)
+        if source.is_dir() or relative == manifest:
+            continue
+        target = folder / relative
+        if target.is_dir():
+            shutil.rmtree(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, target)
+    if (fresh / manifest).exists():
+        records = {r["index"]: r for r in read_manifest(folder / manifest)} if (folder / manifest).exists() else {}
+        records.update({r["index"]: r for r in read_manifest(fresh / manifest)})
+        rewrite_manifest(folder / WORKER_RUN, records)
+    shutil.rmtree(fresh)
 
 
 def merge_workers(local_run: Path, workers: int) -> tuple[list[dict], list[dict]]:
@@ -220,6 +320,14 @@ def pod_report(*, run_id: str, pod: Pod, planned: int, records: list[dict], rows
     }
 
 
+def _gather_failures(report: dict) -> list[str]:
+    failed = report.get("gather_failed_workers") or []
+    kept = [r["worker"] for r in report["per_worker"] if r["worker"] in failed and r["gathered"]]
+    if not failed:
+        return []
+    return [f"- gathering failed for workers {failed}" + (f"; earlier copies kept for workers {kept}" if kept else "")]
+
+
 def render_pod_markdown(report: dict) -> str:
     def fmt(value, digits=2):
         return "n/a" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
@@ -230,6 +338,7 @@ def render_pod_markdown(report: dict) -> str:
         f"- status: {'complete' if report['complete'] else 'INCOMPLETE (failed workers: ' + str(report['failed_workers']) + ')'}",
         f"- TPU: {report['tpu']} in {report['zone']}, {report['workers']} workers",
         f"- images: {report['images']} of {report['images_planned']}",
+        *_gather_failures(report),
         f"- pod images per second: {fmt(report['pod_images_per_second'])} "
         f"(all images / the slowest worker's timed phase, {fmt(report['slowest_worker_wall_seconds'])} s)",
         "",
@@ -286,21 +395,30 @@ def run_pod(
 
     if dry_run and workers is None:
         raise InputError("--dry-run needs --workers N (without it the count comes from running gcloud describe)")
-    run_id = resume_id or run_id_for(run)
-    bucket = run.config.output.dir if run.config.output.dir.startswith("gs://") else None
-    # With a bucket, the workers' folders are downloaded to a scratch folder to merge the pod report.
-    local_run = (Path(tempfile.mkdtemp(prefix="tpugen-pod-")) if bucket else Path(run.config.output.dir)) / run_id
+    remote_dir = remote_base(remote_dir)
+    output_dir = run.config.output.dir
+    run_id = run_id_for(run) if resume_id is None else resume_run_id(resume_id, output_dir)
+    bucket = output_dir if output_dir.startswith("gs://") else None
     if not dry_run:
         _gcloud_path()
         if workers is None:
             described = _call(pod.describe(), display)
             if described.returncode:
-                raise RunError(f"gcloud describe failed: {(described.stderr.strip().splitlines() or [''])[-1]}")
+                raise RunError(f"gcloud describe failed: {_last_line(described.stderr)}")
             workers = count_workers(described.stdout)
+
+    # With a bucket, the workers' folders are downloaded to a scratch folder to merge the pod report; a dry
+    # run shows the folder tempfile.mkdtemp would name, and makes none.
+    scratch = None
+    if bucket and dry_run:
+        scratch = Path(tempfile.gettempdir(), "tpugen-pod-XXXXXXXX")
+    elif bucket:
+        scratch = Path(tempfile.mkdtemp(prefix="tpugen-pod-"))
+    local_run = (scratch or Path(output_dir)) / run_id
 
     # The shipped config: prompts inside it or in the file shipped beside it, never on a command line.
     config = run.config.model_copy(deep=True)
-    staging = local_run / ".pod-staging"
+    staging = local_run / STAGING
     staged = [staging / "config.yaml"]
     if config.prompts_file:
         prompts = Path(config.prompts_file)
@@ -324,50 +442,78 @@ def run_pod(
             print_line(line)
         return None
 
-    if bucket or resume_id:
-        local_run.mkdir(parents=True, exist_ok=True)
-    else:
-        make_run_dir(run, run_id)
-    staging.mkdir(exist_ok=True)
-    atomic_write_text(staged[0], dump_config(config))
-    if len(staged) > 1:
-        shutil.copyfile(run.config.prompts_file, staged[1])
-    for command in plan.prepare:
-        done = _call(command, display)
-        if done.returncode:
-            raise RunError(f"{shlex.join(command[:6])} failed: {(done.stderr.strip().splitlines() or [''])[-1]}")
-    display.phase(f"running on {workers} workers")
-    ran = _call(plan.run, display)
-    for i, command in enumerate(plan.gather):
-        shutil.rmtree(local_run / f"worker-{i}", ignore_errors=True)  # a copy: the worker holds the original
-        _call(command, display)  # a worker that cannot be reached shows up below as not gathered
-    shutil.rmtree(staging, ignore_errors=True)
+    keep_scratch = staging_made = False
+    try:
+        if bucket or resume_id:
+            local_run.mkdir(parents=True, exist_ok=True)
+        else:
+            make_run_dir(run, run_id)
+        staging_made = True  # past make_run_dir, which refuses a run directory in use without touching it
+        staging.mkdir(exist_ok=True)
+        atomic_write_text(staged[0], dump_config(config))
+        if len(staged) > 1:
+            shutil.copyfile(run.config.prompts_file, staged[1])
+        for command in plan.prepare:
+            done = _call(command, display)
+            if done.returncode:
+                raise RunError(f"{shlex.join(command[:6])} failed: {_last_line(done.stderr)}")
+        display.phase(f"running on {workers} workers")
+        ran = _call(plan.run, display)
+        gather_errors = {}  # worker -> why its folder could not be copied this time
+        for i, command in enumerate(plan.gather):
+            fresh = local_run / f"worker-{i}" if bucket else gathering_folder(local_run, i)
+            shutil.rmtree(fresh, ignore_errors=True)  # a copy left by an interrupted gather
+            done = _call(command, display)
+            if done.returncode or not fresh.is_dir():
+                gather_errors[i] = _last_line(done.stderr) or "nothing was copied"
+                shutil.rmtree(fresh, ignore_errors=True)  # maybe partial; any earlier copy stays as it was
+            elif not bucket:
+                adopt_gathered(fresh, local_run / f"worker-{i}")
 
-    total = len(plan_run(run).items)
-    if not gather:
-        return {"run_id": run_id, "workers": workers, "gathered": False, "ssh_exit_status": ran.returncode}
-    records, rows = merge_workers(local_run, workers)
-    report = pod_report(run_id=run_id, pod=pod, planned=total, records=records, rows=rows)
-    report["ssh_exit_status"] = ran.returncode
-    rewrite_manifest(local_run, {r["index"]: r for r in records})
-    write_json(local_run / "report.json", report)
-    atomic_write_text(local_run / "report.md", render_pod_markdown(report))
-    report["run_dir"] = str(local_run)
-    if bucket:
-        destination = f"{bucket.rstrip('/')}/{run_id}"
-        files = [str(local_run / name) for name in ("report.json", "report.md", "manifest.jsonl")]
-        uploaded = _call(pod.storage_cp(*files, f"{destination}/"), display)
-        if uploaded.returncode:
-            raise RunError(f"uploading the pod report to {destination} failed; it is in {local_run}")
-        report["run_dir"] = destination
+        total = len(plan_run(run).items)
+        if not gather:
+            return {"run_id": run_id, "workers": workers, "gathered": False, "ssh_exit_status": ran.returncode}
+        records, rows = merge_workers(local_run, workers)
+        report = pod_report(run_id=run_id, pod=pod, planned=total, records=records, rows=rows)
+        report["ssh_exit_status"] = ran.returncode
+        report["gather_failed_workers"] = sorted(gather_errors)
+        rewrite_manifest(local_run, {r["index"]: r for r in records})
+        write_json(local_run / "report.json", report)
+        atomic_write_text(local_run / "report.md", render_pod_markdown(report))
+        report["run_dir"] = str(local_run)
+        if bucket:
+            destination = f"{bucket.rstrip('/')}/{run_id}"
+            files = [str(local_run / name) for name in ("report.json", "report.md", "manifest.jsonl")]
+            uploaded = _call(pod.storage_cp(*files, f"{destination}/"), display)
+            if uploaded.returncode:
+                keep_scratch = True  # the only copy of the pod report
+                raise RunError(f"uploading the pod report to {destination} failed; it is in {local_run}")
+            report["run_dir"] = destination
+    finally:
+        if staging_made:
+            shutil.rmtree(staging, ignore_errors=True)
+        if scratch and not keep_scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
     failed = [r for r in rows if not r["complete"]]
-    if failed or ran.returncode:
+    kept = [i for i in sorted(gather_errors) if rows[i]["gathered"]]
+    if failed or kept or ran.returncode:
         lines = []
         for r in failed:
-            why = "not gathered" if not r["gathered"] else f"exit status {r['exit_status']}"
+            why = f"exit status {r['exit_status']}"
+            if not r["gathered"]:
+                why = f"not gathered: {gather_errors[r['worker']]}" if r["worker"] in gather_errors else "not gathered"
             tail = " | ".join(r["last_lines"][-3:])
             lines.append(f"worker {r['worker']} failed ({why}){': ' + tail if tail else ''}")
-        if not failed:
+        for i in kept:
+            folder = local_run / f"worker-{i}"
+            lines.append(f"worker {i}: gathering failed ({gather_errors[i]}); its earlier copy is kept in {folder}")
+        if ran.returncode and not failed:
             lines.append(f"gcloud ssh exited with status {ran.returncode}")
-        raise RunError(*lines, f"{len(records)} images from the other workers and the pod report are in {local_run}")
+        where = report["run_dir"]
+        raise RunError(*lines, f"{len(records)} images from the other workers and the pod report are in {where}")
     return report
+
+
+def _last_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[-1]
