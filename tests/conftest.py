@@ -1,10 +1,12 @@
-"""Shared fixtures: one tiny-sd build and one set of XLA:CPU compiles for the whole session."""
+"""Shared fixtures and helpers: one tiny-sd build, reference runs shared by the session, one image comparison."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -13,17 +15,43 @@ from pathlib import Path
 os.environ["PJRT_DEVICE"] = "CPU"
 os.environ.setdefault("TPUGEN_CACHE", tempfile.mkdtemp(prefix="tpugen-test-cache-"))
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
+from PIL import Image  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from tpugen.cli import app  # noqa: E402
 
+TPUGEN = str(Path(sys.executable).parent / "tpugen")
+FAKES = Path(__file__).parent / "fakes"
 PROMPTS = [
     "a lighthouse on a cliff at dawn, oil painting",
     "a red fox in fresh snow",
     "an astronaut riding a horse",
 ]
+
+# How far two runs' images may be apart (the largest difference of any pixel channel, in 1/255), by what
+# differs between the runs. One policy for every test:
+SAME_SETUP = 0  # same backend, same devices per process: bit for bit
+OTHER_DEVICE_COUNT = 1  # XLA:CPU with another CPU_NUM_DEVICES, or ranks in processes of their own (FACTS.md)
+OTHER_GRAPH = 1  # the same computation traced as another graph (scanned blocks, SPMD, components placed apart)
+COMPILED_VS_EAGER = 2  # a compiled graph (XLA:CPU, or inductor) against eager PyTorch on the CPU
+
+
+def assert_same_images(run_dir: Path, reference: Path, max_diff: int, names: list[str] | None = None) -> None:
+    """The images of `run_dir` are those of `reference` (the same file names, pixels within `max_diff`)."""
+    expected = sorted(p.name for p in reference.glob("[0-9]*.png")) if names is None else sorted(names)
+    if names is None:
+        assert sorted(p.name for p in run_dir.glob("[0-9]*.png")) == expected
+    for name in expected:
+        a = np.asarray(Image.open(run_dir / name).convert("RGB"), dtype=np.int16)
+        b = np.asarray(Image.open(reference / name).convert("RGB"), dtype=np.int16)
+        assert a.shape == b.shape and int(np.abs(a - b).max()) <= max_diff, (name, int(np.abs(a - b).max()))
+
+
+def image_bytes(run_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(run_dir.glob("[0-9]*.png"))}
 
 
 def tiny_config(tmp: Path, **overrides) -> dict:
@@ -49,6 +77,15 @@ def tiny_config(tmp: Path, **overrides) -> dict:
     return config
 
 
+def with_prompts_file(tmp: Path, config: dict, lines: list[str], name: str = "p.txt") -> dict:
+    """`config` reading its prompts from a file `name` beside it, holding `lines` (.txt or .jsonl lines)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / name).write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    config = {k: v for k, v in config.items() if k != "prompts"}
+    config["prompts_file"] = name
+    return config
+
+
 def write_config(path: Path, config: dict) -> Path:
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return path
@@ -68,10 +105,29 @@ def generate(tmp: Path, **overrides) -> Path:
     return Path(config["output"]["dir"]) / config["output"]["run_id"]
 
 
+def generate_in_new_process(tmp: Path, *args: str, env: dict | None = None, timeout: float = 600, **overrides):
+    """`tpugen generate` in a fresh process (its XLA runtime and compile cache fresh too); returns
+    (the finished process, the run directory)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(tmp, **overrides)
+    path = write_config(tmp / "run.yaml", config)
+    proc = subprocess.run(
+        [TPUGEN, "generate", str(path), "--quiet", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PJRT_DEVICE": "CPU", **(env or {})},
+    )
+    return proc, Path(config["output"]["dir"]) / config["output"]["run_id"]
+
+
 @pytest.fixture(scope="session")
 def xla_run(tmp_path_factory) -> Path:
-    """The reference XLA run: 3 prompts at batch 2 (one padded batch), 3 steps, CFG on."""
-    return generate(tmp_path_factory.mktemp("xla"))
+    """The reference XLA run: 3 prompts at batch 2 (one padded batch), 3 steps, CFG on. Made in a process of
+    its own, so its compile counts are exact whatever this process compiled before."""
+    proc, run_dir = generate_in_new_process(tmp_path_factory.mktemp("xla"))
+    assert proc.returncode == 0, proc.stderr
+    return run_dir
 
 
 @pytest.fixture(scope="session")
@@ -87,3 +143,27 @@ def sigterm_after_a_rank_image(proc: subprocess.Popen, run_dir: Path, timeout: f
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     return proc.communicate(timeout=timeout)[1]
+
+
+def cut_last_image(run_dir: Path) -> None:
+    """What a kill before the last batch leaves: its image and manifest line are missing."""
+    lines = (run_dir / "manifest.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / json.loads(lines[-1])["file"]).unlink()
+    (run_dir / "manifest.jsonl").write_text("".join(lines[:-1]))
+
+
+def failing_rank_env(rank: int, pythonpath: str = "") -> dict[str, str]:
+    """The environment under which rank `rank` of a multi run fails after writing its first batch: a test
+    fake (tests/fakes/fail_rank) loaded at start-up by every process of the run."""
+    path = os.pathsep.join(p for p in (str(FAKES / "fail_rank"), pythonpath) if p)
+    return {"PYTHONPATH": path, "TPUGEN_TEST_FAIL_RANK": str(rank)}
+
+
+@pytest.fixture(autouse=True)
+def _device_free_unless_marked(request):
+    """A test not marked `xla` must not import torch_xla (diffusers imports it whenever it is installed):
+    `pytest -m "not xla"` then touches no device."""
+    before = "torch_xla" in sys.modules
+    yield
+    if not before and "torch_xla" in sys.modules and request.node.get_closest_marker("xla") is None:
+        pytest.fail("this test imported torch_xla (directly or through diffusers): mark it @pytest.mark.xla")

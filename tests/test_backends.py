@@ -8,60 +8,61 @@ import subprocess
 import sys
 import types
 
-import numpy as np
 import pytest
-from conftest import generate, run_cli, tiny_config, write_config
-from PIL import Image
+from conftest import (
+    COMPILED_VS_EAGER,
+    FAKES,
+    TPUGEN,
+    assert_same_images,
+    cut_last_image,
+    generate,
+    run_cli,
+    tiny_config,
+    write_config,
+)
 
-from tpugen.backends import TorchTpuBackend
+from tpugen.backends.compile import CompileSpec, compile_spec
+from tpugen.backends.torch_tpu import TorchTpuBackend
+from tpugen.config import CompileConfig
+from tpugen.engine.hooks import Hooks
 from tpugen.errors import InputError
-from tpugen.pipeline import CompileSpec, apply_compile, compile_spec
+from tpugen.families import family_code
 
 
 @pytest.mark.parametrize(
-    "backend,torch_compile,mode,offload,component,expected",
+    "backend,torch_compile,mode,offload,expected",
     [
-        ("torch_tpu", False, "eager", False, "transformer", None),
-        ("torch_tpu", False, "defer_and_fuse", False, "transformer", None),
-        ("torch_tpu", False, "compile", False, "transformer", CompileSpec("transformer", "compile", "tpu")),
-        (
-            "torch_tpu",
-            False,
-            "compile",
-            True,
-            "transformer",
-            CompileSpec("transformer", "compile_repeated_blocks", "tpu"),
-        ),
-        ("torch_tpu", False, "compile", False, "unet", CompileSpec("unet", "compile", "tpu")),
-        ("cpu", True, "eager", False, "unet", CompileSpec("unet", "compile", "inductor")),
-        ("cuda", True, "eager", True, "transformer", CompileSpec("transformer", "compile_repeated_blocks", "inductor")),
-        ("cuda", False, "eager", False, "unet", None),
-        ("xla", True, "eager", False, "unet", None),
+        ("torch_tpu", False, "eager", False, None),
+        ("torch_tpu", False, "defer_and_fuse", False, None),
+        ("torch_tpu", False, "compile", False, CompileSpec("compile", "tpu")),
+        ("torch_tpu", False, "compile", True, CompileSpec("compile_repeated_blocks", "tpu")),
+        ("cpu", True, "eager", False, CompileSpec("compile", "inductor")),
+        ("cuda", True, "eager", True, CompileSpec("compile_repeated_blocks", "inductor")),
+        ("cuda", False, "eager", False, None),
+        ("xla", True, "eager", False, None),
     ],
 )
-def test_compile_spec(backend, torch_compile, mode, offload, component, expected):
-    spec = compile_spec(backend, torch_compile=torch_compile, tpu_mode=mode, offload=offload, component=component)
-    assert spec == expected
+def test_compile_spec(backend, torch_compile, mode, offload, expected):
+    assert compile_spec(backend, torch_compile=torch_compile, tpu_mode=mode, offload=offload) == expected
 
 
 class Recorder:
     """A stand-in pipeline that records what tpugen does to it (the TorchTPU calls cannot run here)."""
 
     def __init__(self):
+        import torch
+
         self.calls = []
         recorder = self
 
-        class Component:
-            def __init__(self, name):
-                self.name = name
-
+        class Denoiser(torch.nn.Module):
             def compile(self, **kwargs):
-                recorder.calls.append((f"{self.name}.compile", kwargs))
+                recorder.calls.append(("transformer.compile", kwargs))
 
             def compile_repeated_blocks(self, **kwargs):
-                recorder.calls.append((f"{self.name}.compile_repeated_blocks", kwargs))
+                recorder.calls.append(("transformer.compile_repeated_blocks", kwargs))
 
-        self.transformer = Component("transformer")
+        self.transformer = Denoiser()
 
     def to(self, device):
         self.calls.append(("to", device))
@@ -72,14 +73,23 @@ class Recorder:
 
 @pytest.fixture
 def fake_torch_tpu(monkeypatch):
-    """A torch_tpu module on a machine that claims a TPU: what tpugen imports and checks, recorded."""
-    import torch
+    """tests/fakes/torch_tpu, the one TorchTPU fake, installed in this process for one test and undone."""
+    import importlib.util
 
-    module = types.ModuleType("torch_tpu")
+    monkeypatch.setenv("FAKE_TORCH_TPU_MANUAL", "1")
+    spec = importlib.util.spec_from_file_location("torch_tpu", FAKES / "torch_tpu" / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.delenv("FAKE_TORCH_TPU_MANUAL")
     monkeypatch.setitem(sys.modules, "torch_tpu", module)
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: types.SimpleNamespace(type="tpu"))
+    module.install(monkeypatch.setattr)
     return module
+
+
+def torch_tpu_backend(mode: str, offload: bool = False) -> TorchTpuBackend:
+    return TorchTpuBackend(
+        mode, compile_spec=compile_spec("torch_tpu", torch_compile=False, tpu_mode=mode, offload=offload)
+    )
 
 
 @pytest.mark.parametrize(
@@ -95,27 +105,49 @@ def fake_torch_tpu(monkeypatch):
         ),
     ],
 )
-def test_torch_tpu_compile_mode_makes_the_guides_calls(fake_torch_tpu, offload, expected):
-    backend = TorchTpuBackend("compile")
-    pipe = Recorder()
-    backend.place(pipe, offload=offload)
-    apply_compile(
-        pipe,
-        compile_spec(backend.name, torch_compile=False, tpu_mode="compile", offload=offload, component="transformer"),
+def test_torch_tpu_compile_mode_makes_the_guides_calls(fake_torch_tpu, offload, expected, monkeypatch):
+    import tpugen.backends.torch_tpu
+
+    swapped = []
+    monkeypatch.setattr(
+        tpugen.backends.torch_tpu, "use_plain_attention", lambda module, hooks: swapped.append(module) or {}
     )
+    backend = torch_tpu_backend("compile", offload)
+    pipe, flux, hooks = Recorder(), family_code("flux"), Hooks()
+    backend.place(pipe, offload=offload, family=flux)
+    backend.prepare_on_device(pipe, flux, CompileConfig(), hooks)
     assert pipe.calls == expected
+    assert swapped == [pipe.transformer]  # the plain attention processors first (tested on a real UNet below)
+    assert hooks.names() == ["torch.compile"]
     assert backend.describe()["torch_tpu_mode"] == "compile"
 
 
 def test_torch_tpu_eager_moves_to_tpu_and_compiles_nothing(fake_torch_tpu):
-    backend = TorchTpuBackend("eager")
-    pipe = Recorder()
-    backend.place(pipe)
-    apply_compile(
-        pipe, compile_spec(backend.name, torch_compile=False, tpu_mode="eager", offload=False, component="transformer")
-    )
-    assert pipe.calls == [("to", "tpu")]
+    backend = torch_tpu_backend("eager")
+    pipe, hooks = Recorder(), Hooks()
+    backend.place(pipe, offload=False, family=family_code("flux"))
+    backend.prepare_on_device(pipe, family_code("flux"), CompileConfig(), hooks)
+    assert pipe.calls == [("to", "tpu")] and hooks.names() == []
     assert backend.describe()["environment"] == {}
+
+
+@pytest.mark.xla
+def test_plain_attention_replaces_sdpa_processors_and_its_removal_restores_them():
+    from diffusers import DiffusionPipeline
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    from tpugen.backends.torch_tpu import use_plain_attention
+    from tpugen.tiny import builtin_path
+
+    unet = DiffusionPipeline.from_pretrained(str(builtin_path("tiny-sd"))).unet
+    before = {name: type(p) for name, p in unet.attn_processors.items()}
+    assert set(before.values()) == {AttnProcessor2_0}
+    hooks = Hooks()
+    counts = use_plain_attention(unet, hooks)
+    assert counts == {"AttnProcessor2_0 -> AttnProcessor": len(before)}
+    assert {type(p) for p in unet.attn_processors.values()} == {AttnProcessor}
+    hooks.remove_all()
+    assert {name: type(p) for name, p in unet.attn_processors.items()} == before
 
 
 def test_defer_and_fuse_refuses_to_start_without_its_variable(fake_torch_tpu, monkeypatch):
@@ -127,6 +159,7 @@ def test_defer_and_fuse_refuses_to_start_without_its_variable(fake_torch_tpu, mo
 
 
 def test_no_tpu_is_one_line(monkeypatch):
+    # An installed torch_tpu on a machine without a TPU registers no "tpu" device (FACTS.md).
     monkeypatch.setitem(sys.modules, "torch_tpu", types.ModuleType("torch_tpu"))
     with pytest.raises(InputError, match="^execution.backend: torch_tpu found no TPU on this machine$"):
         TorchTpuBackend("eager")
@@ -143,9 +176,28 @@ def test_torch_tpu_not_installed_names_the_extra(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-def test_defer_and_fuse_is_set_before_torch_is_imported(tmp_path):
-    config = tiny_config(tmp_path, execution={"backend": "torch_tpu", "torch_tpu": {"mode": "defer_and_fuse"}})
+@pytest.mark.xla
+@pytest.mark.parametrize("command", ["generate", "warmup", "resume"])
+def test_every_command_sets_defer_and_fuse_before_torch_is_imported(tmp_path, command):
+    config = tiny_config(
+        tmp_path,
+        prompts=["a cat"],
+        steps=2,
+        execution={"backend": "torch_tpu", "torch_tpu": {"mode": "defer_and_fuse"}},
+    )
     path = write_config(tmp_path / "c.yaml", config)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_TPU_DEFER_AND_FUSE"}
+    env["PYTHONPATH"] = str(FAKES)  # the fake TorchTPU, like the real one, imports torch when it is imported
+    run_dir = tmp_path / "outputs" / "run"
+    arguments = {
+        "generate": ["generate", str(path)],
+        "warmup": ["warmup", str(path)],
+        "resume": ["resume", str(run_dir)],
+    }
+    if command == "resume":  # a run that stopped before its only image
+        made = subprocess.run([TPUGEN, "generate", str(path), "--quiet"], capture_output=True, text=True, env=env)
+        assert made.returncode == 0, made.stderr
+        cut_last_image(run_dir)
     # An audit hook sees the first `import torch` of the process that tpugen runs in, and the variable then.
     code = (
         "import os, sys\n"
@@ -153,18 +205,15 @@ def test_defer_and_fuse_is_set_before_torch_is_imported(tmp_path):
         "sys.addaudithook(lambda e, a: seen.append(os.environ.get('TORCH_TPU_DEFER_AND_FUSE')) "
         "if e == 'import' and a[0] == 'torch' and not seen else None)\n"
         "from tpugen.cli import app\n"
-        f"try:\n    app(['generate', {str(path)!r}, '--quiet'])\n"
+        f"try:\n    app({[*arguments[command], '--quiet']!r})\n"
         "except SystemExit as exit:\n    print('exit', exit.code)\n"
         "print('torch imported with', seen[:1])\n"
     )
-    # A torch_tpu that, like the real one, imports torch when it is imported.
-    (tmp_path / "fake").mkdir()
-    (tmp_path / "fake" / "torch_tpu.py").write_text("import torch\n")
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_TPU_DEFER_AND_FUSE"}
-    env["PYTHONPATH"] = str(tmp_path / "fake")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.stdout.splitlines()[-2:] == ["exit 2", "torch imported with ['1']"], proc.stderr
-    assert proc.stderr == "error: execution.backend: torch_tpu found no TPU on this machine\n"
+    assert proc.stdout.splitlines()[-2:] == ["exit 0", "torch imported with ['1']"], proc.stderr
+    if command != "warmup":
+        report = json.loads((run_dir / "report.json").read_text())
+        assert report["complete"] and report["device"]["environment"] == {"TORCH_TPU_DEFER_AND_FUSE": "1"}
 
 
 def test_cuda_without_a_gpu_is_one_line(tmp_path):
@@ -176,6 +225,7 @@ def test_cuda_without_a_gpu_is_one_line(tmp_path):
     )
 
 
+@pytest.mark.xla
 def test_cpu_torch_compile_compiles_in_warmup_only_and_matches_eager(cpu_run, tmp_path):
     run_dir = generate(tmp_path, execution={"backend": "cpu"}, compile={"torch_compile": True})
     report = json.loads((run_dir / "report.json").read_text())
@@ -183,10 +233,7 @@ def test_cpu_torch_compile_compiles_in_warmup_only_and_matches_eager(cpu_run, tm
     assert warm["compiles"] >= 1 and warm["graphs_per_phase"]["first denoising step"] >= 1
     assert report["compiles_after_warmup"] == 0
     assert [b["compiles"] for b in report["timed_phase"]["batches"]] == [0, 0]
-    for png in sorted(cpu_run.glob("[0-9]*.png")):
-        a = np.asarray(Image.open(run_dir / png.name), dtype=np.float64)
-        b = np.asarray(Image.open(png), dtype=np.float64)
-        assert np.abs(a - b).mean() <= 2.0, png.name
+    assert_same_images(run_dir, cpu_run, COMPILED_VS_EAGER)
 
 
 def test_compile_options_are_checked_against_the_backend(tmp_path):

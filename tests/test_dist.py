@@ -5,32 +5,32 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from conftest import generate, run_cli, sigterm_after_a_rank_image, tiny_config, write_config
-from PIL import Image
+from conftest import (
+    FAKES,
+    OTHER_DEVICE_COUNT,
+    TPUGEN,
+    assert_same_images,
+    failing_rank_env,
+    generate,
+    run_cli,
+    sigterm_after_a_rank_image,
+    tiny_config,
+    write_config,
+)
 
 from tpugen.config import load_config
-from tpugen.dist import DIST_BACKENDS, RankBarriers, rank_environment, torchrun_command
-from tpugen.multi import FAIL_RANK_ENV
-from tpugen.outputs import image_filename, read_manifest
-
-FAKES = Path(__file__).parent / "fakes"
-TPUGEN = str(Path(sys.executable).parent / "tpugen")
+from tpugen.modes.multi import rank_environment, torchrun_command
+from tpugen.modes.rank import DIST_BACKENDS, RankBarriers
+from tpugen.outputs.manifest import read_manifest
+from tpugen.outputs.png import image_filename
 
 
-def assert_same_images(run_dir: Path, reference: Path, indices: list[int] | None = None) -> None:
+def reference_names(reference: Path, indices: list[int]) -> list[str]:
     names = sorted(p.name for p in reference.glob("[0-9]*.png"))
-    names = names if indices is None else [names[i] for i in indices]
-    assert sorted(p.name for p in run_dir.glob("[0-9]*.png")) == names
-    for name in names:
-        a = np.asarray(Image.open(run_dir / name), dtype=np.int16)
-        b = np.asarray(Image.open(reference / name), dtype=np.int16)
-        # One thread per rank process vs two in one process: sums may round differently (at most 1/255).
-        assert np.abs(a - b).max() <= 1, name
+    return [names[i] for i in indices]
 
 
 def test_torchrun_command_and_environment(tmp_path):
@@ -41,7 +41,7 @@ def test_torchrun_command_and_environment(tmp_path):
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "tpugen.dist",
+        "tpugen.modes.rank",
         "/runs/r",
     ]
     assert {name: b.process_group for name, b in DIST_BACKENDS.items()} == {
@@ -66,13 +66,19 @@ def test_torchrun_command_and_environment(tmp_path):
 def test_a_failing_rank_passes_the_barriers_it_owes(monkeypatch):
     import torch.distributed as dist
 
-    calls = []
-    monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
+    calls, broken = [], []
+
+    def barrier():
+        calls.append("barrier")
+        if broken:
+            raise RuntimeError("the group is broken: a rank died")
+
+    monkeypatch.setattr(dist, "barrier", barrier)
     barriers = RankBarriers()
     barriers.abort(RuntimeError("before joining the group"))
     assert calls == []  # no group yet: nothing to pass
     barriers.joined = True
-    assert barriers.meet("warmed") and barriers.meet("done")  # the end is no barrier
+    assert barriers.meet("warmed") is True and barriers.meet("done") is True  # the end is no barrier
     assert calls == ["barrier"]
     barriers.abort(RuntimeError("failed while warming up"))  # owes "timed phase"
     assert calls == ["barrier", "barrier"]
@@ -82,11 +88,14 @@ def test_a_failing_rank_passes_the_barriers_it_owes(monkeypatch):
     fresh.joined = True
     fresh.abort(KeyboardInterrupt())  # a second signal: stop at once, wait for nobody
     assert calls == ["barrier", "barrier"]
+    broken.append(True)
+    assert RankBarriers().meet("timed phase") is False  # a dead rank broke the group: nobody waits on
 
 
+@pytest.mark.xla
 def test_two_cpu_rank_processes_make_the_images_of_one(cpu_run, tmp_path):
     run_dir = generate(tmp_path, execution={"backend": "cpu", "mode": "multi", "cores": 2})
-    assert_same_images(run_dir, cpu_run)
+    assert_same_images(run_dir, cpu_run, OTHER_DEVICE_COUNT)
     # The same files as a single-process run: no launch file, log, rank results or rank manifests left.
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(p.name for p in cpu_run.iterdir())
     records = read_manifest(run_dir / "manifest.jsonl")
@@ -102,12 +111,13 @@ def test_two_cpu_rank_processes_make_the_images_of_one(cpu_run, tmp_path):
     assert len({r["pid"] for r in report["ranks"]} | {os.getpid()}) == 3  # a process of its own per rank
     assert report["launcher"]["tool"] == "torchrun" and report["launcher"]["process_group"] == "gloo"
     assert report["launcher"]["command"][1:] == torchrun_command(2, run_dir)[1:]
-    assert report["device"]["backend"] == "cpu" and report["device"]["world_size"] == 2
+    assert report["device"]["backend"] == "cpu" and report["topology"]["world_size"] == 2
     assert report["counters_scope"] == "one process per rank: every count is that rank's own"
     markdown = (run_dir / "report.md").read_text()
     assert "## Ranks (2)" in markdown and "Launched by torchrun: 2 processes in a gloo process group" in markdown
 
 
+@pytest.mark.xla
 def test_torch_tpu_ranks_take_one_chip_each_in_a_tpu_dist_group(cpu_run, tmp_path):
     """A fake torch_tpu (tests/fakes) whose "tpu" is the host CPU and whose "tpu_dist" is gloo, in every
     process of the run: the parent's chip count, torchrun and its ranks. Rank 0 fails after its first image."""
@@ -118,7 +128,7 @@ def test_torch_tpu_ranks_take_one_chip_each_in_a_tpu_dist_group(cpu_run, tmp_pat
         execution={"backend": "torch_tpu", "mode": "multi", "torch_tpu": {"mode": "defer_and_fuse"}},
     )
     env = {k: v for k, v in os.environ.items() if k != "TORCH_TPU_DEFER_AND_FUSE"}
-    env.update(PYTHONPATH=str(FAKES), FAKE_TORCH_TPU_LOG=str(log), FAKE_TORCH_TPU_CHIPS="2", **{FAIL_RANK_ENV: "0"})
+    env.update(FAKE_TORCH_TPU_LOG=str(log), FAKE_TORCH_TPU_CHIPS="2", **failing_rank_env(0, str(FAKES)))
     # A cache of its own: both ranks build the built-in model, before their process group exists (inside one,
     # transformers saves weights on rank 0 only).
     env["TPUGEN_CACHE"] = str(tmp_path / "cache")
@@ -132,11 +142,11 @@ def test_torch_tpu_ranks_take_one_chip_each_in_a_tpu_dist_group(cpu_run, tmp_pat
     run_dir = tmp_path / "outputs" / "run"
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.splitlines()
-    assert lines[0] == f"error: rank 0: RuntimeError: failed on purpose after its first batch ({FAIL_RANK_ENV}=0)"
+    assert lines[0] == "error: rank 0: RuntimeError: failed on purpose after its first batch (TPUGEN_TEST_FAIL_RANK=0)"
     assert lines[-1] == f"error: resume with: tpugen resume {run_dir}"
     # Rank 0 made image 0 and failed before image 2; rank 1 made image 1: the images of a one-process cpu run.
     assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == [0, 1]
-    assert_same_images(run_dir, cpu_run, [0, 1])
+    assert_same_images(run_dir, cpu_run, OTHER_DEVICE_COUNT, reference_names(cpu_run, [0, 1]))
     assert list((tmp_path / "cache" / "models").glob("tiny-sd-*/text_encoder/model.safetensors"))
 
     events = [json.loads(line) for line in log.read_text().splitlines()]
@@ -189,6 +199,7 @@ def test_bad_multi_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch, e
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.xla
 def test_sigterm_reaches_every_rank_process_and_resume_finishes_the_run(tmp_path):
     prompts = [f"a small {w}" for w in ["cat", "dog", "owl", "fox", "bee", "elk", "yak", "emu", "ant", "cod"]]
     config = tiny_config(

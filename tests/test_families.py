@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-from conftest import generate, run_cli, tiny_config, write_config
+from conftest import (
+    COMPILED_VS_EAGER,
+    assert_same_images,
+    generate,
+    run_cli,
+    tiny_config,
+    with_prompts_file,
+    write_config,
+)
 from PIL import Image
 
 from tpugen.schedulers import SCHEDULER_NAMES
@@ -17,16 +24,13 @@ FAMILY_MODELS = ["tiny-sdxl", "tiny-sd3", "tiny-flux"]
 
 def _family_run(tmp_path, model: str, backend: str):
     # Two batches, the second at another step count: neither may compile after warmup.
-    tmp_path.mkdir(parents=True, exist_ok=True)
     lines = [
         json.dumps({"prompt": PROMPTS[0]}),
         json.dumps({"prompt": PROMPTS[1]}),
         json.dumps({"prompt": PROMPTS[2], "steps": 5}),
     ]
-    (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
-    config = tiny_config(tmp_path, model={"id": model}, steps=3, execution={"backend": backend})
-    del config["prompts"]
-    config["prompts_file"] = "p.jsonl"
+    base = tiny_config(tmp_path, model={"id": model}, steps=3, execution={"backend": backend})
+    config = with_prompts_file(tmp_path, base, lines, "p.jsonl")
     result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
     assert result.exit_code == 0, result.output
     return tmp_path / "outputs" / "run"
@@ -48,26 +52,53 @@ def test_family_on_xla_matches_eager_cpu_with_three_graphs_and_one_transfer_per_
     assert phases["decoding"] in (0, 1) and warm["compiles"] == sum(phases.values()) <= 3
     # Per batch: text encoding, one execution per step, decoding; one read back to the host.
     assert [(b["executions"], b["transfers_to_host"]) for b in report["timed_phase"]["batches"]] == [(5, 1), (7, 1)]
-    names = sorted(p.name for p in xla.glob("[0-9]*.png"))
-    assert names == sorted(p.name for p in cpu.glob("[0-9]*.png")) and len(names) == 3
-    for name in names:
-        a = np.asarray(Image.open(xla / name), dtype=np.float64)
-        b = np.asarray(Image.open(cpu / name), dtype=np.float64)
-        assert np.abs(a - b).mean() <= 2.0, (model, name)
+    assert len(list(xla.glob("[0-9]*.png"))) == 3
+    assert_same_images(xla, cpu, COMPILED_VS_EAGER)
 
 
+@pytest.fixture(scope="module")
+def cpu_engine(tmp_path_factory):
+    """One eager tiny-sd engine for the scheduler tests: switching schedulers needs no reload."""
+    from tpugen.config import load_config
+    from tpugen.engine import Engine, EngineSpec
+
+    tmp = tmp_path_factory.mktemp("engine")
+    run = load_config(write_config(tmp / "c.yaml", tiny_config(tmp, execution={"backend": "cpu"})))
+    engine = Engine.open(EngineSpec.of(run))
+    yield engine
+    engine.close()
+
+
+@pytest.mark.xla
 @pytest.mark.parametrize("name", SCHEDULER_NAMES)
-def test_every_scheduler_name_runs_two_steps_on_tiny_sd(name, tmp_path):
+def test_every_scheduler_name_selects_its_class_and_runs_two_steps(cpu_engine, name):
+    from tpugen.plan import Batch, ShapeKey, WorkItem
+    from tpugen.schedulers import find_scheduler
+
+    choice = find_scheduler(name)
+    cpu_engine.loaded.use_scheduler(name)
+    scheduler = cpu_engine.loaded.pipe.scheduler
+    assert type(scheduler).__name__ == choice.class_name and cpu_engine.scheduler_name == name
+    assert {key: scheduler.config[key] for key in choice.options} == choice.options
+    item = WorkItem(0, 0, "a cat", "", seed=3, steps=2, guidance_scale=7.5, height=64, width=64)
+    (pixels,) = cpu_engine.generate(Batch(0, ShapeKey(64, 64, 1, True), (item,), 0), scheduler=name)
+    assert pixels.shape == (64, 64, 3) and pixels.std() > 0
+
+
+@pytest.mark.xla
+def test_a_configured_scheduler_is_the_pipelines_and_named_in_the_png(tmp_path):
     run_dir = generate(
         tmp_path,
-        model={"id": "tiny-sd", "scheduler": name},
+        model={"id": "tiny-sd", "scheduler": "DPM++ 2M Karras"},
         prompts=["a cat"],
         steps=2,
         batch_size=1,
         execution={"backend": "cpu"},
     )
     (png,) = run_dir.glob("[0-9]*.png")
-    assert f"Sampler: {name}," in Image.open(png).text["parameters"]
+    assert "Sampler: DPM++ 2M Karras," in Image.open(png).text["parameters"]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["model"]["scheduler"] == "DPM++ 2M Karras"
 
 
 def test_unknown_scheduler_lists_the_valid_names(tmp_path):
@@ -109,10 +140,19 @@ def test_family_defaults_fill_what_the_config_leaves_out(tmp_path):
 def test_models_lists_builtins_and_families():
     result = run_cli("models")
     assert result.exit_code == 0
-    for word in ("tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "StableDiffusionXLPipeline", "FluxPipeline"):
-        assert word in result.stdout
+    first_words = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
+    for model in ("tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-deep"):
+        assert first_words.count(model) == 1, model
+    classes = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("  ") and "Pipeline" in line}
+    assert {
+        "StableDiffusionPipeline",
+        "StableDiffusionXLPipeline",
+        "StableDiffusion3Pipeline",
+        "FluxPipeline",
+    } <= classes
 
 
+@pytest.mark.xla
 def test_offline_hub_model_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
@@ -130,7 +170,7 @@ def test_offline_hub_model_is_one_line(tmp_path, monkeypatch):
 def test_small_systems_solve_like_torch(n):
     import torch
 
-    from tpugen.backends import solve_small
+    from tpugen.backends.xla.patches import solve_small
 
     g = torch.Generator().manual_seed(n)
     a = torch.randn(n, n, generator=g, dtype=torch.float64) + 3 * torch.eye(n, dtype=torch.float64)
@@ -156,7 +196,4 @@ def test_unipc_reads_the_host_once_per_batch_on_xla(tmp_path):
     report = json.loads((runs["xla"] / "report.json").read_text())
     assert report["compiles_after_warmup"] == 0
     assert report["xla_counters"]["timed_phase"]["transfers_to_host"] == report["batches"] == 1
-    for name in sorted(p.name for p in runs["cpu"].glob("[0-9]*.png")):
-        a = np.asarray(Image.open(runs["cpu"] / name), dtype=np.int16)
-        b = np.asarray(Image.open(runs["xla"] / name), dtype=np.int16)
-        assert np.abs(a - b).max() <= 2, name
+    assert_same_images(runs["xla"], runs["cpu"], COMPILED_VS_EAGER)

@@ -8,10 +8,8 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
-from conftest import generate, run_cli, tiny_config, write_config
-from PIL import Image
+from conftest import OTHER_DEVICE_COUNT, SAME_SETUP, assert_same_images, generate, run_cli, tiny_config, write_config
 
 from tpugen.errors import InputError
 from tpugen.placement import assign_components
@@ -107,6 +105,7 @@ def test_bad_placement_configs(tmp_path, execution, expected):
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.xla
 def test_a_model_that_fits_no_chip_stops_before_its_weights_load(tmp_path):
     config = tiny_config(tmp_path, execution={"placement": "auto", "chip_memory_gb": 0.0001})
     result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
@@ -119,15 +118,6 @@ def test_a_model_that_fits_no_chip_stops_before_its_weights_load(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-def _assert_same_images(reference, run, tolerance=2):
-    names = sorted(p.name for p in reference.glob("[0-9]*.png"))
-    assert names and names == sorted(p.name for p in run.glob("[0-9]*.png"))
-    for name in names:
-        a = np.asarray(Image.open(reference / name), dtype=np.int16)
-        b = np.asarray(Image.open(run / name), dtype=np.int16)
-        assert np.abs(a - b).max() <= tolerance, name
-
-
 @pytest.mark.xla
 def test_offload_on_xla_gives_the_same_images_without_recompiles(tmp_path, xla_run):
     run = generate(tmp_path, execution={"offload": "model"})
@@ -138,7 +128,7 @@ def test_offload_on_xla_gives_the_same_images_without_recompiles(tmp_path, xla_r
     phases = report["warmup"][0]["device_memory_per_phase"]
     assert set(phases) == {"text encoding", "first denoising step", "later denoising steps", "decoding"}
     assert "Device memory per phase: n/a (GetAllocatorStats is not supported)" in (run / "report.md").read_text()
-    _assert_same_images(xla_run, run)
+    assert_same_images(run, xla_run, SAME_SETUP)
 
 
 # Placement needs 2 devices, fixed when XLA starts: its runs get a process of their own.
@@ -183,7 +173,7 @@ def test_components_on_two_devices_give_the_single_device_images(tmp_path, xla_r
         assert report["device"]["placement"] == placement
         assert report["compiles_after_warmup"] == 0
         assert "- placement: text_encoder on" in (run / "report.md").read_text()
-        _assert_same_images(xla_run, run)
+        assert_same_images(run, xla_run, OTHER_DEVICE_COUNT)
 
 
 def test_out_of_memory_advice_follows_the_config():
@@ -212,6 +202,7 @@ def test_out_of_memory_advice_follows_the_config():
     "target,running",
     [("transformers.CLIPTextModel.forward", "text encoders"), ("diffusers.UNet2DConditionModel.forward", "unet")],
 )
+@pytest.mark.xla
 def test_out_of_memory_on_the_device_names_the_component(tmp_path, monkeypatch, target, running):
     import importlib
 

@@ -9,27 +9,32 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import generate, run_cli, tiny_config, write_config
+from conftest import (
+    TPUGEN,
+    cut_last_image,
+    generate,
+    image_bytes,
+    run_cli,
+    tiny_config,
+    with_prompts_file,
+    write_config,
+)
 from PIL import Image
 
-import tpugen.outputs
-import tpugen.runner
-from tpugen.outputs import read_manifest
-from tpugen.report import session_summary
+import tpugen.outputs.png
+from tpugen.engine import Engine
+from tpugen.outputs.manifest import read_manifest
+from tpugen.outputs.report import session_summary
 
-TPUGEN = str(Path(sys.executable).parent / "tpugen")
+pytestmark = pytest.mark.xla  # every test here runs a model (diffusers imports torch_xla)
+
 KILL_PROMPTS = [
     f"prompt {i}: a {w} in the rain" for i, w in enumerate(["cat", "dog", "owl", "fox", "bee", "elk", "yak", "emu"])
 ]
-
-
-def image_bytes(run_dir: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(run_dir.glob("[0-9]*.png"))}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +43,6 @@ def reference(tmp_path_factory) -> Path:
     return generate(tmp_path_factory.mktemp("ref"), prompts=KILL_PROMPTS, batch_size=1, steps=20)
 
 
-@pytest.mark.xla
 def test_sigterm_after_the_second_batch_then_resume_gives_the_same_files(reference, tmp_path):
     config = tiny_config(tmp_path, prompts=KILL_PROMPTS, batch_size=1, steps=20)
     path = write_config(tmp_path / "c.yaml", config)
@@ -87,7 +91,6 @@ def test_sigterm_after_the_second_batch_then_resume_gives_the_same_files(referen
     print(f"killed after {killed_after:.1f} s with {done} images; resume took {resume_seconds:.1f} s")
 
 
-@pytest.mark.xla
 def test_torn_manifest_and_missing_image_resume(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
@@ -120,7 +123,7 @@ def test_resume_with_a_config_that_changes_images_is_refused(xla_run, tmp_path):
 
 
 def test_disk_full_keeps_finished_images_and_resume_completes(cpu_run, tmp_path, monkeypatch):
-    real_write = tpugen.outputs.atomic_write_bytes
+    real_write = tpugen.outputs.png.atomic_write_bytes
     pngs = []
 
     def fill_up_at_third_image(path, data):
@@ -130,7 +133,7 @@ def test_disk_full_keeps_finished_images_and_resume_completes(cpu_run, tmp_path,
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real_write(path, data)
 
-    monkeypatch.setattr(tpugen.outputs, "atomic_write_bytes", fill_up_at_third_image)
+    monkeypatch.setattr(tpugen.outputs.png, "atomic_write_bytes", fill_up_at_third_image)
     config = tiny_config(tmp_path, execution={"backend": "cpu"})
     path = write_config(tmp_path / "c.yaml", config)
     run_dir = tmp_path / "outputs" / "run"
@@ -145,7 +148,7 @@ def test_disk_full_keeps_finished_images_and_resume_completes(cpu_run, tmp_path,
     for name in image_bytes(run_dir):
         Image.open(run_dir / name).verify()
 
-    monkeypatch.setattr(tpugen.outputs, "atomic_write_bytes", real_write)  # space freed
+    monkeypatch.setattr(tpugen.outputs.png, "atomic_write_bytes", real_write)  # space freed
     result = run_cli("resume", run_dir, "--quiet")
     assert result.exit_code == 0, result.output
     assert image_bytes(run_dir) == image_bytes(cpu_run)
@@ -184,7 +187,7 @@ def test_resuming_a_complete_run_loads_nothing_and_rewrites_nothing(cpu_run, tmp
     def no_loading(*args, **kwargs):
         raise AssertionError("a complete run must not load its model")
 
-    monkeypatch.setattr(tpugen.runner, "load", no_loading)
+    monkeypatch.setattr(Engine, "open", no_loading)
     for command in (["resume", run_dir], ["generate", run_dir / "config.yaml", "--resume", run_dir]):
         result = run_cli(*command)
         assert result.exit_code == 0, result.output
@@ -204,18 +207,9 @@ def test_every_file_and_folder_gets_the_ordinary_mode(cpu_run):
     assert modes == dict.fromkeys(modes, 0o666 & ~mask), modes
 
 
-def cut_last_image(run_dir: Path) -> None:
-    """What a kill after the first batch leaves: the last batch's image and manifest line are missing."""
-    lines = (run_dir / "manifest.jsonl").read_text().splitlines(keepends=True)
-    (run_dir / json.loads(lines[-1])["file"]).unlink()
-    (run_dir / "manifest.jsonl").write_text("".join(lines[:-1]))
-
-
 def test_resume_keeps_the_prompts_and_config_the_run_started_with(tmp_path):
-    (tmp_path / "p.txt").write_text("a lighthouse\na red fox\nan astronaut\n")
-    config = tiny_config(tmp_path, prompts=None, execution={"backend": "cpu"})
-    config.pop("prompts")
-    config["prompts_file"] = "p.txt"
+    lines = ["a lighthouse", "a red fox", "an astronaut"]
+    config = with_prompts_file(tmp_path, tiny_config(tmp_path, execution={"backend": "cpu"}), lines)
     path = write_config(tmp_path / "c.yaml", config)
     assert run_cli("generate", path, "--quiet").exit_code == 0
     run_dir = tmp_path / "outputs" / "run"
@@ -277,7 +271,6 @@ def test_manifest_lines_that_are_not_this_runs_records_are_named_and_ignored(cpu
     assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == [0, 1, 2]
 
 
-@pytest.mark.xla
 @pytest.mark.parametrize("mode", ["single", "multi"])
 def test_a_model_that_cannot_load_leaves_no_run_and_says_why_in_one_line(tmp_path, mode):
     config = tiny_config(tmp_path, model={"id": "some-org/not-in-the-cache"}, execution={"mode": mode, "cores": 2})

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tpugen import __version__
-from tpugen.errors import TpugenError
+from tpugen.errors import TpugenError, is_known, one_line
 
 app = typer.Typer(
     help="Text-to-image generation on Cloud TPU VMs through torch_xla: each compile paid once, every second accounted for.",
@@ -40,10 +40,11 @@ def _boundary(command):
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        debug = os.environ.get("TPUGEN_DEBUG") == "1"
         try:
             return command(*args, **kwargs)
         except TpugenError as exc:
-            if os.environ.get("TPUGEN_DEBUG") == "1":
+            if debug:
                 traceback.print_exc()
             for line in exc.lines:
                 typer.echo(f"error: {line}", err=True)
@@ -54,11 +55,10 @@ def _boundary(command):
         except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:  # anything unforeseen still gets one line and exit 1
-            if os.environ.get("TPUGEN_DEBUG") == "1":
+            if debug:
                 traceback.print_exc()
-            first = (str(exc).strip().splitlines() or [""])[0]
-            hint = "" if os.environ.get("TPUGEN_DEBUG") == "1" else " (set TPUGEN_DEBUG=1 for the traceback)"
-            typer.echo(f"error: {type(exc).__name__}: {first}{hint}", err=True)
+            hint = "" if debug or is_known(exc) else " (set TPUGEN_DEBUG=1 for the traceback)"
+            typer.echo(f"error: {one_line(exc)}{hint}", err=True)
             raise typer.Exit(1) from None
 
     return wrapper
@@ -99,16 +99,14 @@ def plan(
     ] = None,
 ) -> None:
     """Print the shape keys, batches and padding, and whether the model fits a chip, loading no weights."""
+    from tpugen import app
     from tpugen.config import load_config
-    from tpugen.memory import memory_plan_for
-    from tpugen.plan import plan_run
 
     if chip is not None:
         overrides = [*(overrides or []), f"execution.chip={chip}"]
     run = load_config(config, overrides or [])
-    _print_plan(plan_run(run))
-    execution = run.config.execution
-    memory = memory_plan_for(run, execution.chip, execution.chip_memory_gb, device_free=True)
+    run_plan, memory, how, fit = app.plan(run)
+    _print_plan(run_plan)
     if memory is None:
         out.print(f"memory: {run.config.model.id} is neither on disk nor known to tpugen; no memory plan")
         return
@@ -120,32 +118,7 @@ def plan(
     table.add_row("total", "", f"{memory.total_bytes / 1e9:.2f}")
     out.print(table)
     out.print(f"{memory.chip} ({memory.chip_gb:g} GB per chip): {memory.verdict} -- {memory.advice}")
-    out.print(f"this config ({_how_it_runs(execution)}): {_config_fit(memory, execution, run.config.model.id)}")
-
-
-def _how_it_runs(execution) -> str:
-    if execution.sharding == "spmd":
-        return f"execution.sharding: spmd, mesh data {execution.mesh.data} x model {execution.mesh.model or 'the rest'}"
-    if execution.offload == "model":
-        return "execution.offload: model"
-    if execution.placement != "none":
-        return f"execution.placement: {execution.placement}"
-    return "the whole model on each chip"
-
-
-def _config_fit(memory, execution, model: str) -> str:
-    """Whether the config's own way of running fits; for spmd without a device count, per VM size."""
-    from tpugen.memory import fit_problem
-
-    if execution.placement != "none":
-        return "decided per chip by `tpugen generate` from each chip's memory"
-    if execution.sharding == "spmd" and not (execution.mesh.model or execution.cores):
-        fits = [
-            n for n in (1, 2, 4, 8) if n % execution.mesh.data == 0 and not fit_problem(memory, execution, n, model)
-        ]
-        return f"fits a VM of {fits[0]} chips or more" if fits else "does not fit 8 chips"
-    devices = execution.cores or (execution.mesh.data * execution.mesh.model) or 1
-    return fit_problem(memory, execution, devices, model) or "fits"
+    out.print(f"this config ({how}): {fit}")
 
 
 def _print_plan(run_plan) -> None:
@@ -269,26 +242,10 @@ def generate(
 
         _print_plan(plan_run(run))
         return
-    if run.config.output.dir.startswith("gs://"):
-        from tpugen.errors import InputError
+    from tpugen import app
 
-        raise InputError(
-            "output.dir: gs:// destinations are written by tpugen pod-run's workers; give a local directory"
-        )
-    _set_backend_environment(run)
-    from tpugen.runner import generate as run_generate
-
-    report = run_generate(run, display=_RichDisplay(quiet), skip_warmup=skip_warmup, resume_dir=resume_dir)
+    report = app.generate(run, display=_RichDisplay(quiet), skip_warmup=skip_warmup, resume_dir=resume_dir)
     _finish(report, quiet)
-
-
-def _set_backend_environment(run) -> None:
-    """Variables a backend reads when torch is imported (TORCH_TPU_DEFER_AND_FUSE): set here, before
-    anything in this process imports torch, and recorded in the report."""
-    if run.config.execution.backend == "torch_tpu":
-        from tpugen.backends import torch_tpu_environment
-
-        os.environ.update(torch_tpu_environment(run.config.execution.torch_tpu.mode))
 
 
 def _finish(report: dict, quiet: bool) -> None:
@@ -308,12 +265,9 @@ def resume(
     quiet: Quiet = False,
 ) -> None:
     """Finish an interrupted run from its own config.yaml: finished images are kept, the rest are made."""
-    from tpugen.resume import load_run
-    from tpugen.runner import generate as run_generate
+    from tpugen import app
 
-    run = load_run(run_dir)
-    _set_backend_environment(run)
-    report = run_generate(run, display=_RichDisplay(quiet), resume_dir=run_dir)
+    report = app.resume(run_dir, display=_RichDisplay(quiet))
     _finish(report, quiet)
 
 
@@ -321,8 +275,7 @@ def resume(
 @_boundary
 def models() -> None:
     """List the built-in tiny models and the pipeline families tpugen knows, with their defaults."""
-    from tpugen.families import FAMILIES, KNOWN_MODELS, model_defaults
-    from tpugen.models import BUILTINS
+    from tpugen.models import BUILTINS, FAMILIES, KNOWN_MODELS, model_defaults
 
     typer.echo("models (built-in tiny ones build offline; their images are noise):")
     for model_id, known in KNOWN_MODELS.items():
@@ -346,12 +299,10 @@ def models() -> None:
 @_boundary
 def warmup(config: ConfigPath, overrides: Overrides = None, quiet: Quiet = False) -> None:
     """Compile every shape key the config will need, once each, and print what it cost."""
+    from tpugen import app
     from tpugen.config import load_config
-    from tpugen.runner import warmup_only
 
-    run = load_config(config, overrides or [])
-    _set_backend_environment(run)
-    result = warmup_only(run, display=_RichDisplay(quiet))
+    result = app.warmup(load_config(config, overrides or []), display=_RichDisplay(quiet))
     table = Table(title=f"warmup on {result['device']['backend']} ({result['device']['device_kind']})")
     for column in ("shape key", "wall s", "compile s", "graphs compiled", "cache hits", "cache misses"):
         table.add_column(column, justify="right")
@@ -409,14 +360,15 @@ def pod_run(
     ] = None,
 ) -> None:
     """Run the config on every worker of a TPU pod with gcloud, then gather the images and one pod report."""
+    from tpugen import app
     from tpugen.config import load_config
     from tpugen.errors import InputError
-    from tpugen.pod import Pod, run_pod
+    from tpugen.modes.pod import Pod
 
     if gather not in ("local", "none"):
         raise InputError(f"--gather: must be local or none, got {gather!r}")
     run = load_config(config, overrides or [])
-    report = run_pod(
+    report = app.pod_run(
         run,
         Pod(tpu, zone, project),
         workers=workers,
@@ -430,7 +382,11 @@ def pod_run(
     )
     if report is None:
         return
-    if "run_dir" in report:
+    if report.get("already_complete"):
+        typer.echo(
+            f"{report['run_dir']} is complete: {report['images']} of {report['images_planned']} images; nothing to do"
+        )
+    elif "run_dir" in report:
         typer.echo(f"pod run: {report['images']} images from {report['workers']} workers")
         typer.echo(f"report: {report['run_dir'].rstrip('/')}/report.md")
     else:

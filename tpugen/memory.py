@@ -233,10 +233,8 @@ def directory_parameters(model_dir: Path, variant: str | None = None) -> dict[st
 def _without_torch_xla() -> None:
     """Keep torch_xla unimported while model classes are imported: diffusers, accelerate and transformers
     import it at their own import when it is installed, which starts nothing useful for planning and logs
-    "Defaulting to PJRT_DEVICE=CPU". Only for a process that plans and exits (`tpugen plan`): a run needs
-    their XLA paths, so nothing changes once any of them is loaded."""
-    if {"diffusers", "transformers", "accelerate", "torch_xla"} & set(sys.modules):
-        return
+    "Defaulting to PJRT_DEVICE=CPU". Only in a process of its own (see _counted_apart): the libraries then
+    keep their XLA paths off for the rest of the process."""
     os.environ["USE_TORCH_XLA"] = "0"  # accelerate and transformers read it
     import diffusers.utils.import_utils as diffusers_imports  # imports no model code yet
 
@@ -262,23 +260,35 @@ def _count_key(class_name: str, config: dict) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def meta_parameters(components: dict[str, tuple[str, dict]], *, device_free: bool = False) -> dict[str, int]:
+def _kept_counts() -> dict:
+    try:
+        kept = json.loads(_counts_cache().read_text())
+    except (OSError, ValueError):
+        return {}
+    return kept if isinstance(kept, dict) else {}
+
+
+def _known_counts(components: dict[str, tuple[str, dict]]) -> dict[str, int] | None:
+    """The kept counts of every component, or None if any is missing."""
+    kept = _kept_counts()
+    keys = {name: _count_key(class_name, config) for name, (class_name, config) in components.items()}
+    if all(isinstance(kept.get(key), int) for key in keys.values()):
+        return {name: kept[key] for name, key in keys.items()}
+    return None
+
+
+def meta_parameters(components: dict[str, tuple[str, dict]]) -> dict[str, int]:
     """Parameters of each component built from its config on the meta device: no memory, no download.
 
     Counts are kept in tpugen's cache, keyed by class, config and library versions, so planning the same
-    model again imports no model code at all. With `device_free`, torch_xla stays unimported.
+    model again imports no model code at all.
     """
-    cache_file = _counts_cache()
-    try:
-        known = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        known = {}
+    done = _known_counts(components)
+    if done is not None:
+        return done
+    known = _kept_counts()
     keys = {name: _count_key(class_name, config) for name, (class_name, config) in components.items()}
-    if all(isinstance(known.get(key), int) for key in keys.values()):
-        return {name: known[key] for name, key in keys.items()}
 
-    if device_free:
-        _without_torch_xla()
     import diffusers
     import torch
     import transformers
@@ -297,10 +307,10 @@ def meta_parameters(components: dict[str, tuple[str, dict]], *, device_free: boo
                 model = model_class(config_class(**config))
         counts[name] = sum(p.numel() for p in model.parameters())
     try:
-        from tpugen.outputs import write_json
+        from tpugen.outputs.files import write_json
 
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        write_json(cache_file, {**known, **{keys[name]: count for name, count in counts.items()}})
+        _counts_cache().parent.mkdir(parents=True, exist_ok=True)
+        write_json(_counts_cache(), {**known, **{keys[name]: count for name, count in counts.items()}})
     except OSError:  # a cache that cannot be written only costs the next plan its speed
         pass
     return counts
@@ -336,31 +346,57 @@ def plan_memory(counts: dict[str, int], *, dtype: str, chip: str, chip_gb: float
     return MemoryPlan(components, source, chip, capacity / 1e9, verdict, chips, advice)
 
 
-def memory_plan_for(
-    run, chip: str = "v5e", chip_gb: float | None = None, *, device_free: bool = False
-) -> MemoryPlan | None:
-    """The memory plan of a resolved run, or None when neither its files nor its configs are known here.
-
-    `device_free`: the caller only plans (`tpugen plan`), so torch_xla must not be started for it."""
-    source = run.model_source
-    dtype = run.config.model.dtype
+def component_counts(source, variant: str | None = None) -> tuple[dict[str, int], str] | None:
+    """(parameters per component, where the counts came from), or None when the model is not known here."""
     if source.kind == "builtin":
         from tpugen.tiny import builtin_path
 
-        if device_free:
-            _without_torch_xla()  # a built-in not built yet is built here
+        return directory_parameters(builtin_path(source.ref)), "safetensors headers"
+    if source.kind == "local":
+        return directory_parameters(Path(source.ref), variant), "safetensors headers"
+    if source.ref in KNOWN_COMPONENTS:
+        return meta_parameters(KNOWN_COMPONENTS[source.ref]), "configs on the meta device"
+    return None
 
-        counts, how = directory_parameters(builtin_path(source.ref)), "safetensors headers"
-    elif source.kind == "local":
-        counts, how = directory_parameters(Path(source.ref), run.config.model.variant), "safetensors headers"
-    elif source.ref in KNOWN_COMPONENTS:
-        counts, how = (
-            meta_parameters(KNOWN_COMPONENTS[source.ref], device_free=device_free),
-            "configs on the meta device",
-        )
-    else:
+
+def _needs_model_code(source) -> bool:
+    """Whether counting would import model code here (building a built-in, or configs on the meta device)."""
+    if source.kind == "builtin":
+        from tpugen.tiny import is_built
+
+        return not is_built(source.ref)
+    return (
+        source.kind == "hub" and source.ref in KNOWN_COMPONENTS and _known_counts(KNOWN_COMPONENTS[source.ref]) is None
+    )
+
+
+def _counted_apart(source, variant: str | None) -> tuple[dict[str, int], str] | None:
+    """component_counts in a process of its own that never imports torch_xla (`python -m tpugen.memory`)."""
+    import subprocess
+
+    request = json.dumps({"kind": source.kind, "ref": source.ref, "variant": variant})
+    proc = subprocess.run([sys.executable, "-m", "tpugen.memory", request], capture_output=True, text=True)
+    if proc.returncode:
+        last = (proc.stderr.strip().split("\n") or [f"exit code {proc.returncode}"])[-1]
+        raise RuntimeError(f"counting the model's parameters failed: {last}")
+    answer = json.loads(proc.stdout)
+    return (answer["counts"], answer["how"]) if answer else None
+
+
+def memory_plan_for(
+    source, model, chip: str = "v5e", chip_gb: float | None = None, *, device_free: bool = False
+) -> MemoryPlan | None:
+    """The memory plan of a model (its source and the config's model section), or None when neither its
+    files nor its configs are known here.
+
+    `device_free` (`tpugen plan`): model code that counting needs runs in a process of its own, so this
+    one never starts torch_xla (diffusers imports it whenever it is installed)."""
+    apart = device_free and not {"diffusers", "torch_xla"} & set(sys.modules) and _needs_model_code(source)
+    counted = _counted_apart(source, model.variant) if apart else component_counts(source, model.variant)
+    if counted is None:
         return None
-    return plan_memory(counts, dtype=dtype, chip=chip, chip_gb=chip_gb, source=how)
+    counts, how = counted
+    return plan_memory(counts, dtype=model.dtype, chip=chip, chip_gb=chip_gb, source=how)
 
 
 # ---------------------------------------------------------------- out of memory on the device (pure)
@@ -434,3 +470,40 @@ def fit_problem(plan: MemoryPlan, execution, devices: int, model: str) -> str | 
         f"model.id: {model} needs {plan.total_bytes * HEADROOM / 1e9:.3g} GB with headroom, more than {chip}: "
         f"{plan.advice}"
     )
+
+
+def how_it_runs(execution) -> str:
+    """The config's way of using the chips, in its own keys' words."""
+    if execution.sharding == "spmd":
+        return f"execution.sharding: spmd, mesh data {execution.mesh.data} x model {execution.mesh.model or 'the rest'}"
+    if execution.offload == "model":
+        return "execution.offload: model"
+    if execution.placement != "none":
+        return f"execution.placement: {execution.placement}"
+    return "the whole model on each chip"
+
+
+def config_fit(plan: MemoryPlan, execution, model: str) -> str:
+    """Whether the config's own way of running fits; for spmd without a device count, per VM size."""
+    if execution.placement != "none":
+        return "decided per chip by `tpugen generate` from each chip's memory"
+    if execution.sharding == "spmd" and not (execution.mesh.model or execution.cores):
+        fits = [n for n in (1, 2, 4, 8) if n % execution.mesh.data == 0 and not fit_problem(plan, execution, n, model)]
+        return f"fits a VM of {fits[0]} chips or more" if fits else "does not fit 8 chips"
+    devices = execution.cores or (execution.mesh.data * execution.mesh.model) or 1
+    return fit_problem(plan, execution, devices, model) or "fits"
+
+
+def _main(request: str) -> int:
+    """`python -m tpugen.memory '{"kind": ..., "ref": ..., "variant": ...}'`: the counts as JSON on stdout."""
+    from tpugen.models import ModelSource
+
+    _without_torch_xla()
+    wanted = json.loads(request)
+    counted = component_counts(ModelSource(wanted["kind"], wanted["ref"]), wanted.get("variant"))
+    print(json.dumps({"counts": counted[0], "how": counted[1]} if counted else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1]))

@@ -1,7 +1,9 @@
-"""What tpugen knows about models without loading any: built-ins, their defaults, and where an id points."""
+"""What tpugen knows about models without loading any: families and their defaults, built-ins, known hub ids,
+and where an id points."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -76,3 +78,96 @@ def classify_model_id(model_id: str, base_dir: Path | None = None) -> ModelSourc
         f"{model_id!r} is not a built-in ({', '.join(BUILTINS)}), an existing directory, "
         "or a hub id of the form org/name"
     )
+
+
+# ---------------------------------------------------------------- families and their defaults
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    pipeline_class: str  # the diffusers class in model_index.json
+    title: str
+    size: int  # default height and width
+    steps: int
+    guidance_scale: float
+    cfg: bool  # classifier-free guidance above guidance 1 (it doubles the denoiser's batch: another shape)
+    negative_prompt: bool
+    flow_matching: bool  # keeps its own flow-matching scheduler
+    max_sequence_length: int | None = None  # T5 tokens, for families with a T5 encoder
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("sd", "StableDiffusionPipeline", "Stable Diffusion 1.x/2.x", 512, 30, 7.5, True, True, False),
+        Family("sdxl", "StableDiffusionXLPipeline", "Stable Diffusion XL", 1024, 30, 5.0, True, True, False),
+        Family("sd3", "StableDiffusion3Pipeline", "Stable Diffusion 3 / 3.5", 1024, 28, 7.0, True, True, True, 256),
+        # Flux.1 has no classifier-free guidance: schnell ignores guidance_scale, dev embeds it as a number.
+        Family("flux", "FluxPipeline", "Flux.1 (schnell, dev)", 1024, 4, 0.0, False, False, True, 512),
+    )
+}
+_BY_CLASS = {f.pipeline_class: f for f in FAMILIES.values()}
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    family: str
+    steps: int | None = None  # when the model differs from its family's default
+    guidance_scale: float | None = None
+    size: int | None = None
+    note: str = ""
+
+
+KNOWN_MODELS = {
+    "tiny-sd": KnownModel("sd", size=64),
+    "tiny-sdxl": KnownModel("sdxl", size=64),
+    "tiny-sd3": KnownModel("sd3", size=64),
+    "tiny-flux": KnownModel("flux", size=64),
+    "tiny-flux-deep": KnownModel("flux", size=64),
+    "stable-diffusion-v1-5/stable-diffusion-v1-5": KnownModel("sd", note="fits one v5e chip"),
+    "stabilityai/stable-diffusion-2-1": KnownModel("sd", size=768, note="fits one v5e chip"),
+    "stabilityai/stable-diffusion-xl-base-1.0": KnownModel("sdxl", note="fits one v5e chip in bfloat16"),
+    "stabilityai/stable-diffusion-3.5-medium": KnownModel(
+        "sd3", steps=40, guidance_scale=4.5, note="fits one v6e chip"
+    ),
+    "stabilityai/stable-diffusion-3.5-large": KnownModel(
+        "sd3",
+        steps=28,
+        guidance_scale=3.5,
+        note="~27 GB in bfloat16 with T5: more than one v6e chip once activations count",
+    ),
+    "black-forest-labs/FLUX.1-schnell": KnownModel(
+        "flux", note="not gated; ~34 GB in bfloat16 with T5: more than one v5e or v6e chip"
+    ),
+    "black-forest-labs/FLUX.1-dev": KnownModel(
+        "flux", steps=28, guidance_scale=3.5, note="gated (HF_TOKEN); ~34 GB in bfloat16 with T5: more than one chip"
+    ),
+}
+
+
+def family_of(model_id: str, kind: str, ref: str) -> Family:
+    """The family of a model: from the table of known ids, else its model_index.json, else SD-like."""
+    known = KNOWN_MODELS.get(model_id)
+    if known:
+        return FAMILIES[known.family]
+    if kind == "local":
+        try:
+            class_name = json.loads((Path(ref) / "model_index.json").read_text()).get("_class_name", "")
+        except (OSError, ValueError):
+            class_name = ""
+        if class_name in _BY_CLASS:
+            return _BY_CLASS[class_name]
+    return FAMILIES["sd"]
+
+
+def model_defaults(model_id: str, family: Family) -> dict:
+    """height, width, steps and guidance_scale for a config that leaves them out."""
+    known = KNOWN_MODELS.get(model_id) or KnownModel(family.name)
+    size = known.size or family.size
+    return {
+        "height": size,
+        "width": size,
+        "steps": known.steps or family.steps,
+        "guidance_scale": known.guidance_scale if known.guidance_scale is not None else family.guidance_scale,
+    }

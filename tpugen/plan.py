@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpugen.config import ResolvedRun
-from tpugen.families import FAMILIES
+from tpugen.models import FAMILIES
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,16 @@ from dataclasses import dataclass, field
 # column-wise, the layer after them row-wise, so each pair needs one reduction instead of a gather per layer.
 COLUMN, ROW = "column", "row"
 
-_ATTENTION = [
+ATTENTION = [
     (r"(^|\.)attn\d?\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)$", COLUMN),
     (r"(^|\.)attn\d?\.(to_out\.0|to_add_out)$", ROW),
 ]
-_FEED_FORWARD = [
+FEED_FORWARD = [
     (r"(^|\.)ff(_context)?\.net\.0\.proj$", COLUMN),
     (r"(^|\.)ff(_context)?\.net\.2$", ROW),
 ]
 # The adaptive layer norms of the DiT blocks: one wide projection each (6 x width in Flux.1: 113 M weights).
-_ADALN = [(r"(^|\.)norm1(_context)?\.linear$", COLUMN)]
+ADALN = [(r"(^|\.)norm1(_context)?\.linear$", COLUMN)]
 _CLIP = [
     (r"self_attn\.(q_proj|k_proj|v_proj)$", COLUMN),
     (r"self_attn\.out_proj$", ROW),
@@ -32,18 +32,8 @@ _T5 = [
     (r"DenseReluDense\.(wi|wi_0|wi_1)$", COLUMN),
     (r"DenseReluDense\.wo$", ROW),
 ]
-
-RULES: dict[str, list[tuple[str, str]]] = {
-    "UNet2DConditionModel": _ATTENTION + _FEED_FORWARD,
-    "SD3Transformer2DModel": _ATTENTION + _FEED_FORWARD + _ADALN,
-    "FluxTransformer2DModel": _ATTENTION
-    + _FEED_FORWARD
-    + _ADALN
-    + [
-        (r"^single_transformer_blocks\.\d+\.proj_mlp$", COLUMN),
-        (r"^single_transformer_blocks\.\d+\.proj_out$", ROW),
-        (r"^single_transformer_blocks\.\d+\.norm\.linear$", COLUMN),
-    ],
+# The text encoders every family shares; each family's module has its denoiser's table.
+TEXT_ENCODER_RULES: dict[str, list[tuple[str, str]]] = {
     "CLIPTextModel": _CLIP,
     "CLIPTextModelWithProjection": _CLIP,
     "T5EncoderModel": _T5,
@@ -90,7 +80,9 @@ def _linear_specs(how: str, weight_shape: tuple, has_bias: bool, model_axis: int
     return specs
 
 
-def plan_sharding(pipe, model_axis: int, *, text_encoder_shard_bytes: int | None = None) -> ShardingPlan:
+def plan_sharding(
+    pipe, model_axis: int, denoiser_rules: dict[str, list], *, text_encoder_shard_bytes: int | None = None
+) -> ShardingPlan:
     """Decide, from module names and shapes alone, which weights of a pipeline to split over the model axis.
 
     Denoisers are split by their architecture's rule table; text encoders only from a size up; the VAE and
@@ -106,7 +98,7 @@ def plan_sharding(pipe, model_axis: int, *, text_encoder_shard_bytes: int | None
             continue
         size = sum(p.numel() * p.element_size() for p in component.parameters())
         architecture = type(component).__name__
-        rules = RULES.get(architecture)
+        rules = {**TEXT_ENCODER_RULES, **denoiser_rules}.get(architecture)
         summary = {"architecture": architecture, "bytes": size, "split_layers": 0, "uneven_layers": 0}
         plan.components[name] = summary
         if model_axis <= 1:

@@ -323,11 +323,19 @@ _BUILDERS = {
 }
 
 
+def _target(name: str) -> Path:
+    return cache_root() / "models" / f"{name}-v{BUILTINS[name].build_version}"
+
+
+def is_built(name: str) -> bool:
+    """Whether the built-in is on disk already (builtin_path then builds nothing)."""
+    return (_target(name) / "model_index.json").is_file()
+
+
 def builtin_path(name: str) -> Path:
     """The saved pipeline directory of a built-in, building it on first use (atomically)."""
-    spec = BUILTINS[name]
-    target = cache_root() / "models" / f"{name}-v{spec.build_version}"
-    if (target / "model_index.json").is_file():
+    target = _target(name)
+    if is_built(name):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so an interrupted build never looks finished.

@@ -2,7 +2,8 @@
 
 It does what tpugen relies on the real one for: importing it imports torch, registers the device "tpu"
 and the process-group backend "tpu_dist", and makes torch.accelerator report FAKE_TORCH_TPU_CHIPS chips
-(default 2). What tpugen asks of it is appended, one JSON line per event, to FAKE_TORCH_TPU_LOG.
+(default 2). What tpugen asks of it is appended, one JSON line per event, to FAKE_TORCH_TPU_LOG. The one
+TorchTPU fake of the tests: subprocesses import it by PYTHONPATH, pytest's own process through a fixture.
 """
 
 import json
@@ -31,8 +32,6 @@ def _log(event: dict) -> None:
 
 _log(_IMPORTED)
 
-torch.utils.rename_privateuse1_backend("tpu")
-
 
 def _host(device):
     """A "tpu" device as the CPU that stands in for it."""
@@ -52,9 +51,9 @@ def _to(self, *args, **kwargs):
     return _tensor_to(self, *(_host(a) for a in args), **kwargs)
 
 
-torch.Tensor.to = _to
-
 _current = {"index": 0}
+# What torch cannot unregister (the device module) asks this, so an undone install looks like no TPU again.
+_state = types.SimpleNamespace(installed=False)
 
 
 def _set_device_index(index) -> None:
@@ -62,29 +61,39 @@ def _set_device_index(index) -> None:
     _log({"event": "set_device_index", "index": index})
 
 
-# torch.tpu, as the real one registers it (diffusers empties the accelerator's cache through it).
-device_module = types.ModuleType("torch.tpu")
-device_module.is_available = lambda: True
-device_module.device_count = lambda: int(os.environ.get("FAKE_TORCH_TPU_CHIPS", "2"))
-device_module.current_device = lambda: _current["index"]
-device_module.set_device = _set_device_index
-device_module.synchronize = lambda device=None: None
-device_module.empty_cache = lambda: None
-torch._register_device_module("tpu", device_module)
-
-torch.accelerator.is_available = lambda: True
-torch.accelerator.current_accelerator = lambda check_available=False: torch.device("tpu")
-# torch.distributed asks the C++ side; the real TorchTPU registers its hooks there, this fake cannot.
-torch._C._get_accelerator = lambda: torch.device("tpu")
-torch.accelerator.device_count = device_module.device_count
-torch.accelerator.set_device_index = _set_device_index
-torch.accelerator.current_device_index = lambda: _current["index"]
-torch.accelerator.synchronize = lambda device=None: None
-
-
 def _process_group(store, rank, size, timeout):
     _log({"event": "process_group", "backend": "tpu_dist", "rank": rank, "size": size})
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-dist.Backend.register_backend("tpu_dist", _process_group, devices=["cpu"])
+def install(patch=setattr) -> None:
+    """Make this process look like a TPU VM with TorchTPU. `patch(owner, name, value)` sets each attribute
+    (a test passes monkeypatch.setattr to undo them); what torch cannot unregister is registered once."""
+    if not hasattr(torch, "tpu"):
+        torch.utils.rename_privateuse1_backend("tpu")
+        # torch.tpu, as the real one registers it (diffusers empties the accelerator's cache through it).
+        device_module = types.ModuleType("torch.tpu")
+        device_module.is_available = lambda: _state.installed
+        device_module.device_count = lambda: int(os.environ.get("FAKE_TORCH_TPU_CHIPS", "2")) if _state.installed else 0
+        device_module.current_device = lambda: _current["index"]
+        device_module.set_device = _set_device_index
+        device_module.synchronize = lambda device=None: None
+        device_module.empty_cache = lambda: None
+        torch._register_device_module("tpu", device_module)
+        dist.Backend.register_backend("tpu_dist", _process_group, devices=["cpu"])
+    patch(_state, "installed", True)
+    patch(torch.Tensor, "to", _to)
+    patch(torch.accelerator, "is_available", lambda: True)
+    patch(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("tpu"))
+    # torch.distributed asks the C++ side; the real TorchTPU registers its hooks there, this fake cannot.
+    patch(torch._C, "_get_accelerator", lambda: torch.device("tpu"))
+    patch(torch.accelerator, "device_count", torch.tpu.device_count)
+    patch(torch.accelerator, "set_device_index", _set_device_index)
+    patch(torch.accelerator, "current_device_index", lambda: _current["index"])
+    patch(torch.accelerator, "synchronize", lambda device=None: None)
+
+
+# Imported as torch_tpu by a process (PYTHONPATH=tests/fakes), it installs itself, as the real one would;
+# a test in pytest's own process loads it with FAKE_TORCH_TPU_MANUAL=1 and installs it undoably.
+if os.environ.get("FAKE_TORCH_TPU_MANUAL") != "1":
+    install()

@@ -1,4 +1,4 @@
-"""Loading a diffusers pipeline onto a backend and calling it the XLA-friendly way."""
+"""A diffusers pipeline loaded onto a backend and called the XLA-friendly way, its patches as named hooks."""
 
 from __future__ import annotations
 
@@ -9,49 +9,14 @@ import io
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
-from tpugen.backends import Backend
-from tpugen.config import ResolvedRun
+from tpugen.engine.hooks import Hooks
 from tpugen.errors import RunError
-from tpugen.families import FAMILIES
-from tpugen.memory import is_out_of_memory, out_of_memory_advice
+from tpugen.families import FamilyCode
+from tpugen.memory import is_out_of_memory
 from tpugen.plan import Batch
 from tpugen.schedulers import display_name, find_scheduler
-
-
-@dataclass(frozen=True)
-class CompileSpec:
-    """One torch.compile call on the denoiser, as data: the same code serves cpu, cuda and TorchTPU."""
-
-    component: str  # "unet" or "transformer"
-    method: str  # "compile", or "compile_repeated_blocks" under CPU offload (its hooks cannot be traced)
-    backend: str  # torch.compile backend: "tpu" (TorchTPU) or "inductor"
-
-    def arguments(self) -> dict:
-        # Static shapes: a new size compiles once; a new step count does not compile (the diffusers guide).
-        return {"backend": self.backend, "fullgraph": True, "dynamic": False}
-
-
-def compile_spec(
-    backend: str, *, torch_compile: bool, tpu_mode: str, offload: bool, component: str
-) -> CompileSpec | None:
-    """What to compile for a run, or None for eager."""
-    if backend == "torch_tpu":
-        if tpu_mode != "compile":
-            return None
-        compiler = "tpu"
-    elif backend in ("cpu", "cuda") and torch_compile:
-        compiler = "inductor"
-    else:
-        return None
-    return CompileSpec(component, "compile_repeated_blocks" if offload else "compile", compiler)
-
-
-def apply_compile(pipe, spec: CompileSpec | None) -> None:
-    if spec is not None:
-        getattr(getattr(pipe, spec.component), spec.method)(**spec.arguments())
 
 
 def quiet_libraries() -> None:
@@ -71,18 +36,19 @@ class LoadedPipeline:
     """A pipeline on its device, patched for XLA: a sync per step, CPU noise, one host read per batch.
 
     Graphs per shape key: text encoding (everything before the denoising loop), one denoising step
-    (replayed for every step, the first included), and decoding with the conversion to pixels.
+    (replayed for every step, the first included), and decoding with the conversion to pixels. Every patch is
+    a named hook in `hooks`; removing them all leaves the pipeline as it was loaded.
     """
 
-    def __init__(self, pipe, backend: Backend, model_label: str, scheduler_name: str, family: str) -> None:
+    def __init__(self, pipe, backend, family: FamilyCode, model_label: str, scheduler_name: str) -> None:
         self.pipe = pipe
         self.backend = backend
+        self.family = family
         self.model_label = model_label
         self.scheduler_name = scheduler_name
-        self.family = FAMILIES[family]
+        self.hooks = Hooks()
         self._census: list[tuple[str, int]] | None = None
         self.phase_memory: dict[str, dict | None] = {}  # device memory after each phase of the last census
-        self.denoiser_name = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
         self.running = "text encoders"  # what runs on the device now, for an out-of-memory message
         self.out_of_memory_advice = "`tpugen plan CONFIG` shows each component's size against the chip"
         self._loop_started = False
@@ -90,9 +56,10 @@ class LoadedPipeline:
         # safety checker or a watermark runs on the host, so pipelines with one keep their own path.
         host_steps = getattr(pipe, "safety_checker", None) is not None or getattr(pipe, "watermark", None) is not None
         self.decodes_itself = not host_steps
+        self._schedulers = {scheduler_name: pipe.scheduler}
         self._sync_at_loop_start()
-        self._timesteps_to_device()
-        self._step_index_from_zero()
+        family.install_hooks(pipe, backend.device, self.hooks)
+        self._scheduler_hooks()
 
     # ---------------------------------------------------------------- the XLA patch layer
 
@@ -113,7 +80,7 @@ class LoadedPipeline:
             if not loaded._loop_started:
                 loaded._loop_started = True
                 loaded.backend.sync()
-                loaded.running = loaded.denoiser_name
+                loaded.running = loaded.family.denoiser
                 loaded._mark("text encoding")
             return base.interrupt.fget(pipe)
 
@@ -125,57 +92,44 @@ class LoadedPipeline:
             patches["_execution_device"] = property(lambda pipe: device)
         self.pipe.__class__ = type(base.__name__, (base,), patches)
 
-    def _timesteps_to_device(self) -> None:
-        """Keep timesteps on the host and hand them to the denoiser as data.
+        def restore() -> None:
+            self.pipe.__class__ = base
 
-        SD3 in diffusers 0.42 keeps timesteps on the CPU under XLA and passes them to the transformer as
-        they are, which fails ("Expected XLA tensor"); Flux keeps them on the device, so each step's value is
-        baked into its graph and every step compiles anew. Timesteps computed on the CPU and moved to the
-        device at the transformer's door fix both: one step graph, replayed.
-        """
-        denoiser = getattr(self.pipe, "transformer", None)
-        if denoiser is None:
-            return
-        device = self.backend.device
+        self.hooks.add("graph cut at the loop start", restore)
 
-        def to_device(module, args, kwargs):
-            for key in ("timestep", "guidance"):
-                value = kwargs.get(key)
-                if value is not None and str(value.device) != str(device):
-                    kwargs[key] = value.to(device)
-            return args, kwargs
-
-        denoiser.register_forward_pre_hook(to_device, with_kwargs=True)
+    def _scheduler_hooks(self) -> None:
+        """The scheduler's patches: the family's, and a loop that starts at step 0, so the scheduler never
+        searches its timesteps for the current one (`(timesteps == t).nonzero()`, a read back to the host
+        inside the loop), as the PyTorch/XLA guide's scheduler fix does by passing the step index."""
         scheduler = self.pipe.scheduler
-        set_timesteps = scheduler.set_timesteps
+        self.family.scheduler_hooks(scheduler, self.hooks)
+        if hasattr(scheduler, "set_begin_index"):
+            self.hooks.wrap(scheduler, "set_timesteps", "scheduler starts at step 0", _from_step_zero(scheduler))
 
-        @functools.wraps(set_timesteps)  # diffusers inspects its signature (sigmas, mu)
-        def set_timesteps_on_host(*args, **kwargs):
-            kwargs["device"] = "cpu"
-            return set_timesteps(*args, **kwargs)
-
-        scheduler.set_timesteps = set_timesteps_on_host
-
-    def _step_index_from_zero(self) -> None:
-        """Tell the scheduler its loop starts at step 0, so it never searches its timesteps for the current
-        one (`(timesteps == t).nonzero()`, a read back to the host inside the loop), as the PyTorch/XLA
-        guide's scheduler fix does by passing the step index."""
-        scheduler = self.pipe.scheduler
-        if not hasattr(scheduler, "set_begin_index"):
+    def use_scheduler(self, name: str | None) -> None:
+        """Switch to the scheduler a user names (None: the one loaded), its hooks moved with it; the graphs
+        of the denoiser stay the same, though a scheduler may compile its own step graph once."""
+        choice = find_scheduler(name) if name else None
+        wanted = choice.name if choice else next(iter(self._schedulers))
+        if wanted == self.scheduler_name:
             return
-        set_timesteps = scheduler.set_timesteps
+        for hook in ("scheduler starts at step 0", "timesteps on the host"):
+            if hook in self.hooks.names():
+                self.hooks.remove(hook)
+        if wanted not in self._schedulers:
+            import diffusers
 
-        @functools.wraps(set_timesteps)
-        def set_timesteps_from_zero(*args, **kwargs):
-            result = set_timesteps(*args, **kwargs)
-            scheduler.set_begin_index(0)
-            return result
-
-        scheduler.set_timesteps = set_timesteps_from_zero
+            base = next(iter(self._schedulers.values()))
+            scheduler_class = getattr(diffusers, choice.class_name)
+            self._schedulers[wanted] = scheduler_class.from_config(base.config, **choice.options)
+        self.pipe.scheduler = self._schedulers[wanted]
+        self.scheduler_name = wanted
+        self._scheduler_hooks()
 
     def _mark(self, phase: str) -> None:
         if self._census is not None:
-            self._census.append((phase, self.backend.counters().compiles))
+            counters = self.backend.counters()
+            self._census.append((phase, counters.compiles, counters.compile_seconds))
             # With offload only this phase's component is on the device, so this is its footprint.
             self.phase_memory[phase] = self.backend.memory()
 
@@ -197,20 +151,9 @@ class LoadedPipeline:
         """
         import torch
 
-        pipe = self.pipe
-        scale = pipe.vae_scale_factor
-        height, width = batch.shape.height, batch.shape.width
         generators = [torch.Generator("cpu").manual_seed(row.seed) for row in batch.rows]
-        if self.family.name == "flux":
-            channels = pipe.transformer.config.in_channels // 4
-            h, w = 2 * (height // (scale * 2)), 2 * (width // (scale * 2))
-            noise = [torch.randn((1, channels, h, w), generator=g, dtype=torch.float32) for g in generators]
-            noise = [pipe._pack_latents(n, 1, channels, h, w) for n in noise]
-        else:
-            denoiser = getattr(pipe, "unet", None) or pipe.transformer
-            shape = (1, denoiser.config.in_channels, height // scale, width // scale)
-            noise = [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
-        dtype = (getattr(pipe, "unet", None) or pipe.transformer).dtype
+        noise = self.family.noise(self.pipe, generators, batch.shape.height, batch.shape.width)
+        dtype = getattr(self.pipe, self.family.denoiser).dtype
         return self.backend.split_batch(torch.cat(noise).to(self.backend.device, dtype=dtype)), generators
 
     def _call_arguments(self, batch: Batch, latents, generators) -> dict:
@@ -226,47 +169,36 @@ class LoadedPipeline:
             "output_type": "latent" if self.decodes_itself else "pt",
             "callback_on_step_end": self._step_end,
         }
-        if self.family.negative_prompt:
-            arguments["negative_prompt"] = [row.negative_prompt for row in rows]
-        if self.family.max_sequence_length:
-            arguments["max_sequence_length"] = self.max_sequence_length()
+        arguments.update(self.family.call_arguments(self.pipe, rows, self.max_sequence_length()))
         return arguments
 
-    def max_sequence_length(self) -> int:
-        """T5 tokens: the family's default, capped by what the tokenizer takes."""
+    def max_sequence_length(self) -> int | None:
+        """T5 tokens: the family's default, capped by what the tokenizer takes (None: no T5)."""
+        wanted = self.family.info.max_sequence_length
+        if not wanted:
+            return None
         tokenizer = getattr(self.pipe, "tokenizer_3", None) or getattr(self.pipe, "tokenizer_2", None)
-        limit = getattr(tokenizer, "model_max_length", None) or self.family.max_sequence_length
-        return min(self.family.max_sequence_length, limit)
+        limit = getattr(tokenizer, "model_max_length", None) or wanted
+        return min(wanted, limit)
 
     def _decode(self, latents, batch: Batch):
         """Latents to pixels in [0, 1], as each family's pipeline would, as one graph."""
-        import torch
-
         vae = self.pipe.vae
-        config = vae.config
-        if self.family.name == "flux":
-            latents = self.pipe._unpack_latents(
-                latents, batch.shape.height, batch.shape.width, self.pipe.vae_scale_factor
-            )
-        if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
-            mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
-            std = torch.tensor(config.latents_std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
-            latents = latents * std / config.scaling_factor + mean
-        else:
-            latents = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
+        latents = self.family.vae_latents(self.pipe, latents, batch.shape.height, batch.shape.width)
         image = vae.decode(latents.to(device=self.backend.device_for("vae"), dtype=vae.dtype), return_dict=False)[0]
         return (image / 2 + 0.5).clamp(0, 1)
 
     def generate(self, batch: Batch, census: bool = False):
         """Run one batch; returns uint8 HxWx3 arrays for its real (unpadded) rows.
 
-        With `census`, also returns how many graphs each phase compiled (XLA only; None elsewhere).
+        With `census`, also returns {"graphs": graphs compiled per phase, "compile_seconds": their compile
+        seconds per phase} (None where nothing counts compiles; compile seconds are XLA's only).
         """
         import numpy as np
         import torch
 
-        counting = census and self.backend.counters() is not None
-        self._census = [("start", self.backend.counters().compiles)] if counting else None
+        start = self.backend.counters() if census else None
+        self._census = [("start", start.compiles, start.compile_seconds)] if start is not None else None
         self.phase_memory = {}
         self._loop_started = False
         self.running = "text encoders"
@@ -288,20 +220,41 @@ class LoadedPipeline:
                 f"out of memory on the device while the {self.running} ran ({batch.shape}): {self.out_of_memory_advice}"
             ) from exc
         pixels = (host.permute(0, 2, 3, 1).numpy() * 255.0).round().clip(0, 255).astype(np.uint8)
-        graphs = self._graphs_per_phase()
+        counted = self._per_phase()
         self._census = None
-        return (list(pixels), graphs) if census else list(pixels)
+        return (list(pixels), counted) if census else list(pixels)
 
-    def _graphs_per_phase(self) -> dict | None:
+    def _per_phase(self) -> dict | None:
         if self._census is None:
             return None
+        steps = list(zip(self._census, self._census[1:], strict=False))
+        seconds = {
+            phase: (after - before if after is not None and before is not None else None)
+            for (_, _, before), (phase, _, after) in steps
+        }
         return {
-            phase: count - previous
-            for (_, previous), (phase, count) in zip(self._census, self._census[1:], strict=False)
+            "graphs": {phase: count - previous for (_, previous, _), (phase, count, _) in steps},
+            "compile_seconds": seconds if all(v is not None for v in seconds.values()) else None,
         }
 
 
-def _torch_dtype(name: str):
+def _from_step_zero(scheduler):
+    def make(set_timesteps):
+        @functools.wraps(set_timesteps)
+        def set_timesteps_from_zero(*args, **kwargs):
+            result = set_timesteps(*args, **kwargs)
+            scheduler.set_begin_index(0)
+            return result
+
+        return set_timesteps_from_zero
+
+    return make
+
+
+# ---------------------------------------------------------------- reading a model from disk
+
+
+def torch_dtype(name: str):
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -314,39 +267,33 @@ _HOST_COPIES: dict[tuple, tuple] = {}
 _HOST_LOCK = threading.Lock()
 
 
-def _read_from_disk(run: ResolvedRun) -> tuple:
-    """(pipeline on the host CPU, model label, scheduler name) as the config asks for it."""
+def read_from_disk(model, source, family: FamilyCode) -> tuple:
+    """(pipeline on the host CPU, model label, scheduler name) for the config's model section."""
     quiet_libraries()
     from diffusers import DiffusionPipeline
 
-    model = run.config.model
-    source = run.model_source
     if source.kind == "builtin":
         from tpugen.tiny import builtin_path
 
-        location = str(builtin_path(source.ref))
-        label = source.ref
+        location, label = str(builtin_path(source.ref)), source.ref
     else:
         location = source.ref
         label = Path(source.ref).name if source.kind == "local" else source.ref
 
-    options = {"dtype": _torch_dtype(model.dtype)}
+    options = {"dtype": torch_dtype(model.dtype), "trust_remote_code": model.allow_remote_code}
     if model.revision:
         options["revision"] = model.revision
     if model.variant:
         options["variant"] = model.variant
-    options["trust_remote_code"] = model.allow_remote_code
-    if run.family == "sdxl":
-        # The invisible watermark runs on the host and is not saved in model_index.json: off unless asked.
-        options["add_watermarker"] = model.watermark
     if model.custom_pipeline:
         options["custom_pipeline"] = model.custom_pipeline
+    options.update(family.load_options(model))
     try:
         # Some components print to stdout while loading; keep the CLI's output clean.
         with contextlib.redirect_stdout(io.StringIO()):
             pipe = DiffusionPipeline.from_pretrained(location, **options)
     except Exception as exc:  # any loader failure becomes one line naming the model
-        raise RunError(f"model.id: cannot load {model.id!r}: {_load_failure(exc)}") from exc
+        raise RunError(f"model.id: cannot load {model.id!r}: {load_failure(exc)}") from exc
 
     if model.scheduler:
         import diffusers
@@ -360,7 +307,19 @@ def _read_from_disk(run: ResolvedRun) -> tuple:
     return pipe, label, scheduler_name
 
 
-def _load_failure(exc: BaseException) -> str:
+def read_shared(model, source, family: FamilyCode, *, ranks_in_process: int = 1) -> tuple:
+    """read_from_disk, once per process when several ranks share it (each rank gets its own deep copy)."""
+    with _HOST_LOCK:
+        if ranks_in_process <= 1:
+            return read_from_disk(model, source, family)
+        key = (model.model_dump_json(), source)
+        if key not in _HOST_COPIES:
+            _HOST_COPIES[key] = read_from_disk(model, source, family)
+        shared, label, scheduler_name = _HOST_COPIES[key]
+        return copy.deepcopy(shared), label, scheduler_name
+
+
+def load_failure(exc: BaseException) -> str:
     """Why a model did not load, in the words a user can act on: offline, gated, missing, or as raised."""
     chain, seen = [], exc
     while seen is not None and len(chain) < 10:
@@ -376,50 +335,4 @@ def _load_failure(exc: BaseException) -> str:
     offline = {"OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectionError", "ConnectError"}
     if names & offline or os.environ.get("HF_HUB_OFFLINE") == "1":
         return "offline: the hub cannot be reached and the model is not in the local cache (HF_HOME)"
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def load_pipeline(run: ResolvedRun, backend: Backend, *, ranks_in_process: int = 1) -> LoadedPipeline:
-    """Load the configured model through from_pretrained (built-ins too), set its scheduler, move it.
-
-    With several ranks in this process, the weights are read from disk once and each rank gets a copy.
-    """
-    with _HOST_LOCK:
-        if ranks_in_process > 1:
-            key = (run.config.model.model_dump_json(), run.model_source)
-            if key not in _HOST_COPIES:
-                _HOST_COPIES[key] = _read_from_disk(run)
-            shared, label, scheduler_name = _HOST_COPIES[key]
-            pipe = copy.deepcopy(shared)
-        else:
-            pipe, label, scheduler_name = _read_from_disk(run)
-
-    pipe.set_progress_bar_config(disable=True)
-    if run.config.compile.scan_blocks:
-        from tpugen.backends import scan_repeated_blocks
-
-        # Weights are stacked on the host, before they move to the device.
-        scan_repeated_blocks(pipe.transformer)
-    execution = run.config.execution
-    offload = execution.offload == "model"
-    advice = out_of_memory_advice(execution, run.config.batch_size, run.config.model.dtype)
-    try:
-        backend.place(pipe, offload=offload)
-    except RuntimeError as exc:
-        if not is_out_of_memory(exc):
-            raise
-        raise RunError(
-            f"out of memory on the device while {backend.placing or 'the model'} moved onto it: {advice}"
-        ) from exc
-    component = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
-    spec = compile_spec(
-        backend.name,
-        torch_compile=run.config.compile.torch_compile,
-        tpu_mode=execution.torch_tpu.mode,
-        offload=offload,
-        component=component,
-    )
-    apply_compile(pipe, spec)
-    loaded = LoadedPipeline(pipe, backend, label, scheduler_name, run.family)
-    loaded.out_of_memory_advice = advice
-    return loaded
+    return (str(exc).strip().split("\n") or [type(exc).__name__])[0]

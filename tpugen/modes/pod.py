@@ -9,11 +9,11 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from tpugen.errors import InputError, RunError
+from tpugen.lines import text_lines
 
 WORKER_LOG = "worker.log"
 WORKER_STATUS = "worker.status"
@@ -26,28 +26,6 @@ REMOTE_DIR_RULE = (
     "and no leading '-'"
 )
 _REMOTE_DIR = re.compile(r"[A-Za-z0-9._/-]+")
-
-
-# ---------------------------------------------------------------- who am I
-
-
-def pod_position(pod, env: Mapping[str, str], host_index=lambda: 0) -> tuple[int, int]:
-    """(worker index, worker count): from the config (pod-run sets both), else TPU_WORKER_ID or
-    CLOUD_TPU_TASK_ID, else torch_xla's host index; the count defaults to one worker."""
-    count = pod.num_workers or 1
-    if pod.worker_index is not None:
-        index = pod.worker_index
-    elif env.get("TPU_WORKER_ID", "").isdigit():
-        index = int(env["TPU_WORKER_ID"])
-    elif env.get("CLOUD_TPU_TASK_ID", "").isdigit():
-        index = int(env["CLOUD_TPU_TASK_ID"])
-    elif count > 1:
-        index = host_index()
-    else:
-        index = 0
-    if index >= count:
-        raise InputError(f"execution.pod: worker index {index} is not below the worker count {count}")
-    return index, count
 
 
 # ---------------------------------------------------------------- what the options name (checked first)
@@ -78,7 +56,7 @@ def is_pod_run(folder: Path) -> bool:
 def resume_run_id(value: str, output_dir: str) -> str:
     """--resume's RUN_ID, checked like output.run_id since it names a folder here and on every worker; the
     path of a pod run directly under output.dir also names it. Anything else is refused before gcloud runs."""
-    from tpugen.config import RUN_ID_RULE, is_safe_run_id
+    from tpugen.config.schema import RUN_ID_RULE, is_safe_run_id
 
     local = not output_dir.startswith("gs://")
     if is_safe_run_id(value):
@@ -235,7 +213,7 @@ def plan_pod(
 def _tail(path: Path, lines: int = 5) -> list[str]:
     if not path.exists():
         return []
-    return [line for line in path.read_text(errors="replace").splitlines() if line.strip()][-lines:]
+    return [line for line in text_lines(path.read_text(errors="replace")) if line.strip()][-lines:]
 
 
 def adopt_gathered(fresh: Path, folder: Path) -> None:
@@ -243,8 +221,7 @@ def adopt_gathered(fresh: Path, folder: Path) -> None:
     recreated with a fresh disk has lost the images it made before), every file both hold comes from the
     new copy, and the manifests are joined by image index with the new copy's records winning. Each file
     is moved in whole and the manifest written last, so a crash part way leaves no file torn or lost."""
-    from tpugen.outputs import read_manifest
-    from tpugen.resume import rewrite_manifest
+    from tpugen.outputs.manifest import read_manifest, rewrite_manifest
 
     if not folder.exists():
         fresh.rename(folder)
@@ -266,17 +243,19 @@ def adopt_gathered(fresh: Path, folder: Path) -> None:
     shutil.rmtree(fresh)
 
 
-def merge_workers(local_run: Path, workers: int) -> tuple[list[dict], list[dict]]:
-    """(pod manifest records, per-worker rows) from the gathered worker-i folders."""
-    from tpugen.outputs import read_manifest
+def merge_workers(local_run: Path, workers: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """(pod manifest records, per-worker rows, the workers' own reports) from the gathered worker-i folders."""
+    from tpugen.outputs.manifest import read_manifest
 
-    records, rows = [], []
+    records, rows, reports = [], [], []
     for i in range(workers):
         folder = local_run / f"worker-{i}"
         status_text = (folder / WORKER_STATUS).read_text().strip() if (folder / WORKER_STATUS).exists() else ""
         status = int(status_text) if status_text.lstrip("-").isdigit() else None
         report_path = folder / WORKER_RUN / "report.json"
         report = json.loads(report_path.read_text()) if report_path.exists() else None
+        if report and "timed_phase" in report:
+            reports.append({**report, "worker": i})
         manifest = folder / WORKER_RUN / "manifest.jsonl"
         mine = read_manifest(manifest) if manifest.exists() else []
         for record in mine:
@@ -296,64 +275,87 @@ def merge_workers(local_run: Path, workers: int) -> tuple[list[dict], list[dict]
                 "last_lines": _tail(folder / WORKER_LOG) if status != 0 else [],
             }
         )
-    return sorted(records, key=lambda r: r["index"]), rows
+    return sorted(records, key=lambda r: r["index"]), rows, reports
 
 
-def pod_report(*, run_id: str, pod: Pod, planned: int, records: list[dict], rows: list[dict]) -> dict:
-    walls = [r["timed_wall_seconds"] for r in rows if r["timed_wall_seconds"]]
-    slowest = max(walls) if walls else None
+def pod_report(
+    *, run, run_id: str, run_dir, pod: Pod, records: list[dict], rows: list[dict], reports: list[dict]
+) -> dict:
+    """The pod's report, built like every run's (tpugen.outputs.report) from its workers' reports: throughput
+    is all images over the slowest worker's timed phase; a table per worker."""
+    from tpugen.backends import Counters, versions
+    from tpugen.outputs.report import build_report, merge_phases, persistent_cache_summary
+    from tpugen.plan import plan_run
+
+    plan = plan_run(run)
+    for report in reports:
+        report["written"] = [r["file"] for r in records if r["worker"] == report["worker"]]
+    phase = merge_phases(reports, "worker")
+    counted = [(r.get("xla_counters") or {}).get("timed_phase") for r in reports]
+    if counted and all(counted):
+        phase.counters = sum((Counters(**c) for c in counted[1:]), Counters(**counted[0])).as_dict()
+    warmup = [{**w, "worker": r["worker"]} for r in reports for w in r["warmup"]]
+    first = reports[0] if reports else {}
     failed = [r["worker"] for r in rows if not r["complete"]]
-    return {
-        "tpugen_pod_report": 1,
-        "complete": not failed and len(records) == planned,
-        "failed_workers": failed,
-        "run_id": run_id,
-        "tpu": pod.tpu,
-        "zone": pod.zone,
-        "workers": len(rows),
-        "images": len(records),
-        "images_planned": planned,
-        "slowest_worker_wall_seconds": slowest,
+    complete = not failed and len(records) == len(plan.items)
+    topology = dict(first.get("topology") or {"rank": 0, "ranks_per_worker": 1})
+    ranks = topology.get("ranks_per_worker", 1)
+    topology.update(worker_index=0, num_workers=len(rows), world_size=len(rows) * ranks)
+    report = build_report(
+        run=run,
+        run_id=run_id,
+        run_dir=run_dir,
+        images_planned=len(plan.items),
+        batches_planned=sum(r["batches"] for r in reports),
+        padding_rows=sum(r["padding_rows"] for r in reports),
+        shape_keys=list(dict.fromkeys(k for r in reports for k in r["shape_keys"])),
+        device=first.get("device", {"backend": run.config.execution.backend, "device_kind": "unknown"}),
+        versions=first.get("versions") or versions(),
+        scheduler=(first.get("model") or {}).get("scheduler", "unknown"),
+        load_seconds=max((r["model_load_seconds"] or 0.0 for r in reports), default=None),
+        warmup=warmup,
+        persistent_cache=persistent_cache_summary(
+            first.get("persistent_cache") or {"enabled": False, "note": "no worker reported"}, warmup
+        ),
+        phase=phase,
+        topology=topology,
+        images_reused=sum(r.get("images_reused", 0) for r in reports),
+        error=None if complete else f"failed workers: {failed}" if failed else "images are missing",
+        memory=first.get("memory"),
+        counters_scope="each worker's own process, summed over the workers",
+    )
+    slowest = phase.wall_seconds or None
+    report.update(
+        tpugen_pod_report=1,
+        images=len(records),
+        failed_workers=failed,
+        tpu=pod.tpu,
+        zone=pod.zone,
+        workers=len(rows),
+        slowest_worker_wall_seconds=slowest,
         # Pod throughput: every image over the slowest worker's timed phase.
-        "pod_images_per_second": len(records) / slowest if slowest else None,
-        "per_worker": rows,
-    }
+        pod_images_per_second=len(records) / slowest if slowest else None,
+        per_worker=rows,
+    )
+    return report
 
 
-def _gather_failures(report: dict) -> list[str]:
-    failed = report.get("gather_failed_workers") or []
-    kept = [r["worker"] for r in report["per_worker"] if r["worker"] in failed and r["gathered"]]
-    if not failed:
-        return []
-    return [f"- gathering failed for workers {failed}" + (f"; earlier copies kept for workers {kept}" if kept else "")]
+_FAILED_ON_WORKER = re.compile(r"Command execution on worker (\d+) failed")
+_GCLOUD_STATUS = re.compile(r"^(SSH|SCP): Attempting to connect to worker \d+\.\.\.$|^#####")
 
 
-def render_pod_markdown(report: dict) -> str:
-    def fmt(value, digits=2):
-        return "n/a" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
-
-    lines = [
-        f"# tpugen pod run {report['run_id']}",
-        "",
-        f"- status: {'complete' if report['complete'] else 'INCOMPLETE (failed workers: ' + str(report['failed_workers']) + ')'}",
-        f"- TPU: {report['tpu']} in {report['zone']}, {report['workers']} workers",
-        f"- images: {report['images']} of {report['images_planned']}",
-        *_gather_failures(report),
-        f"- pod images per second: {fmt(report['pod_images_per_second'])} "
-        f"(all images / the slowest worker's timed phase, {fmt(report['slowest_worker_wall_seconds'])} s)",
-        "",
-        "| worker | exit | images | warmup s | timed wall s | images/s | compiles after warmup |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+def step_failure(command: list[str], done: subprocess.CompletedProcess) -> str:
+    """One line for a gcloud step that failed: the workers gcloud names as failed (with --worker=all it goes on
+    to the others and says which failed), and the last lines it printed on either stream."""
+    workers = sorted({int(w) for w in _FAILED_ON_WORKER.findall(done.stderr or "")})
+    printed = [
+        line.strip()
+        for line in text_lines((done.stdout or "") + "\n" + (done.stderr or ""))
+        if line.strip() and not _GCLOUD_STATUS.match(line.strip())
     ]
-    for r in report["per_worker"]:
-        lines.append(
-            f"| {r['worker']} | {fmt(r['exit_status'])} | {r['images']} | {fmt(r['warmup_seconds'])} "
-            f"| {fmt(r['timed_wall_seconds'])} | {fmt(r['images_per_second'])} | {fmt(r['compiles_after_warmup'])} |"
-        )
-    for r in report["per_worker"]:
-        if r["last_lines"]:
-            lines += ["", f"Worker {r['worker']}, last lines:", "", *[f"    {line}" for line in r["last_lines"]]]
-    return "\n".join(lines) + "\n"
+    who = f" on worker{'s' if len(workers) > 1 else ''} {', '.join(map(str, workers))}" if workers else ""
+    said = " | ".join(printed[-3:]) or f"exit status {done.returncode}"
+    return f"{shlex.join(command[:6])} failed{who}: {said}"
 
 
 # ---------------------------------------------------------------- doing it (thin)
@@ -388,10 +390,10 @@ def run_pod(
 
     With `resume_id`, the workers continue that run's folders, each keeping the images it finished."""
     from tpugen.config import dump_config
-    from tpugen.outputs import atomic_write_text, write_json
-    from tpugen.plan import plan_run
-    from tpugen.resume import rewrite_manifest
-    from tpugen.runner import make_run_dir, run_id_for
+    from tpugen.engine.session import make_run_dir, run_id_for
+    from tpugen.outputs.files import atomic_write_text
+    from tpugen.outputs.manifest import rewrite_manifest
+    from tpugen.outputs.report import write_report
 
     if dry_run and workers is None:
         raise InputError("--dry-run needs --workers N (without it the count comes from running gcloud describe)")
@@ -442,12 +444,17 @@ def run_pod(
             print_line(line)
         return None
 
+    if resume_id is not None and not bucket:
+        done = _already_complete(run, local_run)
+        if done is not None:
+            return done
+
     keep_scratch = staging_made = False
     try:
         if bucket or resume_id:
             local_run.mkdir(parents=True, exist_ok=True)
         else:
-            make_run_dir(run, run_id)
+            make_run_dir(run.config.output.dir, run_id)
         staging_made = True  # past make_run_dir, which refuses a run directory in use without touching it
         staging.mkdir(exist_ok=True)
         atomic_write_text(staged[0], dump_config(config))
@@ -456,7 +463,7 @@ def run_pod(
         for command in plan.prepare:
             done = _call(command, display)
             if done.returncode:
-                raise RunError(f"{shlex.join(command[:6])} failed: {_last_line(done.stderr)}")
+                raise RunError(step_failure(command, done))
         display.phase(f"running on {workers} workers")
         ran = _call(plan.run, display)
         gather_errors = {}  # worker -> why its folder could not be copied this time
@@ -470,16 +477,16 @@ def run_pod(
             elif not bucket:
                 adopt_gathered(fresh, local_run / f"worker-{i}")
 
-        total = len(plan_run(run).items)
         if not gather:
             return {"run_id": run_id, "workers": workers, "gathered": False, "ssh_exit_status": ran.returncode}
-        records, rows = merge_workers(local_run, workers)
-        report = pod_report(run_id=run_id, pod=pod, planned=total, records=records, rows=rows)
+        records, rows, reports = merge_workers(local_run, workers)
+        report = pod_report(
+            run=run, run_id=run_id, run_dir=local_run, pod=pod, records=records, rows=rows, reports=reports
+        )
         report["ssh_exit_status"] = ran.returncode
         report["gather_failed_workers"] = sorted(gather_errors)
         rewrite_manifest(local_run, {r["index"]: r for r in records})
-        write_json(local_run / "report.json", report)
-        atomic_write_text(local_run / "report.md", render_pod_markdown(report))
+        write_report(local_run, report)
         report["run_dir"] = str(local_run)
         if bucket:
             destination = f"{bucket.rstrip('/')}/{run_id}"
@@ -515,5 +522,22 @@ def run_pod(
     return report
 
 
+def _already_complete(run, local_run: Path) -> dict | None:
+    """A pod run whose gathered report is complete and whose manifest holds every planned image: nothing to
+    resume, so no worker is called and nothing is rewritten."""
+    from tpugen.outputs.manifest import read_manifest
+    from tpugen.outputs.report import read_report
+    from tpugen.plan import plan_run
+
+    report = read_report(local_run)
+    manifest = local_run / "manifest.jsonl"
+    if not report or not report.get("complete") or not manifest.exists():
+        return None
+    planned = len(plan_run(run).items)
+    if len({r["index"] for r in read_manifest(manifest)}) < planned:
+        return None
+    return {**report, "run_dir": str(local_run), "already_complete": True, "images_planned": planned}
+
+
 def _last_line(text: str) -> str:
-    return (text.strip().splitlines() or [""])[-1]
+    return (text_lines(text.strip()) or [""])[-1]

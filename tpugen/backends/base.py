@@ -1,0 +1,141 @@
+"""What every backend offers the engine (one Protocol), the exact counters it reads, and eager PyTorch."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Exact compile counters (process-wide); subtract two readings to get what happened in between.
+
+    XLA counts everything below; torch.compile (dynamo) counts only graphs, and the rest stay None.
+    """
+
+    compiles: int
+    compile_seconds: float | None
+    executions: int | None
+    transfers_to_host: int | None
+    persistent_cache_hits: int = 0
+    persistent_cache_misses: int = 0
+    persistent_cache_load_failures: int = 0
+
+    def __sub__(self, other: Counters) -> Counters:
+        def minus(a, b):
+            return None if a is None or b is None else a - b
+
+        return Counters(**{k: minus(v, getattr(other, k)) for k, v in asdict(self).items()})
+
+    def __add__(self, other: Counters) -> Counters:
+        def plus(a, b):
+            return None if a is None or b is None else a + b
+
+        return Counters(**{k: plus(v, getattr(other, k)) for k, v in asdict(self).items()})
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def versions() -> dict:
+    """Versions of the packages that decide what gets compiled and how."""
+    out = {}
+    for name in ("tpugen", "torch", "torch_xla", "diffusers", "transformers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+class Backend(Protocol):
+    """A device (or a set of them) a pipeline runs on, as the engine uses it."""
+
+    name: str
+    device: Any  # where the pipeline's own tensors live
+    device_count: int  # physical devices this backend drives
+    cache: dict  # the persistent compile cache's state, for the report
+    placing: str | None  # the component moving onto the device now, for an out-of-memory message
+
+    def prepare_on_host(self, pipe, family, compile_config) -> None:
+        """Changes made while the weights are still on the host (scan stacks them)."""
+
+    def place(self, pipe, *, offload: bool, family) -> None:
+        """Put the pipeline on the device: all of it, or (offload) each component only while it runs."""
+
+    def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
+        """Changes made once the pipeline is on the device (torch.compile, attention swaps), as named hooks."""
+
+    def device_for(self, component: str): ...
+
+    def split_batch(self, tensor): ...
+
+    def memory(self) -> dict | None: ...
+
+    def sync(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def counters(self) -> Counters | None: ...
+
+    def describe(self) -> dict: ...
+
+
+class EagerBackend:
+    """Eager PyTorch on one torch device; with torch.compile, its compiles are counted through dynamo."""
+
+    name = "cpu"
+    device_count = 1
+    placing: str | None = None
+
+    def __init__(self, device, *, compile_spec=None) -> None:
+        self.device = device
+        self.compile_spec = compile_spec  # tpugen.backends.compile.CompileSpec, or None for eager
+        self.cache = {"enabled": False, "dir": None, "note": "eager backend: no XLA compile cache"}
+
+    def prepare_on_host(self, pipe, family, compile_config) -> None:
+        """Nothing to do on the host for eager PyTorch."""
+
+    def place(self, pipe, *, offload: bool, family) -> None:
+        if offload:
+            pipe.enable_model_cpu_offload(device=self.device)
+        else:
+            pipe.to(self.device)
+
+    def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
+        if self.compile_spec is not None:
+            self.compile_spec.apply(pipe, family, hooks)
+
+    def device_for(self, component: str):
+        """The device a component computes on (under offload too, where it waits on the host between calls)."""
+        return self.device
+
+    def split_batch(self, tensor):
+        """Lay a batch-first tensor out over the devices' data axis (a no-op without SPMD)."""
+        return tensor
+
+    def memory(self) -> dict | None:
+        """Device memory in use and its peak (bytes), where the device reports it."""
+        return None
+
+    def sync(self) -> None:
+        """Cut the lazy graph here (a no-op for eager backends)."""
+
+    def wait(self) -> None:
+        """Block until the device has finished everything queued."""
+
+    def counters(self) -> Counters | None:
+        if self.compile_spec is None:
+            return None
+        from torch._dynamo.utils import counters
+
+        return Counters(
+            compiles=int(counters["stats"]["unique_graphs"]),
+            compile_seconds=None,
+            executions=None,
+            transfers_to_host=None,
+        )
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "device": str(self.device), "device_kind": "CPU", "world_size": 1}

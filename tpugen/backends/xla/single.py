@@ -1,0 +1,105 @@
+"""torch_xla on one device: lazy tensors traced per step, compiled by XLA, executed on a TPU (or XLA:CPU)."""
+
+from __future__ import annotations
+
+import os
+
+from tpugen.backends.base import Counters
+from tpugen.backends.xla.cache import start_cache
+from tpugen.backends.xla.devices import import_torch_xla
+from tpugen.backends.xla.patches import let_diffusers_offload_to_xla, solve_small_systems_on_xla
+
+
+class XlaBackend:
+    """The pipeline on `torch_xla.device()`; every count is read from torch_xla's own metrics."""
+
+    name = "xla"
+    device_count = 1
+    placing: str | None = None
+
+    def __init__(self, cache_enabled: bool | str = "auto", cache_dir: str | None = None) -> None:
+        torch_xla = import_torch_xla()
+        import torch_xla.core.xla_model as xm
+        import torch_xla.debug.metrics as met
+        import torch_xla.runtime as xr
+
+        self._torch_xla, self._xm, self._met, self._xr = torch_xla, xm, met, xr
+        self.cache = start_cache(torch_xla, cache_enabled, cache_dir)
+        self.device = torch_xla.device()
+        solve_small_systems_on_xla()
+
+    def prepare_on_host(self, pipe, family, compile_config) -> None:
+        if compile_config.scan_blocks:
+            from tpugen.backends.xla.scan import scan_repeated_blocks
+
+            # Weights are stacked on the host, before they move to the device.
+            scan_repeated_blocks(getattr(pipe, family.denoiser), family.scan_attributes)
+
+    def place(self, pipe, *, offload: bool, family) -> None:
+        if offload:
+            let_diffusers_offload_to_xla()
+            pipe.enable_model_cpu_offload(device=self.device)
+            return
+        from torch import nn
+
+        for name, component in pipe.components.items():  # one at a time, to name the one that does not fit
+            if isinstance(component, nn.Module):
+                self.placing = name
+                component.to(self.device)
+        self.placing = None
+
+    def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
+        """XLA compiles the graphs itself: nothing to add once the pipeline is on the device."""
+
+    def device_for(self, component: str):
+        return self.device
+
+    def split_batch(self, tensor):
+        return tensor
+
+    def memory(self) -> dict:
+        """Device memory in use and its peak so far (bytes), as the runtime reports it."""
+        try:
+            info = self._xm.get_memory_info(self.device)
+        except RuntimeError as exc:  # XLA:CPU: "GetAllocatorStats is not supported"
+            return {"unavailable": (str(exc).split("\n") or ["unsupported"])[0].split(": ")[-1]}
+        return {"bytes_in_use": info.get("bytes_used"), "peak_bytes": info.get("peak_bytes_used")}
+
+    def sync(self) -> None:
+        self._torch_xla.sync()
+
+    def wait(self) -> None:
+        self._xm.wait_device_ops()
+
+    def counters(self) -> Counters:
+        met = self._met
+
+        def count(metric: str) -> int:
+            data = met.metric_data(metric)
+            return int(data[0]) if data else 0
+
+        compile_data = met.metric_data("CompileTime")
+        return Counters(
+            compiles=count("CompileTime"),
+            compile_seconds=(compile_data[1] / 1e9) if compile_data else 0.0,
+            # SPMD runs are counted under ExecuteReplicatedTime, so both are summed.
+            executions=count("ExecuteTime") + count("ExecuteReplicatedTime"),
+            transfers_to_host=count("TransferFromDeviceTime"),
+            persistent_cache_hits=int(met.counter_value("PersistentCacheHit") or 0),
+            persistent_cache_misses=int(met.counter_value("PersistentCacheMiss") or 0),
+            persistent_cache_load_failures=int(met.counter_value("PersistentCacheDeserializeFailure") or 0),
+        )
+
+    def describe(self) -> dict:
+        kind = self._xm.xla_device_hw(self.device)
+        if kind == "TPU":
+            try:
+                kind = f"TPU v{self._torch_xla.tpu.version()}"
+            except Exception:  # the version probe is informational only
+                pass
+        return {
+            "backend": self.name,
+            "device": str(self.device),
+            "device_kind": kind,
+            "pjrt_device": os.environ.get("PJRT_DEVICE"),
+        }

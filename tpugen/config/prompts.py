@@ -1,0 +1,148 @@
+"""The run's prompts: an inline list, or a .txt or .jsonl file, each checked at the door."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpugen.config.messages import suggest
+from tpugen.config.schema import RunConfig
+from tpugen.lines import text_lines
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One prompt of the run, with its per-prompt overrides already applied."""
+
+    prompt: str
+    negative_prompt: str
+    seed: int | None  # None: the run's seed + image index
+    steps: int
+    guidance_scale: float
+    sizes: tuple[tuple[int, int], ...]  # (height, width) pairs this prompt is rendered at
+
+
+_JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width"}
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows (give a finite number)")
+
+
+def read_prompt_file(path: Path, problems: list[str]) -> list[dict]:
+    where = "prompts_file"
+    if not path.is_file():
+        problems.append(
+            f"{where}: {str(path)!r} does not exist" if not path.exists() else f"{where}: {str(path)!r} is not a file"
+        )
+        return []
+    if path.suffix not in (".txt", ".jsonl"):
+        problems.append(f"{where}: {path.name!r} must end in .txt (one prompt per line) or .jsonl")
+        return []
+    raw = path.read_bytes()
+    if b"\0" in raw:
+        problems.append(f"{where}: {str(path)!r} is binary, not a text file")
+        return []
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        problems.append(f"{where}: {str(path)!r} is not UTF-8 (bad byte at offset {exc.start})")
+        return []
+    entries: list[dict] = []
+    for number, line in enumerate(text_lines(text), start=1):
+        if not line.strip():
+            continue
+        if path.suffix == ".txt":
+            entries.append({"prompt": line.strip(), "_line": number})
+            continue
+        try:
+            entry = json.loads(line, parse_constant=_no_constant)
+        except json.JSONDecodeError as exc:
+            problems.append(f"{where}:{number}: not valid JSON ({exc.msg})")
+            continue
+        except ValueError as exc:
+            problems.append(f"{where}:{number}: {exc}")
+            continue
+        if not isinstance(entry, dict):
+            problems.append(f"{where}:{number}: expected a JSON object with a 'prompt' key")
+            continue
+        unknown = sorted(set(entry) - _JSONL_KEYS)
+        if unknown:
+            problems.append(f"{where}:{number}: unknown key {unknown[0]!r}{suggest(unknown[0], sorted(_JSONL_KEYS))}")
+            continue
+        entry["_line"] = number
+        entries.append(entry)
+    if not entries and not problems:
+        problems.append(f"{where}: {str(path)!r} has no prompts")
+    return entries
+
+
+def check_prompt_entry(entry: dict, where: str, run: RunConfig, problems: list[str]) -> PromptSpec | None:
+    prompt = entry.get("prompt")
+    if not isinstance(prompt, str):
+        problems.append(f"{where}: 'prompt' must be a string" if "prompt" in entry else f"{where}: 'prompt' is missing")
+        return None
+    if not prompt.strip():
+        problems.append(f"{where}: prompt is empty")
+        return None
+    checks = {
+        "negative_prompt": (str, lambda v: True, "a string"),
+        "seed": (int, lambda v: 0 <= v < 2**63, "an integer >= 0"),
+        "steps": (int, lambda v: 1 <= v <= 1000, "an integer from 1 to 1000"),
+        "guidance_scale": ((int, float), lambda v: v >= 0, "a number >= 0"),
+        "height": (int, lambda v: v > 0 and v % 8 == 0, "a positive multiple of 8"),
+        "width": (int, lambda v: v > 0 and v % 8 == 0, "a positive multiple of 8"),
+    }
+    for key, (kind, ok, wanted) in checks.items():
+        if key in entry:
+            value = entry[key]
+            if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
+                problems.append(f"{where}: {key} must be {wanted}, got {value!r}")
+                return None
+    if "height" in entry or "width" in entry:
+        sizes = ((entry.get("height", run.height), entry.get("width", run.width)),)
+    else:
+        sizes = run_sizes(run)
+    return PromptSpec(
+        prompt=prompt,
+        negative_prompt=entry.get("negative_prompt", run.negative_prompt),
+        seed=entry.get("seed"),
+        steps=entry.get("steps", run.steps),
+        guidance_scale=float(entry.get("guidance_scale", run.guidance_scale)),
+        sizes=sizes,
+    )
+
+
+def run_sizes(run: RunConfig) -> tuple[tuple[int, int], ...]:
+    """The sizes every prompt without its own is rendered at."""
+    if run.sizes:
+        return tuple((h, w) for h, w in run.sizes)
+    return ((run.height, run.width),)
+
+
+def resolve_prompts(
+    config: RunConfig, base_dir: Path, given: list[PromptSpec] | None, problems: list[str]
+) -> list[PromptSpec]:
+    """The run's prompts (a run's recorded ones when `given`), noting every problem in `problems`."""
+    prompts: list[PromptSpec] = []
+    if given is not None:
+        prompts = list(given)
+    elif config.prompts is not None and config.prompts_file is not None:
+        problems.append("prompts: give either prompts or prompts_file, not both")
+    elif config.prompts is None and config.prompts_file is None:
+        problems.append("prompts: no prompts given; set prompts (a list) or prompts_file (.txt or .jsonl)")
+    elif config.prompts is not None:
+        for i, text in enumerate(config.prompts):
+            spec = check_prompt_entry({"prompt": text}, f"prompts[{i}]", config, problems)
+            if spec:
+                prompts.append(spec)
+    else:
+        file = Path(config.prompts_file).expanduser()
+        file = file if file.is_absolute() else base_dir / file
+        for entry in read_prompt_file(file, problems):
+            spec = check_prompt_entry(entry, f"prompts_file:{entry['_line']}", config, problems)
+            if spec:
+                prompts.append(spec)
+        config.prompts_file = str(file.resolve())
+    return prompts

@@ -1,0 +1,125 @@
+"""A config resolved: read, overridden, validated, defaults filled, paths made absolute, prompts read."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from tpugen.config.messages import format_error
+from tpugen.config.overrides import apply_overrides
+from tpugen.config.prompts import PromptSpec, resolve_prompts
+from tpugen.config.rules import run_problems
+from tpugen.config.schema import RunConfig
+from tpugen.config.yamlio import dump_yaml, read_yaml
+from tpugen.errors import InputError
+from tpugen.models import ModelSource, classify_model_id, family_of, model_defaults
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A config that passed every check, with defaults filled and paths made absolute."""
+
+    config: RunConfig
+    prompts: list[PromptSpec]
+    model_source: ModelSource
+    config_hash: str
+    family: str = "sd"
+
+    def to_yaml(self) -> str:
+        return dump_config(self.config)
+
+
+def load_config(path: str | Path, overrides: list[str] = (), *, prompts: list[PromptSpec] | None = None) -> ResolvedRun:
+    """Read, override, validate and resolve a run config. Raises InputError listing every problem."""
+    path = Path(path)
+    data = read_yaml(path)
+    return resolve(data, overrides, base_dir=path.resolve().parent, prompts=prompts)
+
+
+def resolve(
+    data: dict, overrides: list[str] = (), *, base_dir: Path, prompts: list[PromptSpec] | None = None
+) -> ResolvedRun:
+    """Validate a config mapping; fill defaults; make paths absolute; read the prompts.
+
+    With `prompts` (a run's own, as it recorded them), those are the prompts and no prompts file is read."""
+    data = json.loads(json.dumps(data, default=str))  # a deep copy we may edit
+    problems = apply_overrides(data, list(overrides))
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        problems.extend(format_error(err) for err in exc.errors())
+        raise InputError(*problems) from None
+    if problems:
+        raise InputError(*problems)
+
+    source = classify_model_id(config.model.id, base_dir)
+    if isinstance(source, str):
+        problems.append(f"model.id: {source}")
+    elif source.kind == "local":
+        config.model.id = source.ref
+    family = family_of(config.model.id, *(("hub", "") if isinstance(source, str) else (source.kind, source.ref)))
+    defaults = model_defaults(config.model.id, family)
+    config.steps = config.steps if config.steps is not None else defaults["steps"]
+    if config.guidance_scale is None:
+        config.guidance_scale = defaults["guidance_scale"]
+    problems.extend(run_problems(config, family))
+    if config.sizes is None and (config.height is None or config.width is None):
+        config.height = config.height or defaults["height"]
+        config.width = config.width or defaults["width"]
+
+    resolved_prompts = resolve_prompts(config, base_dir, prompts, problems)
+
+    if not config.output.dir.startswith("gs://"):  # Cloud Storage: written by pod-run's workers
+        config.output.dir = _local_dir("output.dir", config.output.dir, problems)
+    elif not re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,220}(/[^\s'\"]*)?$", config.output.dir):
+        problems.append(f"output.dir: {config.output.dir!r} is not a gs://bucket/prefix address")
+
+    if config.cache.dir is not None:
+        config.cache.dir = _local_dir("cache.dir", config.cache.dir, problems)
+
+    if problems:
+        raise InputError(*problems)
+    return ResolvedRun(config, resolved_prompts, source, config_hash(config, resolved_prompts), family.name)
+
+
+def _local_dir(key: str, value: str, problems: list[str]) -> str:
+    """A directory made absolute (relative to the working directory), its problem noted if it has one."""
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else Path.cwd() / path
+    problem = _dir_problem(path)
+    if problem:
+        problems.append(f"{key}: {problem}")
+    return str(path)
+
+
+def _dir_problem(out_dir: Path) -> str | None:
+    probe = out_dir
+    while not probe.exists():
+        if probe.parent == probe:
+            return f"{str(out_dir)!r} cannot be created"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{str(probe)!r} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{str(probe)!r} is not writable"
+    return None
+
+
+def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
+    """8 hex digits naming everything that changes the images (not where they are written)."""
+    payload = config.model_dump(exclude={"output", "cache"})
+    payload["prompts"] = [p.__dict__ for p in prompts]
+    payload.pop("prompts_file", None)
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return digest[:8]
+
+
+def dump_config(config: RunConfig) -> str:
+    """The resolved config as YAML, keys in schema order."""
+    return dump_yaml(config.model_dump())

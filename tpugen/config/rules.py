@@ -1,0 +1,85 @@
+"""The rules between keys: which ways of running go together, checked once the schema has passed."""
+
+from __future__ import annotations
+
+from tpugen.config.schema import MeshConfig, RunConfig
+from tpugen.models import Family
+
+
+def run_problems(config: RunConfig, family: Family) -> list[str]:
+    """Every problem between the config's keys, one line each, for a model of `family`."""
+    problems = []
+    if family.flow_matching and config.model.scheduler:
+        problems.append(
+            f"model.scheduler: {family.title} models keep their own flow-matching scheduler; leave it unset"
+        )
+    pod = config.execution.pod
+    if pod.worker_index is not None and pod.num_workers is not None and pod.worker_index >= pod.num_workers:
+        problems.append(f"execution.pod.worker_index: {pod.worker_index} is not below num_workers ({pod.num_workers})")
+
+    execution = config.execution
+    if execution.mode == "multi" and execution.backend == "cpu" and execution.cores == 0:
+        problems.append("execution.cores: mode multi on backend cpu starts that many rank processes; set it above 0")
+    if config.compile.torch_compile and execution.backend not in ("cpu", "cuda"):
+        problems.append(
+            "compile.torch_compile: is for the cpu and cuda backends; xla compiles through torch_xla, "
+            "and torch_tpu compiles with execution.torch_tpu.mode: compile"
+        )
+    if config.compile.scan_blocks and (execution.backend != "xla" or family.name not in ("flux", "sd3")):
+        problems.append("compile.scan_blocks: is built for Flux and SD3 models on execution.backend: xla")
+    if execution.offload == "model" and execution.backend == "cpu":
+        problems.append("execution.offload: model moves components onto an accelerator; the cpu backend has none")
+
+    if execution.sharding == "spmd":
+        problems.extend(_spmd_problems(config))
+    elif execution.mesh != MeshConfig():
+        problems.append("execution.mesh: is used only with execution.sharding: spmd")
+
+    if execution.placement != "none":
+        problems.extend(_placement_problems(config))
+
+    if config.model.custom_pipeline and not config.model.allow_remote_code:
+        problems.append(
+            "model.custom_pipeline: runs code downloaded with the model; set model.allow_remote_code: true to allow it"
+        )
+    if config.sizes is not None and (config.height is not None or config.width is not None):
+        problems.append("sizes: give either sizes or height/width, not both")
+    return problems
+
+
+def _placement_problems(config: RunConfig) -> list[str]:
+    execution, problems = config.execution, []
+    if execution.backend != "xla":
+        problems.append(f"execution.placement: needs execution.backend: xla, not {execution.backend}")
+    for key, active in (
+        ("execution.sharding: spmd", execution.sharding == "spmd"),
+        ("execution.offload: model", execution.offload == "model"),
+        ("execution.mode: multi", execution.mode == "multi"),
+    ):
+        if active:
+            problems.append(f"execution.placement: and {key} exclude each other; choose one way to use the chips")
+    return problems
+
+
+def _spmd_problems(config: RunConfig) -> list[str]:
+    execution, problems = config.execution, []
+    if execution.backend != "xla":
+        problems.append(f"execution.sharding: spmd needs execution.backend: xla, not {execution.backend}")
+    if execution.offload != "none":
+        problems.append(
+            "execution.offload: model and execution.sharding: spmd exclude each other: split the model over the "
+            "chips (spmd) or move it on and off one chip (offload), not both"
+        )
+    if execution.mode == "multi":
+        problems.append(
+            "execution.mode: multi runs a replica per chip, and spmd one model over all chips; use mode: single"
+        )
+    mesh, cores = execution.mesh, execution.cores
+    if config.batch_size % mesh.data:
+        problems.append(f"execution.mesh.data: {mesh.data} does not divide batch_size {config.batch_size}")
+    if cores and (cores % mesh.data or (mesh.model and mesh.data * mesh.model != cores)):
+        problems.append(
+            f"execution.mesh: data {mesh.data} x model {mesh.model or '(the rest)'} does not cover "
+            f"execution.cores: {cores} devices exactly"
+        )
+    return problems

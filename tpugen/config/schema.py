@@ -1,0 +1,244 @@
+"""The run config's schema: every key, its type, its default and its own checks (pydantic)."""
+
+from __future__ import annotations
+
+import re
+import typing
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
+
+
+class _Section(BaseModel):
+    # strict: YAML already types its values, so "20" for steps is a mistake worth naming, not coercing.
+    # No infinities: guidance_scale .inf runs to all-black images, chip_memory_gb .inf plans nothing.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class ModelConfig(_Section):
+    id: str
+    revision: str | None = None
+    variant: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    scheduler: str | None = None
+    # Code from a model repository runs only when the config says so.
+    allow_remote_code: bool = False
+    custom_pipeline: str | None = None
+    # SDXL's invisible watermark (runs on the host, so off by default on TPU).
+    watermark: bool = False
+
+    @field_validator("scheduler")
+    @classmethod
+    def _known_scheduler(cls, value: str | None) -> str | None:
+        if value is not None and find_scheduler(value) is None:
+            raise ValueError(f"unknown scheduler {value!r}; valid names: {', '.join(SCHEDULER_NAMES)}")
+        return value
+
+
+class PodConfig(_Section):
+    # Set by `tpugen pod-run`; else TPU_WORKER_ID / CLOUD_TPU_TASK_ID, else torch_xla's host index.
+    worker_index: int | None = Field(default=None, ge=0)
+    num_workers: int | None = Field(default=None, ge=1)
+
+
+class TorchTpuConfig(_Section):
+    # eager (strict, the default), defer_and_fuse (TORCH_TPU_DEFER_AND_FUSE=1), or compile (torch.compile "tpu").
+    mode: Literal["eager", "defer_and_fuse", "compile"] = "eager"
+
+
+class CompileConfig(_Section):
+    # torch.compile the denoiser on the cpu and cuda backends (xla compiles through torch_xla already).
+    torch_compile: bool = False
+    # xla: run Flux's repeated blocks through torch_xla's scan, so one block per type is compiled.
+    scan_blocks: bool = False
+
+
+def _check_placement(value: Any) -> Any:
+    if value in ("none", "auto"):
+        return value
+    if (
+        isinstance(value, dict)
+        and value
+        and all(isinstance(k, str) for k in value)
+        and all(type(v) is int and v >= 0 for v in value.values())
+    ):
+        return value
+    shown = value if not isinstance(value, str) else repr(value)
+    raise ValueError(
+        f"must be none, auto, or a mapping of component to chip index such as {{text_encoder: 1, unet: 0}}, got {shown}"
+    )
+
+
+Placement = Annotated[Any, AfterValidator(_check_placement)]
+
+
+class MeshConfig(_Section):
+    # Devices that each take a share of the batch (batch_size must divide by it).
+    data: int = Field(default=1, ge=1)
+    # Devices each weight is split over; 0 = every device the data axis leaves.
+    model: int = Field(default=0, ge=0)
+
+
+class ExecutionConfig(_Section):
+    backend: Literal["xla", "cpu", "cuda", "torch_tpu"] = "xla"
+    # single: one device; multi: one replica per device, through torch_xla.launch (xla) or torchrun, one
+    # process each (torch_tpu: process group tpu_dist, cuda: nccl, cpu: gloo, with cores processes).
+    mode: Literal["single", "multi"] = "single"
+    # multi and spmd: how many devices (0 = every local device; on XLA:CPU, CPU_NUM_DEVICES or 1).
+    cores: int = Field(default=0, ge=0)
+    strict_shapes: bool = False
+    pod: PodConfig = PodConfig()
+    # model: each component moves to the device only while it runs (cuda, torch_tpu).
+    offload: Literal["none", "model"] = "none"
+    # spmd (xla): one process drives every local device as a mesh; big weights are split over it.
+    sharding: Literal["none", "spmd"] = "none"
+    # The SPMD mesh: {data: D, model: M}, D x M = the devices (on XLA:CPU, execution.cores).
+    mesh: MeshConfig = MeshConfig()
+    # xla: whole components on different chips of this VM: auto (greedy by size), or {component: chip index}.
+    placement: Placement = "none"
+    # The TPU generation memory plans are made for (HBM per chip: v4 32 GB, v5e 16, v5p 95, v6e 32).
+    chip: Literal["v4", "v5e", "v5p", "v6e"] = "v5e"
+    # Overrides the chip's HBM in GB.
+    chip_memory_gb: float | None = Field(default=None, gt=0)
+    torch_tpu: TorchTpuConfig = TorchTpuConfig()
+
+
+class CacheConfig(_Section):
+    # auto: on where XLA can reload compiled programs (TPU); off on XLA:CPU, which cannot.
+    enabled: bool | Literal["auto"] = "auto"
+    dir: str | None = None
+
+
+# A run id is a folder name here and, with pod-run, in gcloud scp paths that a shell on every worker reads:
+# only characters no shell splits, expands or runs.
+RUN_ID_RULE = "use 1 to 128 ASCII letters, digits, '.', '_' or '-', not starting with '.' or '-'"
+_RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+
+def is_safe_run_id(value: str) -> bool:
+    return _RUN_ID.fullmatch(value) is not None
+
+
+class OutputConfig(_Section):
+    dir: str = "outputs"
+    run_id: str | None = None
+
+    @field_validator("run_id")
+    @classmethod
+    def _safe_run_id(cls, value: str | None) -> str | None:
+        if value is not None and not is_safe_run_id(value):
+            raise ValueError(RUN_ID_RULE)
+        return value
+
+
+def _non_empty_prompt(text: str) -> str:
+    if not text.strip():
+        raise ValueError("prompt is empty")
+    return text
+
+
+Prompt = Annotated[str, AfterValidator(_non_empty_prompt)]
+
+
+def _check_side(value: int) -> int:
+    if value <= 0 or value % 8:
+        raise ValueError(f"must be a positive multiple of 8 (the VAE downsamples by 8), got {value}")
+    return value
+
+
+def _check_size(pair: list[int]) -> list[int]:
+    if len(pair) != 2:
+        raise ValueError(f"a size is a [height, width] pair, got {pair}")
+    for side in pair:
+        _check_side(side)
+    return pair
+
+
+Size = Annotated[list[int], AfterValidator(_check_size)]
+
+
+class RunConfig(_Section):
+    model: ModelConfig
+    prompts: list[Prompt] | None = None
+    prompts_file: str | None = None
+    negative_prompt: str = ""
+    height: int | None = Field(default=None, gt=0)
+    width: int | None = Field(default=None, gt=0)
+    sizes: list[Size] | None = None
+    # None: the model's (or its family's) own default, filled in when the config is resolved.
+    steps: int | None = Field(default=None, ge=1, le=1000)
+    guidance_scale: float | None = Field(default=None, ge=0)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    batch_size: int = Field(default=1, ge=1)
+    images_per_prompt: int = Field(default=1, ge=1)
+    execution: ExecutionConfig = ExecutionConfig()
+    compile: CompileConfig = CompileConfig()
+    cache: CacheConfig = CacheConfig()
+    output: OutputConfig = OutputConfig()
+
+    @field_validator("height", "width")
+    @classmethod
+    def _multiple_of_8(cls, value: int | None) -> int | None:
+        if value is not None:
+            _check_side(value)
+        return value
+
+    @field_validator("sizes")
+    @classmethod
+    def _sizes_not_empty(cls, value: list | None) -> list | None:
+        if value is not None and not value:
+            raise ValueError("the list is empty; give [height, width] pairs or leave sizes out")
+        return value
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts_not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("the list is empty; give at least one prompt")
+        return value
+
+
+# ---------------------------------------------------------------- walking the schema
+
+
+def field_names(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def section_at(path: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] = RunConfig
+    for part in path:
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        inner = model_type(field.annotation)
+        if inner is None:
+            return None
+        model = inner
+    return model
+
+
+def model_type(annotation: Any) -> type[BaseModel] | None:
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def is_text_field(annotation: Any) -> bool:
+    options = typing.get_args(annotation) or (annotation,)
+    return str in options or (typing.get_origin(annotation) is Literal)
+
+
+def all_keys(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted key the schema accepts, for suggestions and docs."""
+    keys = []
+    for name, field in model.model_fields.items():
+        inner = model_type(field.annotation)
+        if inner is not None:
+            keys.extend(all_keys(inner, f"{prefix}{name}."))
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys

@@ -1,0 +1,80 @@
+"""YAML as tpugen reads and writes it: safe, with YAML 1.2's numbers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tpugen.errors import InputError
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """yaml.safe_load with YAML 1.2's numbers instead of YAML 1.1's.
+
+    YAML 1.1 reads `seed: 0042` as octal 34, `steps: 1:30` as 90 (base 60) and `0x10` as 16. Here an
+    integer is decimal digits with an optional sign and no leading zero, and a float has a decimal point
+    (as in YAML 1.1, so `1e3` stays text); anything else stays a string, which the schema then refuses with
+    the key's name.
+    """
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(0|[1-9][0-9]*)$"), list("-+0123456789"))
+_YamlLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(r"^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+class _YamlDumper(yaml.SafeDumper):
+    """Quotes every string that either YAML 1.1 or tpugen's loader would read as something else ("1e3",
+    "0042"), so a config written by tpugen reads back the same anywhere."""
+
+
+_YamlDumper.yaml_implicit_resolvers = {
+    first: list(resolvers) + [r for r in _YamlLoader.yaml_implicit_resolvers.get(first, []) if r not in resolvers]
+    for first, resolvers in yaml.SafeDumper.yaml_implicit_resolvers.items()
+}
+for _first, _resolvers in _YamlLoader.yaml_implicit_resolvers.items():
+    _YamlDumper.yaml_implicit_resolvers.setdefault(_first, list(_resolvers))
+
+
+def yaml_load(text: str) -> Any:
+    """A YAML document read safely (no tags, no objects), numbers as YAML 1.2 reads them."""
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 -- a SafeLoader subclass
+
+
+def read_yaml(path: Path) -> dict:
+    """The config file as a mapping, or an InputError naming what is wrong with it."""
+    if not path.exists():
+        raise InputError(f"{path}: config file does not exist")
+    if not path.is_file():
+        raise InputError(f"{path}: is not a file")
+    try:
+        data = yaml_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: is not UTF-8 text") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"{path}: malformed YAML{where}: {problem}") from None
+    if data is None:
+        raise InputError(f"{path}: the config is empty")
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: the config must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def dump_yaml(data: dict) -> str:
+    """A mapping as YAML, keys in the order given, every string quoted where a reader could take it for
+    something else."""
+    return yaml.dump(data, Dumper=_YamlDumper, sort_keys=False, allow_unicode=True, width=1000)

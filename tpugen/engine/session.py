@@ -1,0 +1,424 @@
+"""A run session: one run directory's whole life, from creation (or a checked resume) to its final report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+from PIL import Image
+
+from tpugen import __version__
+from tpugen.backends import versions
+from tpugen.config import PromptSpec, ResolvedRun, dump_config, load_config
+from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
+from tpugen.lines import text_lines
+from tpugen.outputs.files import atomic_write_text, inside, write_json
+from tpugen.outputs.grid import write_grid
+from tpugen.outputs.manifest import Manifest, read_manifest, rewrite_manifest
+from tpugen.outputs.png import image_filename, save_png
+from tpugen.outputs.report import (
+    TimedPhase,
+    build_report,
+    earlier_sessions_of,
+    persistent_cache_summary,
+    read_report,
+    render_markdown,
+    write_report,
+)
+from tpugen.plan import RunPlan, plan_run, plan_share
+
+# Keys that never change pixels: where files go, the compile cache, and the recompile guard.
+_NOT_IMAGE_KEYS = {"output", "cache", "execution.strict_shapes", "prompts_file"}
+RUN_RECORD = "run.json"  # what made the run: the resolved config and its prompts, as they were at the start
+MANIFEST = "manifest.jsonl"
+
+
+def run_id_for(run: ResolvedRun, now: datetime | None = None) -> str:
+    """output.run_id, else a UTC timestamp plus the config hash: sortable, and says what made it."""
+    if run.config.output.run_id:
+        return run.config.output.run_id
+    now = now or datetime.now(timezone.utc)
+    return f"{now:%Y%m%d-%H%M%S}-{run.config_hash}"
+
+
+def make_run_dir(output_dir: str | Path, run_id: str) -> Path:
+    """A new, empty run directory; refused (nothing written) if it exists with anything in it."""
+    run_dir = Path(output_dir) / run_id
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise InputError(f"output.run_id: {run_dir} already exists and is not empty; choose another run_id")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"output.dir: cannot create {run_dir}: {exc.strerror}") from None
+    return run_dir
+
+
+def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch_number: int, file: str) -> dict:
+    """What made an image; stored in its PNG, so it holds nothing that varies between identical runs or
+    depends on how the run was executed (no rank, no worker, no timing)."""
+    model = run.config.model
+    return {
+        "index": item.index,
+        "file": file,
+        "prompt": item.prompt,
+        "negative_prompt": item.negative_prompt,
+        "seed": item.seed,
+        "steps": item.steps,
+        "guidance_scale": item.guidance_scale,
+        "height": item.height,
+        "width": item.width,
+        "scheduler": scheduler,
+        "model": model_label,
+        "model_id": model.id,
+        "dtype": model.dtype,
+        "batch": batch_number,
+        "config_hash": run.config_hash,
+        "tpugen_version": __version__,
+    }
+
+
+class BatchWriter:
+    """Writes each batch's images (atomically) and appends their manifest lines (fsynced) as they land."""
+
+    def __init__(self, session: RunSession, scheduler: str, model_label: str, manifest: str, extra: dict) -> None:
+        self.session = session
+        self.scheduler = scheduler
+        self.model_label = model_label
+        self.extra = extra  # manifest-only fields (the rank), never in the PNG
+        self.manifest = Manifest(session.run_dir / manifest)
+
+    def __call__(self, batch, pixels: list, seconds: float) -> list[str]:
+        session, run_dir = self.session, self.session.run_dir
+        share = seconds / len(batch.items)
+        records, names = [], []
+        for item, image in zip(batch.items, pixels, strict=True):
+            if item.index in session.finished:  # resumed: this image is already on disk
+                continue
+            name = image_filename(item.index, item.seed, item.prompt)
+            record = image_record(session.run, self.scheduler, self.model_label, item, batch.number, name)
+            save_png(inside(run_dir, name), Image.fromarray(image), record)
+            records.append({**record, "latency_seconds": share, **self.extra})
+            names.append(name)
+        self.manifest.append(records)
+        return names
+
+    def close(self) -> None:
+        self.manifest.close()
+
+
+class RunSession:
+    """The run directory's whole life, written once for every mode: created (or resumed and checked),
+    config.yaml and run.json, images and manifest lines as they land, per-rank manifests merged, the grid,
+    and report.json and report.md built by the one report builder."""
+
+    def __init__(self, run: ResolvedRun, run_dir: Path, run_id: str, *, resumed: bool) -> None:
+        self.run = run
+        self.run_dir = run_dir
+        self.run_id = run_id
+        self.resumed = resumed
+        self.finished: dict[int, dict] = {}  # records of images already on disk (a resume)
+        self.problems: list[str] = []  # manifest lines that were not this run's records
+        self.earlier_sessions: list[dict] = []
+
+    # ---------------------------------------------------------------- starting
+
+    @classmethod
+    def create(cls, run: ResolvedRun, run_id: str | None = None) -> RunSession:
+        run_id = run_id or run_id_for(run)
+        run_dir = make_run_dir(run.config.output.dir, run_id)
+        atomic_write_text(run_dir / "config.yaml", dump_config(run.config))
+        write_run_record(run_dir, run, run_id)
+        return cls(run, run_dir.resolve(), run_id, resumed=False)
+
+    @classmethod
+    def resume(cls, run: ResolvedRun, run_dir: Path) -> RunSession:
+        """The run in `run_dir`, checked against `run`: refused (naming what changed) if the work would differ
+        from what made its images."""
+        run_dir = Path(run_dir).resolve()
+        check_resumable(run, run_dir)
+        session = cls(run, run_dir, run_dir.name, resumed=True)
+        session.finished, session.problems = finished_records(run_dir, run)
+        session.earlier_sessions = earlier_sessions_of(run_dir)
+        return session
+
+    @classmethod
+    def attach(cls, run: ResolvedRun, run_dir: Path, finished: frozenset[int]) -> RunSession:
+        """A rank's view of a session its parent process owns: it writes its share, nothing else."""
+        session = cls(run, Path(run_dir), Path(run_dir).name, resumed=True)
+        session.finished = dict.fromkeys(finished, {})
+        return session
+
+    @classmethod
+    def start(cls, run: ResolvedRun, resume_dir: Path | None = None) -> RunSession:
+        return cls.resume(run, resume_dir) if resume_dir is not None else cls.create(run)
+
+    def discard(self) -> None:
+        """Remove the run directory of a run that made nothing (its model never loaded): no run to resume."""
+        if not self.resumed:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    # ---------------------------------------------------------------- the work
+
+    def share(self, parts: int = 1, part: int = 0) -> tuple[RunPlan, RunPlan]:
+        """(the whole share of this part, what is left of it): a resume leaves out finished batches."""
+        return plan_share(self.run, parts, part), plan_share(self.run, parts, part, frozenset(self.finished))
+
+    def writer(self, engine, manifest: str = MANIFEST, extra: dict | None = None) -> BatchWriter:
+        if manifest == MANIFEST and self.resumed:
+            rewrite_manifest(self.run_dir, self.finished)  # drop a torn last line before appending to it
+        return BatchWriter(self, engine.scheduler_name, engine.model_label, manifest, extra or {})
+
+    def records(self) -> dict[int, dict]:
+        """Every image record in the manifest and in per-rank manifests not merged yet, by index."""
+        return {r["index"]: r for r in all_records(self.run_dir)}
+
+    def already_complete(self, images_planned: int) -> dict | None:
+        """A resume with nothing left to make: load no model, rewrite nothing; the report to show, or None when
+        there is work left. A run that finished every image but stopped before its final report (killed in
+        between) gets that report now, from the last one it wrote."""
+        if not self.resumed or len(self.finished) < images_planned:
+            return None
+        report = read_report(self.run_dir)
+        if report is None or not report.get("complete"):
+            rewrite_manifest(self.run_dir, self.finished)
+            write_grid(self.run_dir, sorted(self.run_dir.glob("[0-9]*.png")))
+            report = {**(report or {"run_id": self.run_id}), "complete": True, "error": None}
+            report["run_dir"], report["images"] = str(self.run_dir), len(self.finished)
+            write_json(self.run_dir / "report.json", report)
+            if "timed_phase" in report:
+                atomic_write_text(self.run_dir / "report.md", render_markdown(report))
+        return {
+            **report,
+            "run_dir": str(self.run_dir),
+            "already_complete": True,
+            "images": len(self.finished),
+            "images_planned": images_planned,
+        }
+
+    # ---------------------------------------------------------------- the end
+
+    def report(self, engine, plan: RunPlan, warmup: list[dict], phase: TimedPhase, topology, error=None) -> dict:
+        """The report of a session that one engine ran (single mode, one pod worker)."""
+        return build_report(
+            run=self.run,
+            run_id=self.run_id,
+            run_dir=self.run_dir,
+            images_planned=len(plan.items),
+            batches_planned=len(plan.batches),
+            padding_rows=plan.padding_rows,
+            shape_keys=[str(k) for k in plan.shape_keys],
+            device=engine.describe(),
+            versions=versions(),
+            scheduler=engine.scheduler_name,
+            load_seconds=engine.load_seconds,
+            warmup=warmup,
+            persistent_cache=persistent_cache_summary(engine.backend.cache, warmup),
+            phase=phase,
+            topology=topology.as_dict(),
+            images_reused=len(self.finished),
+            error=error,
+            memory=engine.memory.as_dict() if engine.memory else None,
+            earlier_sessions=self.earlier_sessions,
+        )
+
+    def finish(self, report: dict) -> dict:
+        """The final files: the manifest in index order (per-rank manifests merged in), the grid, the report."""
+        rewrite_manifest(self.run_dir, self.records())
+        for path in self.run_dir.glob("manifest.rank*.jsonl"):
+            path.unlink()
+        write_grid(self.run_dir, sorted(self.run_dir.glob("[0-9]*.png")))
+        write_report(self.run_dir, report)
+        return report
+
+    def fail(self, exc: BaseException, made: int, write_incomplete, stop=None) -> None:
+        """Write the incomplete report (`write_incomplete(error)`), then raise one error that says what was
+        kept and how to go on."""
+        kept = f"{made} new images, the manifest and report.json are in {self.run_dir}"
+        resume = f"resume with: tpugen resume {self.run_dir}"
+        if isinstance(exc, (Interrupted, KeyboardInterrupt)):
+            signum = exc.signum if isinstance(exc, Interrupted) else ((stop and stop.signum) or signal.SIGINT)
+            name = signal.Signals(signum).name
+            when = "after the batch in flight" if isinstance(exc, Interrupted) else "at once"
+            write_incomplete(f"interrupted by {name}")
+            raise Interrupted(signum, f"interrupted by {name}, stopped {when}; {kept}", resume) from None
+        if isinstance(exc, TpugenError):
+            write_incomplete(exc.lines[0])
+            raise type(exc)(*exc.lines, kept) from exc
+        if isinstance(exc, OSError):
+            where = exc.filename or self.run_dir
+            write_incomplete(f"writing {where}: {exc.strerror or exc}")
+            raise RunError(f"writing {where}: {exc.strerror or exc}", kept, resume) from exc
+        if not isinstance(exc, Exception):
+            write_incomplete(type(exc).__name__)
+            raise exc
+        reason = one_line(exc)
+        write_incomplete(reason)
+        raise RunError(f"the run failed: {reason}", kept, resume) from exc
+
+
+# ---------------------------------------------------------------- what made a run, and resuming it
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _plain(value):
+    """JSON-shaped (tuples as lists), so a stored record and a fresh one compare equal."""
+    return json.loads(json.dumps(value))
+
+
+def _config_data(run: ResolvedRun) -> dict:
+    return _plain(run.config.model_dump())
+
+
+def _prompts_data(prompts: list[PromptSpec]) -> list[dict]:
+    return _plain([asdict(p) for p in prompts])
+
+
+def write_run_record(run_dir: Path, run: ResolvedRun, run_id: str) -> None:
+    """run.json: the config and the prompts a run starts with, so a resume can tell what made its images even
+    after config.yaml or the prompts file has been edited."""
+    write_json(
+        run_dir / RUN_RECORD,
+        {
+            "tpugen_run": 1,
+            "run_id": run_id,
+            "config_hash": run.config_hash,
+            "config": _config_data(run),
+            "prompts": _prompts_data(run.prompts),
+        },
+    )
+
+
+def read_run_record(run_dir: Path) -> dict | None:
+    """The run's run.json, or None for a run made before tpugen wrote one."""
+    path = run_dir / RUN_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise InputError(f"{path}: unreadable (not the JSON tpugen wrote); the run cannot be checked") from None
+    if not isinstance(record, dict) or not {"config", "prompts", "config_hash"} <= set(record):
+        raise InputError(f"{path}: not a tpugen run record; the run cannot be checked")
+    return record
+
+
+def recorded_prompts(record: dict) -> list[PromptSpec]:
+    return [PromptSpec(**{**p, "sizes": tuple(tuple(s) for s in p["sizes"])}) for p in record["prompts"]]
+
+
+def load_run(run_dir: Path) -> ResolvedRun:
+    """`tpugen resume RUN_DIR`: the run's own config.yaml, with the prompts the run started with (a prompts
+    file edited since is not read again)."""
+    if not (run_dir / "config.yaml").is_file():
+        raise InputError(f"{run_dir}: not a tpugen run directory (no config.yaml)")
+    record = read_run_record(run_dir)
+    if record is None:
+        return load_config(run_dir / "config.yaml")
+    return load_config(run_dir / "config.yaml", prompts=recorded_prompts(record))
+
+
+def image_changing_differences(old_config: dict, new_config: dict) -> list[str]:
+    """The dotted keys whose values differ between two configs in a way that changes images."""
+    a, b = _flatten(old_config), _flatten(new_config)
+    return [
+        key
+        for key in sorted(set(a) | set(b))
+        if a.get(key) != b.get(key) and not any(key == k or key.startswith(k + ".") for k in _NOT_IMAGE_KEYS)
+    ]
+
+
+def check_resumable(run: ResolvedRun, run_dir: Path) -> None:
+    """Refuse, naming what changed, a resume whose work would differ from what made the run's images."""
+    if not run_dir.is_dir():
+        raise InputError(f"--resume: {run_dir} is not a run directory")
+    if not (run_dir / "config.yaml").is_file():
+        raise InputError(f"--resume: {run_dir} has no config.yaml, so it is not a tpugen run directory")
+    record = read_run_record(run_dir)
+    if record is not None:
+        old_config, old_prompts = record["config"], record["prompts"]
+    else:  # a run from before run.json: its config.yaml is all there is
+        previous = load_config(run_dir / "config.yaml")
+        old_config, old_prompts = _config_data(previous), _prompts_data(previous.prompts)
+    differing = image_changing_differences(old_config, _config_data(run))
+    # Prompts count by their content, wherever they came from (an inline list or a file).
+    if old_prompts != _prompts_data(run.prompts) and "prompts" not in differing:
+        differing.append("prompts" if run.config.prompts is not None else "prompts_file (its prompts)")
+    if differing:
+        raise InputError(
+            f"--resume: the config differs from the run in {run_dir} in keys that change images: "
+            + ", ".join(differing)
+        )
+    if record is None:
+        path = run_dir / MANIFEST
+        made_by = {r.get("config_hash") for r in (read_manifest(path) if path.exists() else [])}
+        made_by -= {None, run.config_hash}
+        if made_by:
+            raise InputError(
+                f"--resume: the images in {run_dir} were made by config hash {', '.join(sorted(made_by))}, and "
+                f"this config resolves to {run.config_hash} (was config.yaml or the prompts file edited?)"
+            )
+
+
+def _valid_png(path: Path) -> bool:
+    try:
+        with Image.open(path) as image:
+            image.verify()
+        return True
+    except Exception:  # any unreadable file is simply made again
+        return False
+
+
+def _manifest_paths(run_dir: Path) -> list[Path]:
+    return [p for p in [run_dir / MANIFEST, *sorted(run_dir.glob("manifest.rank*.jsonl"))] if p.exists()]
+
+
+def all_records(run_dir: Path) -> list[dict]:
+    """Every record in the run's manifest and in per-rank manifests not merged yet (multi mode)."""
+    records = []
+    for path in _manifest_paths(run_dir):
+        records.extend(read_manifest(path))
+    return records
+
+
+def finished_records(run_dir: Path, run: ResolvedRun) -> tuple[dict[int, dict], list[str]]:
+    """(records by image index whose image is this run's and is on disk as a valid PNG, one line for each
+    manifest line that is not a record of this run's plan). Lines that are not records are ignored."""
+    expected = {item.index: image_filename(item.index, item.seed, item.prompt) for item in plan_run(run).items}
+    finished, problems = {}, []
+    for path in _manifest_paths(run_dir):
+        lines = text_lines(path.read_text(encoding="utf-8"))
+        for number, line in enumerate(lines, start=1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if number < len(lines):  # a torn last line is what a crash leaves; anything else is damage
+                    problems.append(f"{path.name} line {number}: not JSON; ignored")
+                continue
+            index = record.get("index") if isinstance(record, dict) else None
+            if not isinstance(record, dict):
+                why = f"not an image record ({line[:40]})"
+            elif type(index) is not int:
+                why = "no image index"
+            elif index not in expected:
+                why = f"image {index} is not in this run's plan ({len(expected)} images)"
+            elif record.get("file") != expected[index]:
+                why = f"image {index} is not {expected[index]}"
+            else:
+                if _valid_png(run_dir / expected[index]):
+                    finished[index] = record
+                continue
+            problems.append(f"{path.name} line {number}: {why}; ignored")
+    return finished, problems

@@ -1,0 +1,100 @@
+"""One device (and each pod worker's share): one engine, one run session."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from tpugen.config import ResolvedRun
+from tpugen.engine import Display, Engine, EngineSpec, RunSession, StopSignals, Topology, worker_topology
+from tpugen.outputs.report import TimedPhase, persistent_cache_summary, write_report
+from tpugen.plan import plan_run
+
+
+def host_index_for(run: ResolvedRun):
+    """How a pod worker without TPU_WORKER_ID finds its index: torch_xla's host index, on xla only."""
+    if run.config.execution.backend != "xla":
+        return None
+    from tpugen.backends.xla.devices import host_index
+
+    return host_index
+
+
+def run_single(
+    run: ResolvedRun,
+    *,
+    display: Display | None = None,
+    skip_warmup: bool = False,
+    resume_dir: Path | None = None,
+    engine: Engine | None = None,
+    topology: Topology | None = None,
+) -> dict:
+    """`tpugen generate` on one device: returns the report, also written to the run directory.
+
+    The run directory is created only once the model has loaded, so a bad model id leaves nothing behind;
+    from then on a failure or a signal still leaves every finished image, the manifest and a report marked
+    incomplete. With `resume_dir`, images already finished there are kept and only the rest are made. With
+    `engine` (already open for this run's model and way of running), nothing is loaded and shape keys it
+    has compiled are not compiled again.
+    """
+    display = display or Display()
+    # On a pod, this worker takes the images whose index % workers == its index.
+    topology = topology or worker_topology(run.config.execution.pod, os.environ, host_index_for(run))
+    session = None
+    if resume_dir is not None:
+        session = RunSession.resume(run, resume_dir)
+        for problem in session.problems:
+            display.warning(problem)
+        full_plan, plan = session.share(topology.parts, topology.part)
+        done = session.already_complete(len(full_plan.items))
+        if done is not None:
+            return done
+
+    def stopping(signum: int) -> None:
+        display.phase(f"{signal.Signals(signum).name}: stopping after the batch in flight (again: stop now)")
+
+    with StopSignals(on_signal=stopping) as stop:
+        engine = engine or Engine.open(EngineSpec.of(run), display=display)
+        if session is None:
+            session = RunSession.create(run)
+            full_plan, plan = session.share(topology.parts, topology.part)
+        else:
+            display.phase(f"resuming {session.run_dir}: {len(session.finished)} of {len(full_plan.items)} images done")
+        warmup: list[dict] = []
+        phase = TimedPhase()
+        writer = session.writer(engine)
+
+        def report(error: str | None = None) -> dict:
+            return session.report(engine, full_plan, warmup, phase, topology, error)
+
+        try:
+            if not skip_warmup:
+                warmup.extend(engine.warmup(plan, display, stop.check))
+            engine.run(
+                plan,
+                writer,
+                display=display,
+                checkpoint=stop.check,
+                strict_shapes=run.config.execution.strict_shapes,
+                phase=phase,
+            )
+            stop.check()
+        except BaseException as exc:
+            writer.close()
+            session.fail(exc, len(phase.written), lambda error: write_report(session.run_dir, report(error)), stop)
+        writer.close()
+        return session.finish(report())
+
+
+def warm_up(run: ResolvedRun, *, display: Display | None = None, engine: Engine | None = None) -> dict:
+    """`tpugen warmup`: compile every planned shape key once; writes no run directory."""
+    display = display or Display()
+    engine = engine or Engine.open(EngineSpec.of(run), display=display)
+    results = engine.warmup(plan_run(run), display)
+    return {
+        "device": engine.describe(),
+        "model_load_seconds": engine.load_seconds,
+        "warmup": results,
+        "persistent_cache": persistent_cache_summary(engine.backend.cache, results),
+    }
