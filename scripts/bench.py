@@ -13,6 +13,12 @@ and writes bench/results.json and bench/results.png.
 With --compile instead: the compile seconds of one Flux transformer forward (tiny width) at 14 blocks
 (2 double + 12 single) and at Flux.1's real depth of 57 (19 + 38), unrolled vs compile.scan_blocks, each in
 a fresh process; writes bench/compile.json.
+
+With `serve` instead (scripts/bench.py serve): `tpugen serve` against fresh processes, side by side.
+(1) five small runs (tiny-sd, 3 prompts, batch 2, 10 steps) as five fresh `tpugen generate` processes, against
+    one server started for them (its start and warmup counted) plus five `tpugen generate --server` calls;
+(2) eight one-image A1111 requests sent at once, against the same eight sent one at a time (server batch
+    size 4): images per second, p50/p99 latency, and the padding rows each computed; writes bench/serve.json.
 """
 
 from __future__ import annotations
@@ -238,8 +244,172 @@ def bar_chart(results: dict, path: Path) -> None:
     image.save(path)
 
 
+SERVE_PROMPTS = PROMPTS[:3]
+
+
+def _small_config(path: Path, output: Path, run_id: str, **extra) -> Path:
+    import yaml
+
+    config = {
+        "model": {"id": "tiny-sd", "scheduler": "DDIM"},
+        "prompts": SERVE_PROMPTS,
+        "height": 64,
+        "width": 64,
+        "steps": STEPS,
+        "guidance_scale": GUIDANCE,
+        "batch_size": 2,
+        "output": {"dir": str(output), "run_id": run_id},
+        **extra,
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_server(config: Path, port: int, log: Path) -> subprocess.Popen:
+    import httpx
+
+    proc = subprocess.Popen(
+        [str(ROOT / ".venv/bin/tpugen"), "serve", str(config), "--port", str(port)],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")},
+    )
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited: see {log}")
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("the server was not ready in 15 minutes")
+
+
+def _metric(port: int, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def run_serve_bench() -> None:
+    import httpx
+
+    tpugen = str(ROOT / ".venv/bin/tpugen")
+    env = {**os.environ, "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")}
+    with tempfile.TemporaryDirectory(prefix="tpugen-bench-serve-") as tmp:
+        tmp = Path(tmp)
+        print("(1) five runs as five fresh `tpugen generate` processes ...", flush=True)
+        start = time.perf_counter()
+        for i in range(5):
+            config = _small_config(tmp / f"fresh-{i}.yaml", tmp / "fresh", f"run-{i}", seed=i * 10)
+            subprocess.run([tpugen, "generate", str(config), "--quiet"], check=True, env=env, capture_output=True)
+        fresh = time.perf_counter() - start
+
+        print("(1) one server (start and warmup counted) and five `tpugen generate --server` ...", flush=True)
+        port = _free_port()
+        serve_config = _small_config(tmp / "serve.yaml", tmp / "served", "unused")
+        start = time.perf_counter()
+        server = _start_server(serve_config, port, tmp / "server.log")
+        ready = time.perf_counter() - start
+        try:
+            for i in range(5):
+                config = _small_config(tmp / f"client-{i}.yaml", tmp / "client", f"run-{i}", seed=i * 10)
+                subprocess.run(
+                    [tpugen, "generate", str(config), "--quiet", "--server", f"http://127.0.0.1:{port}"],
+                    check=True,
+                    env=env,
+                    capture_output=True,
+                )
+            served = time.perf_counter() - start
+        finally:
+            server.terminate()
+            server.wait(120)
+
+        print("(2) eight one-image requests: at once, and one at a time (server batch size 4) ...", flush=True)
+        port = _free_port()
+        config = _small_config(
+            tmp / "serve4.yaml", tmp / "served4", "unused", batch_size=4, serve={"batch_window_ms": 50}
+        )
+        server = _start_server(config, port, tmp / "server4.log")
+        url = f"http://127.0.0.1:{port}/sdapi/v1/txt2img"
+        body = {"prompt": "a lighthouse", "steps": STEPS, "cfg_scale": GUIDANCE, "width": 64, "height": 64}
+
+        def one(seed: int) -> float:
+            began = time.perf_counter()
+            response = httpx.post(url, json={**body, "seed": seed}, timeout=600)
+            response.raise_for_status()
+            return time.perf_counter() - began
+
+        def measure(concurrent: bool) -> dict:
+            from concurrent.futures import ThreadPoolExecutor
+
+            padding = _metric(port, "tpugen_padding_rows_total")
+            began = time.perf_counter()
+            if concurrent:
+                with ThreadPoolExecutor(8) as pool:
+                    latencies = list(pool.map(one, range(8)))
+            else:
+                latencies = [one(seed) for seed in range(8)]
+            wall = time.perf_counter() - began
+            latencies.sort()
+            return {
+                "images_per_second": 8 / wall,
+                "p50_seconds": statistics.median(latencies),
+                "p99_seconds": latencies[-1],  # of eight requests, the slowest
+                "padding_rows": _metric(port, "tpugen_padding_rows_total") - padding,
+                "wall_seconds": wall,
+            }
+
+        try:
+            one(99)  # a first request, so neither side pays anything the warmup left
+            sequential = measure(concurrent=False)
+            concurrent = measure(concurrent=True)
+        finally:
+            server.terminate()
+            server.wait(120)
+
+    print(f"\n(1) five small runs (tiny-sd, {len(SERVE_PROMPTS)} prompts, batch 2, {STEPS} steps), XLA:CPU")
+    print(f"{'five fresh generate processes s':42}{fresh:10.2f}")
+    print(f"{'server ready s (start + load + warmup)':42}{ready:10.2f}")
+    print(f"{'server + five generate --server s':42}{served:10.2f}")
+    print(f"{'ratio (target <= 0.4)':42}{served / fresh:10.3f}")
+    print("\n(2) eight one-image requests, server batch size 4")
+    print(f"{'':24}{'one at a time':>16}{'at once':>12}{'at once / one at a time':>26}")
+    for key in ("images_per_second", "p50_seconds", "p99_seconds", "padding_rows"):
+        ratio = concurrent[key] / sequential[key] if sequential[key] else float("nan")
+        print(f"{key:24}{sequential[key]:16.3f}{concurrent[key]:12.3f}{ratio:26.3f}")
+    out = ROOT / "bench"
+    out.mkdir(exist_ok=True)
+    payload = {
+        "five_runs": {
+            "fresh_seconds": fresh,
+            "server_ready_seconds": ready,
+            "served_seconds": served,
+            "ratio": served / fresh,
+        },
+        "eight_requests": {"one_at_a_time": sequential, "at_once": concurrent},
+    }
+    (out / "serve.json").write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {out / 'serve.json'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", choices=["serve"], help="serve: the server against fresh processes")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side (medians are reported)")
     parser.add_argument("--compile", action="store_true", help="scan_blocks vs unrolled compile seconds instead")
     parser.add_argument("--naive-worker", action="store_true", help=argparse.SUPPRESS)
@@ -253,6 +423,9 @@ def main() -> None:
         return
     if args.compile:
         run_compile_bench()
+        return
+    if args.what == "serve":
+        run_serve_bench()
         return
 
     runs: dict[str, list[dict]] = {"naive": [], "tpugen": []}

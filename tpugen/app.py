@@ -63,6 +63,23 @@ def plan(run: ResolvedRun) -> tuple[RunPlan, object, str, str | None]:
     return plan_run(run), memory, how_it_runs(execution), fit
 
 
+def serve(run: ResolvedRun, *, host: str, port: int, api_key: str | None, display: Display | None = None) -> None:
+    """`tpugen serve`: the config's engines kept warm behind HTTP until SIGTERM or SIGINT."""
+    prepare_environment(run)
+    from tpugen.modes.serve.server import serve as run_server
+
+    run_server(run, host=host, port=port, api_key=api_key, display=display)
+
+
+def generate_on(run: ResolvedRun, url: str, *, api_key: str | None, display: Display | None = None) -> dict:
+    """`tpugen generate CONFIG --server URL`: the run made by a warm server; imports no torch here."""
+    if run.config.output.dir.startswith("gs://"):
+        raise InputError("output.dir: the server's run is copied to a local directory; give one")
+    from tpugen.modes.serve.client import submit
+
+    return submit(run, url, api_key=api_key, display=display)
+
+
 def pod_run(run: ResolvedRun, pod, **options) -> dict | None:
     """`tpugen pod-run`: every worker of a pod slice through gcloud, gathered and merged."""
     from tpugen.modes.pod import run_pod

@@ -33,6 +33,15 @@ Overrides = Annotated[
     ),
 ]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; print only where the results went.")]
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="TPUGEN_API_KEY",
+        help="The server's API key (also TPUGEN_API_KEY): sent as Authorization: Bearer KEY.",
+        show_default=False,
+    ),
+]
 
 
 def _boundary(command):
@@ -228,6 +237,15 @@ def generate(
             "on torch_tpu, cuda and cpu); execution.mode.",
         ),
     ] = None,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            "--server",
+            help="Run it on a warm `tpugen serve` at this URL (http://HOST:PORT) and copy its run directory into "
+            "output.dir; this process loads no model.",
+        ),
+    ] = None,
+    api_key: ApiKey = None,
 ) -> None:
     """Generate the config's images: load, compile each shape once, run timed, write images and a report."""
     from tpugen.config import load_config
@@ -244,8 +262,31 @@ def generate(
         return
     from tpugen import app
 
-    report = app.generate(run, display=_RichDisplay(quiet), skip_warmup=skip_warmup, resume_dir=resume_dir)
+    if server is not None:
+        report = app.generate_on(run, server, api_key=api_key, display=_RichDisplay(quiet))
+    else:
+        report = app.generate(run, display=_RichDisplay(quiet), skip_warmup=skip_warmup, resume_dir=resume_dir)
     _finish(report, quiet)
+
+
+@app.command()
+@_boundary
+def serve(
+    config: ConfigPath,
+    overrides: Overrides = None,
+    host: Annotated[
+        str, typer.Option("--host", help="The address to listen on; other than loopback needs an API key.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="The port to listen on.")] = 7860,
+    api_key: ApiKey = None,
+    quiet: Quiet = False,
+) -> None:
+    """Keep the config's model warm behind HTTP: the A1111 and OpenAI image APIs and tpugen runs (prompts optional)."""
+    from tpugen import app as application
+    from tpugen.config import load_config
+
+    run = load_config(config, overrides or [], prompts_required=False)
+    application.serve(run, host=host, port=port, api_key=api_key, display=_RichDisplay(quiet))
 
 
 def _finish(report: dict, quiet: bool) -> None:

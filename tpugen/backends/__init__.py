@@ -7,8 +7,9 @@ from tpugen.backends.base import Backend, Counters, versions
 from tpugen.backends.compile import compile_spec
 
 
-def make_backend(execution, compile_config, cache) -> Backend:
-    """The backend the config's execution, compile and cache sections name (devices are chosen here)."""
+def make_backend(execution, compile_config, cache, *, device_index: int | None = None) -> Backend:
+    """The backend the config's execution, compile and cache sections name (devices are chosen here).
+    `device_index` (xla): one device of several in this process, for a server's engine per device."""
     name = execution.backend
     if name == "xla":
         from tpugen.backends.xla import PlacedBackend, SpmdBackend, XlaBackend
@@ -18,7 +19,7 @@ def make_backend(execution, compile_config, cache) -> Backend:
             return SpmdBackend(cache.enabled, cache.dir, data=mesh.data, model=mesh.model, cores=execution.cores)
         if execution.placement != "none":
             return PlacedBackend(cache.enabled, cache.dir, cores=execution.cores)
-        return XlaBackend(cache.enabled, cache.dir)
+        return XlaBackend(cache.enabled, cache.dir, device_index=device_index)
     spec = compile_spec(
         name,
         torch_compile=compile_config.torch_compile,

@@ -69,6 +69,9 @@ class Backend(Protocol):
 
     def device_for(self, component: str): ...
 
+    def bind_thread(self) -> None:
+        """Called first in a thread that drives this backend (a server's device loop)."""
+
     def split_batch(self, tensor): ...
 
     def memory(self) -> dict | None: ...
@@ -106,6 +109,9 @@ class EagerBackend:
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
         if self.compile_spec is not None:
             self.compile_spec.apply(pipe, family, hooks)
+
+    def bind_thread(self) -> None:
+        """Eager devices need nothing per thread."""
 
     def device_for(self, component: str):
         """The device a component computes on (under offload too, where it waits on the host between calls)."""

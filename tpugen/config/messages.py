@@ -26,6 +26,11 @@ def _dotted(loc: tuple) -> str:
 
 _TYPE_NAMES = {
     "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_parsing": "a number",
+    "bool_parsing": "true or false",
+    "dict_attributes_type": "a mapping of keys",
     "float_type": "a number",
     "string_type": "a string",
     "bool_type": "true or false",

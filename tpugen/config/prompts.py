@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ class PromptSpec:
     sizes: tuple[tuple[int, int], ...]  # (height, width) pairs this prompt is rendered at
 
 
-_JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width"}
+JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width"}
 
 
 def _no_constant(name: str):
@@ -67,9 +68,9 @@ def read_prompt_file(path: Path, problems: list[str]) -> list[dict]:
         if not isinstance(entry, dict):
             problems.append(f"{where}:{number}: expected a JSON object with a 'prompt' key")
             continue
-        unknown = sorted(set(entry) - _JSONL_KEYS)
+        unknown = sorted(set(entry) - JSONL_KEYS)
         if unknown:
-            problems.append(f"{where}:{number}: unknown key {unknown[0]!r}{suggest(unknown[0], sorted(_JSONL_KEYS))}")
+            problems.append(f"{where}:{number}: unknown key {unknown[0]!r}{suggest(unknown[0], sorted(JSONL_KEYS))}")
             continue
         entry["_line"] = number
         entries.append(entry)
@@ -90,7 +91,7 @@ def check_prompt_entry(entry: dict, where: str, run: RunConfig, problems: list[s
         "negative_prompt": (str, lambda v: True, "a string"),
         "seed": (int, lambda v: 0 <= v < 2**63, "an integer >= 0"),
         "steps": (int, lambda v: 1 <= v <= 1000, "an integer from 1 to 1000"),
-        "guidance_scale": ((int, float), lambda v: v >= 0, "a number >= 0"),
+        "guidance_scale": ((int, float), lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
         "height": (int, lambda v: v > 0 and v % 8 == 0, "a positive multiple of 8"),
         "width": (int, lambda v: v > 0 and v % 8 == 0, "a positive multiple of 8"),
     }
@@ -122,19 +123,26 @@ def run_sizes(run: RunConfig) -> tuple[tuple[int, int], ...]:
 
 
 def resolve_prompts(
-    config: RunConfig, base_dir: Path, given: list[PromptSpec] | None, problems: list[str]
+    config: RunConfig, base_dir: Path, given: list[PromptSpec] | None, problems: list[str], *, required: bool = True
 ) -> list[PromptSpec]:
-    """The run's prompts (a run's recorded ones when `given`), noting every problem in `problems`."""
+    """The run's prompts (a run's recorded ones when `given`), noting every problem in `problems`. A server's
+    config (`required=False`) may have none."""
     prompts: list[PromptSpec] = []
     if given is not None:
         prompts = list(given)
     elif config.prompts is not None and config.prompts_file is not None:
         problems.append("prompts: give either prompts or prompts_file, not both")
     elif config.prompts is None and config.prompts_file is None:
-        problems.append("prompts: no prompts given; set prompts (a list) or prompts_file (.txt or .jsonl)")
+        if required:
+            problems.append("prompts: no prompts given; set prompts (a list) or prompts_file (.txt or .jsonl)")
     elif config.prompts is not None:
-        for i, text in enumerate(config.prompts):
-            spec = check_prompt_entry({"prompt": text}, f"prompts[{i}]", config, problems)
+        for i, item in enumerate(config.prompts):
+            entry = item if isinstance(item, dict) else {"prompt": item}
+            unknown = sorted(set(entry) - JSONL_KEYS)
+            if unknown:
+                problems.append(f"prompts[{i}]: unknown key {unknown[0]!r}{suggest(unknown[0], sorted(JSONL_KEYS))}")
+                continue
+            spec = check_prompt_entry(entry, f"prompts[{i}]", config, problems)
             if spec:
                 prompts.append(spec)
     else:

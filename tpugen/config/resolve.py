@@ -35,19 +35,31 @@ class ResolvedRun:
         return dump_config(self.config)
 
 
-def load_config(path: str | Path, overrides: list[str] = (), *, prompts: list[PromptSpec] | None = None) -> ResolvedRun:
+def load_config(
+    path: str | Path,
+    overrides: list[str] = (),
+    *,
+    prompts: list[PromptSpec] | None = None,
+    prompts_required: bool = True,
+) -> ResolvedRun:
     """Read, override, validate and resolve a run config. Raises InputError listing every problem."""
     path = Path(path)
     data = read_yaml(path)
-    return resolve(data, overrides, base_dir=path.resolve().parent, prompts=prompts)
+    return resolve(data, overrides, base_dir=path.resolve().parent, prompts=prompts, prompts_required=prompts_required)
 
 
 def resolve(
-    data: dict, overrides: list[str] = (), *, base_dir: Path, prompts: list[PromptSpec] | None = None
+    data: dict,
+    overrides: list[str] = (),
+    *,
+    base_dir: Path,
+    prompts: list[PromptSpec] | None = None,
+    prompts_required: bool = True,
 ) -> ResolvedRun:
     """Validate a config mapping; fill defaults; make paths absolute; read the prompts.
 
-    With `prompts` (a run's own, as it recorded them), those are the prompts and no prompts file is read."""
+    With `prompts` (a run's own, as it recorded them), those are the prompts and no prompts file is read;
+    `prompts_required=False` (a server's config) allows none."""
     data = json.loads(json.dumps(data, default=str))  # a deep copy we may edit
     problems = apply_overrides(data, list(overrides))
     try:
@@ -73,7 +85,7 @@ def resolve(
         config.height = config.height or defaults["height"]
         config.width = config.width or defaults["width"]
 
-    resolved_prompts = resolve_prompts(config, base_dir, prompts, problems)
+    resolved_prompts = resolve_prompts(config, base_dir, prompts, problems, required=prompts_required)
 
     if not config.output.dir.startswith("gs://"):  # Cloud Storage: written by pod-run's workers
         config.output.dir = _local_dir("output.dir", config.output.dir, problems)
@@ -113,7 +125,7 @@ def _dir_problem(out_dir: Path) -> str | None:
 
 def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
     """8 hex digits naming everything that changes the images (not where they are written)."""
-    payload = config.model_dump(exclude={"output", "cache"})
+    payload = config.model_dump(exclude={"output", "cache", "serve"})
     payload["prompts"] = [p.__dict__ for p in prompts]
     payload.pop("prompts_file", None)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -133,13 +133,19 @@ class OutputConfig(_Section):
         return value
 
 
-def _non_empty_prompt(text: str) -> str:
-    if not text.strip():
+def _check_prompt(value: Any) -> Any:
+    # A mapping is checked key by key when the prompts are resolved (config.prompts), like a .jsonl line.
+    if isinstance(value, dict):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"a prompt is a string, or a mapping like a .jsonl line, got {value!r}")
+    if not value.strip():
         raise ValueError("prompt is empty")
-    return text
+    return value
 
 
-Prompt = Annotated[str, AfterValidator(_non_empty_prompt)]
+# A prompt, or a mapping with the keys of a .jsonl line (prompt, negative_prompt, seed, steps, ...).
+Prompt = Annotated[Any, AfterValidator(_check_prompt)]
 
 
 def _check_side(value: int) -> int:
@@ -157,6 +163,32 @@ def _check_size(pair: list[int]) -> list[int]:
 
 
 Size = Annotated[list[int], AfterValidator(_check_size)]
+
+
+class ServeConfig(_Section):
+    # The sizes kept warm, [height, width] pairs; unset: the config's own sizes (sizes, or height x width).
+    sizes: list[Size] | None = None
+    # Schedulers kept warm besides the model's own (the names model.scheduler takes).
+    schedulers: list[str] = []
+    # A request for a size, CFG or scheduler that is not warm: reject (422 naming what is warm), or compile
+    # it once (it then stays warm).
+    new_shapes: Literal["reject", "compile"] = "reject"
+    # How long the first image of a batch waits for companions with the same shape, steps and guidance.
+    batch_window_ms: int = Field(default=20, ge=0, le=60_000)
+    # Requests waiting or running at once; one more gets 503 with Retry-After.
+    max_queue: int = Field(default=64, ge=1)
+    # Images one request may ask for (A1111 batch_size x n_iter, OpenAI n).
+    max_images_per_request: int = Field(default=16, ge=1)
+    # A request still waiting after this long gets 504 and its images are dropped from the queue.
+    request_timeout_s: float = Field(default=600.0, gt=0)
+
+    @field_validator("schedulers")
+    @classmethod
+    def _known_schedulers(cls, value: list[str]) -> list[str]:
+        unknown = [name for name in value if find_scheduler(name) is None]
+        if unknown:
+            raise ValueError(f"unknown scheduler {unknown[0]!r}; valid names: {', '.join(SCHEDULER_NAMES)}")
+        return value
 
 
 class RunConfig(_Section):
@@ -177,6 +209,8 @@ class RunConfig(_Section):
     compile: CompileConfig = CompileConfig()
     cache: CacheConfig = CacheConfig()
     output: OutputConfig = OutputConfig()
+    # `tpugen serve`: what the server keeps warm and how it batches requests (other commands ignore it).
+    serve: ServeConfig = ServeConfig()
 
     @field_validator("height", "width")
     @classmethod

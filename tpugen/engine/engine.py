@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,15 +78,25 @@ class Engine:
         self.load_seconds = load_seconds
         self.memory = memory  # the memory plan (tpugen.memory.MemoryPlan) where the model's size is known
         self.warm: dict[tuple[str, str], dict] = {}  # (shape key, scheduler) -> its warmup entry
+        # One batch at a time on the device: a server's device loop and a run on the same engine take turns.
+        self.lock = threading.RLock()
 
     # ---------------------------------------------------------------- opening
 
     @classmethod
-    def open(cls, spec: EngineSpec, *, display: Display | None = None, ranks_in_process: int = 1) -> Engine:
-        """The backend (with its compile cache started) and the pipeline on it."""
+    def open(
+        cls,
+        spec: EngineSpec,
+        *,
+        display: Display | None = None,
+        ranks_in_process: int = 1,
+        device_index: int | None = None,
+    ) -> Engine:
+        """The backend (with its compile cache started) and the pipeline on it. `device_index` (xla): which of
+        this process's devices, for a server that runs one engine per device."""
         display = display or Display()
         execution = spec.execution
-        backend = make_backend(execution, spec.compile, spec.cache)
+        backend = make_backend(execution, spec.compile, spec.cache, device_index=device_index)
         memory = _memory_plan(spec)
         _check_fit(spec, backend, memory)
         family = family_code(spec.family)
@@ -164,12 +175,13 @@ class Engine:
                 continue
             checkpoint()
             display.phase(f"warmup: compiling {shape} (on a TPU the first compile can take many minutes)")
-            before = self.backend.counters()
-            start = time.perf_counter()
-            _, census = self.loaded.generate(batch, census=True)
-            self.backend.wait()
-            seconds = time.perf_counter() - start
-            delta = _delta(self.backend, before)
+            with self.lock:
+                before = self.backend.counters()
+                start = time.perf_counter()
+                _, census = self.loaded.generate(batch, census=True)
+                self.backend.wait()
+                seconds = time.perf_counter() - start
+                delta = _delta(self.backend, before)
             entry = {
                 **_shape_fields(shape),
                 "seconds": seconds,
@@ -210,12 +222,13 @@ class Engine:
         try:
             for batch in plan.batches:
                 checkpoint()
-                before = backend.counters()
-                start = time.perf_counter()
-                pixels = self.loaded.generate(batch)
-                backend.wait()  # the clock is read only after the device has finished
-                seconds = time.perf_counter() - start
-                delta = _delta(backend, before)
+                with self.lock:
+                    before = backend.counters()
+                    start = time.perf_counter()
+                    pixels = self.loaded.generate(batch)
+                    backend.wait()  # the clock is read only after the device has finished
+                    seconds = time.perf_counter() - start
+                    delta = _delta(backend, before)
                 phase.generate_seconds += seconds
                 if delta and delta.compiles:
                     phase.recompiles.append(
@@ -253,8 +266,24 @@ class Engine:
 
     def generate(self, batch: Batch, scheduler: str | None = None) -> list:
         """One batch's pixels, outside any run (a server's requests): uint8 HxWx3 arrays of its real rows."""
-        self.loaded.use_scheduler(scheduler)
-        return self.loaded.generate(batch)
+        with self.lock:
+            self.loaded.use_scheduler(scheduler)
+            pixels = self.loaded.generate(batch)
+            self.backend.wait()
+            return pixels
+
+    def is_warm(self, shape, scheduler: str | None = None) -> bool:
+        """Whether a call of this shape key and scheduler (None: the loaded one) would compile nothing."""
+        return (str(shape), scheduler or self.loaded.default_scheduler) in self.warm
+
+    def warm_scheduler(self, plan: RunPlan, scheduler: str | None, display: Display | None = None) -> list[dict]:
+        """warmup with another scheduler (None: the loaded one); the engine keeps using the loaded one after."""
+        with self.lock:
+            self.loaded.use_scheduler(scheduler)
+            try:
+                return self.warmup(plan, display)
+            finally:
+                self.loaded.use_scheduler(None)
 
 
 def _shape_fields(shape) -> dict:

@@ -57,6 +57,7 @@ class LoadedPipeline:
         host_steps = getattr(pipe, "safety_checker", None) is not None or getattr(pipe, "watermark", None) is not None
         self.decodes_itself = not host_steps
         self._schedulers = {scheduler_name: pipe.scheduler}
+        self.default_scheduler = scheduler_name  # the one the model was loaded with (or the config named)
         self._sync_at_loop_start()
         family.install_hooks(pipe, backend.device, self.hooks)
         self._scheduler_hooks()

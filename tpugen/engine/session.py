@@ -13,7 +13,7 @@ from PIL import Image
 
 from tpugen import __version__
 from tpugen.backends import versions
-from tpugen.config import PromptSpec, ResolvedRun, dump_config, load_config
+from tpugen.config import ModelConfig, PromptSpec, ResolvedRun, RunConfig, dump_config, load_config
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
 from tpugen.lines import text_lines
 from tpugen.outputs.files import atomic_write_text, inside, write_json
@@ -31,8 +31,8 @@ from tpugen.outputs.report import (
 )
 from tpugen.plan import RunPlan, plan_run, plan_share
 
-# Keys that never change pixels: where files go, the compile cache, and the recompile guard.
-_NOT_IMAGE_KEYS = {"output", "cache", "execution.strict_shapes", "prompts_file"}
+# Keys that never change pixels: where files go, the compile cache, the recompile guard, the server's settings.
+_NOT_IMAGE_KEYS = {"output", "cache", "execution.strict_shapes", "prompts_file", "serve"}
 RUN_RECORD = "run.json"  # what made the run: the resolved config and its prompts, as they were at the start
 MANIFEST = "manifest.jsonl"
 
@@ -331,12 +331,15 @@ def load_run(run_dir: Path) -> ResolvedRun:
 
 
 def image_changing_differences(old_config: dict, new_config: dict) -> list[str]:
-    """The dotted keys whose values differ between two configs in a way that changes images."""
+    """The dotted keys whose values differ between two configs in a way that changes images. A key one side
+    lacks (a run recorded before tpugen had it) counts as that key's default."""
+    defaults = _flatten(_plain(RunConfig(model=ModelConfig(id="-")).model_dump()))
     a, b = _flatten(old_config), _flatten(new_config)
     return [
         key
         for key in sorted(set(a) | set(b))
-        if a.get(key) != b.get(key) and not any(key == k or key.startswith(k + ".") for k in _NOT_IMAGE_KEYS)
+        if a.get(key, defaults.get(key)) != b.get(key, defaults.get(key))
+        and not any(key == k or key.startswith(k + ".") for k in _NOT_IMAGE_KEYS)
     ]
 
 

@@ -29,6 +29,7 @@ def run_single(
     resume_dir: Path | None = None,
     engine: Engine | None = None,
     topology: Topology | None = None,
+    stop: StopSignals | None = None,
 ) -> dict:
     """`tpugen generate` on one device: returns the report, also written to the run directory.
 
@@ -36,7 +37,8 @@ def run_single(
     from then on a failure or a signal still leaves every finished image, the manifest and a report marked
     incomplete. With `resume_dir`, images already finished there are kept and only the rest are made. With
     `engine` (already open for this run's model and way of running), nothing is loaded and shape keys it
-    has compiled are not compiled again.
+    has compiled are not compiled again. `stop.request(signum)` from another thread stops the run after the
+    batch in flight, as a signal does.
     """
     display = display or Display()
     # On a pod, this worker takes the images whose index % workers == its index.
@@ -54,7 +56,8 @@ def run_single(
     def stopping(signum: int) -> None:
         display.phase(f"{signal.Signals(signum).name}: stopping after the batch in flight (again: stop now)")
 
-    with StopSignals(on_signal=stopping) as stop:
+    # A caller that owns the signals (a server running this run in a thread) passes its own StopSignals.
+    with stop or StopSignals(on_signal=stopping) as stop:
         engine = engine or Engine.open(EngineSpec.of(run), display=display)
         if session is None:
             session = RunSession.create(run)

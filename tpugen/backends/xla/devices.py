@@ -63,3 +63,8 @@ def rank_position() -> tuple[int, int, int]:
     import torch_xla.runtime as xr
 
     return xr.global_ordinal(), xr.world_size(), xr.addressable_device_count()
+
+
+def local_device_count() -> int:
+    """The XLA devices this process drives (on XLA:CPU, CPU_NUM_DEVICES; on a TPU VM, its chips)."""
+    return import_torch_xla().runtime.addressable_device_count()

@@ -17,7 +17,9 @@ class XlaBackend:
     device_count = 1
     placing: str | None = None
 
-    def __init__(self, cache_enabled: bool | str = "auto", cache_dir: str | None = None) -> None:
+    def __init__(
+        self, cache_enabled: bool | str = "auto", cache_dir: str | None = None, *, device_index: int | None = None
+    ) -> None:
         torch_xla = import_torch_xla()
         import torch_xla.core.xla_model as xm
         import torch_xla.debug.metrics as met
@@ -25,7 +27,7 @@ class XlaBackend:
 
         self._torch_xla, self._xm, self._met, self._xr = torch_xla, xm, met, xr
         self.cache = start_cache(torch_xla, cache_enabled, cache_dir)
-        self.device = torch_xla.device()
+        self.device = torch_xla.device() if device_index is None else torch_xla.device(device_index)
         solve_small_systems_on_xla()
 
     def prepare_on_host(self, pipe, family, compile_config) -> None:
@@ -50,6 +52,11 @@ class XlaBackend:
 
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
         """XLA compiles the graphs itself: nothing to add once the pipeline is on the device."""
+
+    def bind_thread(self) -> None:
+        """Make this backend's device the current thread's default: torch_xla keeps one per thread, and a
+        thread driving another device of this process (a server's engine per device) needs its own."""
+        self._torch_xla._XLAC._xla_set_default_device(str(self.device))
 
     def device_for(self, component: str):
         return self.device

@@ -1,0 +1,542 @@
+"""`tpugen serve`: a real uvicorn on 127.0.0.1 and a free port, spoken to over HTTP, one per test session."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import yaml
+from conftest import OTHER_DEVICE_COUNT, OTHER_GRAPH, PROMPTS, TPUGEN, run_cli, tiny_config, write_config
+from PIL import Image
+
+from tpugen.outputs.manifest import read_manifest
+from tpugen.outputs.png import image_filename
+
+pytestmark = pytest.mark.xla
+
+KEY = "test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# What every A1111 request here shares with the reference run (tests/conftest.py's tiny config).
+BASE = {"negative_prompt": "blurry", "steps": 3, "cfg_scale": 7.5, "width": 64, "height": 64}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_config(tmp: Path, **serve) -> Path:
+    config = tiny_config(tmp, output={"dir": str(tmp / "runs")}, serve={"batch_window_ms": 300, **serve})
+    del config["prompts"]  # a server's config needs none
+    config["output"].pop("run_id")
+    return write_config(tmp / "serve.yaml", config)
+
+
+def wait_ready(url: str, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} was not ready within {seconds} s")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The session's server, in this process (so it shares the compile cache), on a thread of its own."""
+    import uvicorn
+
+    from tpugen.config import load_config
+    from tpugen.engine import Display
+    from tpugen.modes.serve.http import build_app
+    from tpugen.modes.serve.server import check_start, open_engines
+    from tpugen.modes.serve.service import Service
+
+    tmp = tmp_path_factory.mktemp("serve")
+    run = load_config(serve_config(tmp, max_images_per_request=8), prompts_required=False)
+    check_start(run, "127.0.0.1", KEY)
+    service = Service(run, open_engines(run, Display()), output_root=tmp / "runs", display=Display())
+    port = free_port()
+    uvicorn_server = uvicorn.Server(
+        uvicorn.Config(build_app(service, KEY), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=uvicorn_server.run, name="test-server")
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url)
+        yield url, service
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(120)
+        assert not thread.is_alive()
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server[0], headers=AUTH, timeout=120) as http:
+        yield http
+
+
+def decode(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def pixels(image: Image.Image) -> np.ndarray:
+    return np.asarray(image.convert("RGB"), dtype=np.int16)
+
+
+def txt2img(client, **fields) -> dict:
+    response = client.post("/sdapi/v1/txt2img", json={**BASE, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def batches(client) -> float:
+    """How many pipeline calls the server has made, from its own metrics."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("tpugen_batch_seconds_count"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_health_needs_no_key_and_ready_says_what_is_warm(server):
+    url, _ = server
+    assert httpx.get(f"{url}/healthz").json() == {"status": "alive"}
+    ready = httpx.get(f"{url}/readyz")
+    assert ready.status_code == 200 and ready.json() == {
+        "status": "ready",
+        "warm": "sizes 64x64 (width x height; cfg, batch 2); samplers DDIM",
+    }
+
+
+def test_txt2img_gives_the_image_and_parameters_generate_writes(client, xla_run):
+    answer = txt2img(client, prompt=PROMPTS[1], seed=8)
+    (image,) = [decode(b64) for b64 in answer["images"]]
+    reference = Image.open(xla_run / image_filename(1, 8, PROMPTS[1]))
+    assert image.text["parameters"] == reference.text["parameters"]  # the same chunk `tpugen generate` writes
+    assert int(np.abs(pixels(image) - pixels(reference)).max()) <= OTHER_GRAPH
+    info = json.loads(answer["info"])
+    assert (info["seed"], info["all_seeds"], info["prompt"], info["all_prompts"]) == (8, [8], PROMPTS[1], [PROMPTS[1]])
+    assert (info["steps"], info["cfg_scale"], info["width"], info["height"], info["sampler_name"]) == (
+        3,
+        7.5,
+        64,
+        64,
+        "DDIM",
+    )
+    assert info["infotexts"] == [reference.text["parameters"]]
+    assert answer["parameters"]["prompt"] == PROMPTS[1] and answer["parameters"]["enable_hr"] is False
+
+
+def test_seed_minus_one_and_n_iter_times_batch_size(client):
+    info = json.loads(txt2img(client, prompt="a cat", seed=-1, batch_size=2, n_iter=2)["info"])
+    seeds = info["all_seeds"]
+    assert len(seeds) == 4 and seeds == list(range(seeds[0], seeds[0] + 4)) and 0 <= seeds[0] < 4294967294
+    assert json.loads(txt2img(client, prompt="a cat", seed=seeds[0], batch_size=1)["info"])["all_seeds"] == seeds[:1]
+
+
+def test_requests_coalesce_into_full_batches_and_their_images_do_not_depend_on_companions(client):
+    alone = pixels(decode(txt2img(client, prompt="an owl", seed=101)["images"][0]))
+    before = batches(client)
+    answers = {}
+
+    def ask(seed: int) -> None:
+        with httpx.Client(base_url=str(client.base_url), headers=AUTH, timeout=120) as http:
+            answers[seed] = txt2img(http, prompt="an owl", seed=seed)
+
+    threads = [threading.Thread(target=ask, args=(seed,)) for seed in (101, 102, 103, 104)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(answers) == [101, 102, 103, 104]
+    assert batches(client) - before == 2  # four one-image requests, two calls at the compiled batch size 2
+    assert int(np.abs(pixels(decode(answers[101]["images"][0])) - alone).max()) <= OTHER_GRAPH
+
+
+def test_the_api_key_is_needed_as_bearer_or_as_a_basic_password(server):
+    url, _ = server
+    assert httpx.get(f"{url}/sdapi/v1/options").status_code == 401
+    wrong = httpx.get(f"{url}/sdapi/v1/options", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "Bearer" in wrong.headers["www-authenticate"]
+    assert httpx.get(f"{url}/sdapi/v1/options", auth=("any-user", KEY)).status_code == 200
+    assert httpx.get(f"{url}/metrics", headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "fields,status,lines",
+    [
+        (
+            {"enable_hr": True, "restore_faces": True, "steps": "many"},
+            422,
+            [
+                "enable_hr: hires. fix (a second, upscaled pass) is not built",
+                "restore_faces: face restoration is not built",
+                "steps: expected an integer, got 'many'",
+            ],
+        ),
+        ({"enable_hr": False, "restore_faces": False, "alwayson_scripts": {}, "prompt": "fine"}, 200, None),
+        ({"script_name": "x/y/z plot"}, 422, ["script_name: scripts are not built"]),
+        ({"prompt": "x" * 10_001}, 422, ["prompt: 10001 characters; at most 10000"]),
+        ({"batch_size": 3, "n_iter": 3}, 422, ["9 images asked for; this server makes at most 8 per request"]),
+        (
+            {"sampler_name": "DPM++ 3M"},
+            422,
+            [
+                "sampler_name: unknown sampler 'DPM++ 3M'; valid names: DPM++ 2M, DPM++ 2M Karras, DPM++ 2M SDE, "
+                "Euler, Euler a, Heun, LMS, DDIM, PNDM, UniPC, DEIS, LCM"
+            ],
+        ),
+        (
+            {"width": 96},
+            422,
+            [
+                "size 96x64 is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM"
+            ],
+        ),
+        (
+            {"sampler_name": "Euler"},
+            422,
+            [
+                "sampler 'Euler' is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM"
+            ],
+        ),
+    ],
+    ids=[
+        "missing features and a bad type",
+        "asking for nothing",
+        "script",
+        "long prompt",
+        "too many",
+        "sampler",
+        "cold size",
+        "cold sampler",
+    ],
+)
+def test_bad_requests_get_one_line_per_problem(client, fields, status, lines):
+    response = client.post("/sdapi/v1/txt2img", json={**BASE, "prompt": "a cat", **fields})
+    assert response.status_code == status, response.text
+    if lines is not None:
+        assert response.json()["detail"] == lines
+
+
+def test_a_body_over_one_mebibyte_is_refused(client):
+    response = client.post(
+        "/sdapi/v1/txt2img", content=b"{" + b" " * (1 << 20) + b"}", headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 413 and response.json()["detail"] == ["the body is over 1024 KiB"]
+
+
+def test_the_official_openai_client_gets_its_images(server):
+    import openai
+
+    url, _ = server
+    ai = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    result = ai.images.generate(prompt="a lighthouse", n=2, size="64x64", response_format="b64_json", model="tiny-sd")
+    images = [decode(item.b64_json) for item in result.data]
+    assert [image.size for image in images] == [(64, 64), (64, 64)] and result.created > 0
+    assert not np.array_equal(pixels(images[0]), pixels(images[1]))  # seed, then seed + 1
+    with pytest.raises(openai.BadRequestError, match="response_format: url is not served; use b64_json"):
+        ai.images.generate(prompt="a lighthouse", size="64x64", response_format="url")
+    with pytest.raises(openai.BadRequestError, match="model: this server serves 'tiny-sd', not 'dall-e-3'"):
+        ai.images.generate(prompt="a lighthouse", size="64x64", model="dall-e-3")
+
+
+def test_the_web_uis_other_endpoints(client):
+    names = [s["name"] for s in client.get("/sdapi/v1/samplers").json()]
+    assert names[:3] == ["DPM++ 2M", "DPM++ 2M Karras", "DPM++ 2M SDE"] and "DDIM" in names
+    assert client.get("/sdapi/v1/sd-models").json()[0]["title"] == "tiny-sd"
+    assert client.get("/sdapi/v1/options").json()["sd_model_checkpoint"] == "tiny-sd"
+    assert client.get("/sdapi/v1/progress").json()["progress"] == 0.0
+    assert client.get("/sdapi/v1/scripts").json() == {"txt2img": [], "img2img": []}
+    assert client.post("/sdapi/v1/interrupt").status_code == 200
+
+
+def run_body(run_id: str, **changes) -> str:
+    config = {
+        "prompts": list(PROMPTS),
+        "negative_prompt": "blurry",
+        "height": 64,
+        "width": 64,
+        "steps": 3,
+        "guidance_scale": 7.5,
+        "seed": 7,
+        "batch_size": 2,
+        "output": {"dir": "/nowhere/on/the/server", "run_id": run_id},
+        **changes,
+    }
+    return yaml.safe_dump(config)
+
+
+def wait_run(client, run_id: str, seconds: float = 180) -> dict:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        status = client.get(f"/v1/runs/{run_id}").json()
+        if status["status"] not in ("queued", "running"):
+            return status
+        time.sleep(0.2)
+    raise AssertionError(f"run {run_id} did not end within {seconds} s")
+
+
+def test_a_run_sent_to_the_server_writes_what_generate_writes(client, server, xla_run):
+    created = client.post("/v1/runs", content=run_body("served"), headers={"Content-Type": "application/x-yaml"})
+    assert created.status_code == 201 and created.headers["location"] == "/v1/runs/served"
+    status = wait_run(client, "served")
+    assert (status["status"], status["images"], status["images_planned"]) == ("complete", 3, 3)
+    assert status["report"]["compiles_after_warmup"] == 0
+    run_dir = server[1].output_root / "served"
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(p.name for p in xla_run.iterdir())
+    for name in sorted(p.name for p in xla_run.glob("[0-9]*.png")):
+        assert Image.open(run_dir / name).text == Image.open(xla_run / name).text  # same parameters, same record
+        assert int(np.abs(pixels(Image.open(run_dir / name)) - pixels(Image.open(xla_run / name))).max()) <= OTHER_GRAPH
+    drop = ("latency_seconds",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in read_manifest(run_dir / "manifest.jsonl")] == [
+        {k: v for k, v in r.items() if k not in drop} for r in read_manifest(xla_run / "manifest.jsonl")
+    ]
+    listing = client.get("/v1/runs/served/files").json()["files"]
+    assert "manifest.jsonl" in listing and client.get("/v1/runs/served/files/report.md").text.startswith("# tpugen run")
+    assert client.get("/v1/runs/served/files/..%2Fserve.yaml").status_code == 404
+    assert client.get("/v1/runs/nope").status_code == 404
+    again = client.post("/v1/runs", content=run_body("served"))
+    assert again.status_code == 409 and again.json()["detail"] == [
+        "output.run_id: served exists on this server; choose another run_id"
+    ]
+
+
+@pytest.mark.parametrize(
+    "changes,lines",
+    [
+        ({"model": {"id": "tiny-sdxl"}}, ["model.id: the server runs model.id: 'tiny-sd'; leave it out or equal"]),
+        (
+            {"model": {"id": "tiny-sd", "allow_remote_code": True}},
+            ["model.allow_remote_code: a run sent to the server cannot run a model's code"],
+        ),
+        (
+            {"prompts": None, "prompts_file": "/etc/passwd"},
+            ["prompts_file: send the prompts themselves (prompts: [...]); the server reads no files"],
+        ),
+        (
+            {"batch_size": 1},
+            [
+                "the run needs 64x64 b1 cfg, not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; "
+                "cfg, batch 2); samplers DDIM"
+            ],
+        ),
+        ({"steps": 0}, ["steps: must be greater than or equal to 1, got 0"]),
+    ],
+    ids=["another model", "remote code", "a file on the server", "a cold shape", "bad steps"],
+)
+def test_a_run_config_cannot_ask_the_server_for_what_it_does_not_serve(client, changes, lines):
+    response = client.post("/v1/runs", content=run_body("refused", **changes))
+    assert (response.status_code, response.json()["detail"]) == (422, lines)
+
+
+def test_delete_stops_a_run_after_its_batch_in_flight_and_it_resumes(client, server):
+    prompts = [f"a painted {w}" for w in ("cat", "dog", "owl", "fox", "bee", "elk", "yak", "emu")]
+    assert client.post("/v1/runs", content=run_body("stopped", prompts=prompts, steps=20)).status_code == 201
+    while client.get("/v1/runs/stopped").json()["images"] == 0:
+        time.sleep(0.05)
+    assert client.delete("/v1/runs/stopped").status_code == 202
+    status = wait_run(client, "stopped")
+    assert status["status"] == "stopped" and 1 <= status["images"] < 8
+    assert status["report"]["complete"] is False and status["report"]["error"] == "interrupted by SIGTERM"
+    run_dir = server[1].output_root / "stopped"
+    result = run_cli("resume", run_dir, "--quiet")  # the run directory is an ordinary, resumable one
+    assert result.exit_code == 0, result.output
+    assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == list(range(8))
+
+
+def test_generate_on_a_server_copies_the_run_here_and_imports_no_torch(server, xla_run, tmp_path):
+    url, _ = server
+    config = tiny_config(tmp_path, output={"dir": str(tmp_path / "local"), "run_id": "remote"})
+    path = write_config(tmp_path / "c.yaml", config)
+    code = (
+        "import sys\nfrom tpugen.cli import app\n"
+        f"try:\n    app(['generate', {str(path)!r}, '--server', {url!r}, '--quiet'])\n"
+        "except SystemExit as exit:\n    print('exit', exit.code)\n"
+        "print('loaded', [m for m in ('torch', 'torch_xla', 'diffusers') if m in sys.modules])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TPUGEN_API_KEY": KEY},
+    )
+    assert proc.stdout.splitlines()[-2:] == ["exit 0", "loaded []"], proc.stderr
+    local = tmp_path / "local" / "remote"
+    assert sorted(p.name for p in local.iterdir()) == sorted(p.name for p in xla_run.iterdir())
+    for name in sorted(p.name for p in xla_run.glob("[0-9]*.png")):
+        assert int(np.abs(pixels(Image.open(local / name)) - pixels(Image.open(xla_run / name))).max()) <= OTHER_GRAPH
+    report = json.loads((local / "report.json").read_text())
+    assert report["complete"] is True and report["images"] == 3
+
+
+def test_metrics_count_requests_images_batches_and_padding(client):
+    txt2img(client, prompt="a bee", seed=5)
+    text = client.get("/metrics").text
+    for name in (
+        'tpugen_requests_total{endpoint="/sdapi/v1/txt2img",status="200"}',
+        "tpugen_images_total",
+        "tpugen_batch_seconds_bucket",
+        "tpugen_queue_depth",
+        "tpugen_padding_rows_total",
+        "tpugen_compiles_after_warmup_total 0.0",
+    ):
+        assert name in text, name
+
+
+# ---------------------------------------------------------------- a server in a process of its own
+
+
+@pytest.fixture(scope="module")
+def own_process_server(tmp_path_factory):
+    """For what touches the process itself: compiling a new shape, a full queue, a timeout, SIGTERM."""
+    tmp = tmp_path_factory.mktemp("own")
+    path = serve_config(tmp, new_shapes="compile", max_queue=2, request_timeout_s=4, batch_window_ms=50)
+    port = free_port()
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen(
+        [TPUGEN, "serve", str(path), "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PJRT_DEVICE": "CPU", "TPUGEN_API_KEY": KEY},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url)
+        yield url, proc, tmp
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(60)
+        log.close()
+
+
+def test_a_cold_shape_compiles_once_a_waiting_request_times_out_and_a_full_queue_refuses(own_process_server):
+    url, _, _ = own_process_server
+    results = {}
+
+    def ask(name: str, **fields) -> None:
+        response = httpx.post(
+            f"{url}/sdapi/v1/txt2img", json={**BASE, "prompt": "x", **fields}, headers=AUTH, timeout=120
+        )
+        results[name] = response
+
+    # 80x64 is not warm: under new_shapes: compile its batch compiles (seconds), longer than the 4 s timeout.
+    cold = threading.Thread(target=ask, args=("cold",), kwargs={"height": 80, "seed": 1})
+    cold.start()
+    time.sleep(0.5)
+    queued = threading.Thread(target=ask, args=("queued",), kwargs={"seed": 2})
+    queued.start()
+    time.sleep(0.5)
+    ask("refused", seed=3)  # the third open request: serve.max_queue is 2
+    cold.join(120)
+    queued.join(120)
+    assert results["refused"].status_code == 503 and results["refused"].headers["retry-after"]
+    assert results["cold"].status_code == 504, results["cold"].text
+    assert results["cold"].json()["detail"] == ["the request waited 4 s (serve.request_timeout_s) for a device"]
+    # The compile finished anyway and the shape stays warm: the same request now answers, compiling nothing more.
+    deadline = time.monotonic() + 120
+    while (
+        "tpugen serve: batch" not in (own_process_server[2] / "server.log").read_text() and time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    compiled = _metric(url, "tpugen_compiles_after_warmup_total")
+    ask("warm now", height=80, seed=1)
+    assert results["warm now"].status_code == 200 and compiled > 0
+    assert _metric(url, "tpugen_compiles_after_warmup_total") == compiled
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", headers=AUTH).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def test_sigterm_drains_answers_what_is_in_flight_and_leaves_runs_resumable(own_process_server):
+    url, proc, tmp = own_process_server
+    results = {}
+
+    def ask() -> None:
+        results["in flight"] = httpx.post(
+            f"{url}/sdapi/v1/txt2img",
+            json={**BASE, "prompt": "x", "seed": 9, "batch_size": 4, "steps": 20},
+            headers=AUTH,
+            timeout=120,
+        )
+
+    prompts = [f"a painted {w}" for w in ("cat", "dog", "owl", "fox", "bee", "elk")]
+    assert (
+        httpx.post(f"{url}/v1/runs", content=run_body("draining", prompts=prompts, steps=20), headers=AUTH).status_code
+        == 201
+    )
+    request = threading.Thread(target=ask)
+    request.start()
+    time.sleep(0.3)
+    proc.send_signal(15)
+    time.sleep(0.1)
+    late = httpx.get(f"{url}/sdapi/v1/options", headers=AUTH, timeout=10)
+    assert late.status_code == 503 and httpx.get(f"{url}/readyz").status_code == 503
+    request.join(120)
+    assert proc.wait(120) == 0
+    assert results["in flight"].status_code == 200 and len(results["in flight"].json()["images"]) == 4
+    report = json.loads((tmp / "runs" / "draining" / "report.json").read_text())
+    assert report["complete"] is False and report["error"] == "interrupted by SIGTERM"
+    assert "tpugen serve: stopped" in (tmp / "server.log").read_text()
+
+
+def test_multi_mode_serves_one_engine_per_device_from_one_queue(tmp_path, xla_run):
+    path = serve_config(tmp_path, batch_window_ms=0)
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [TPUGEN, "serve", str(path), "--port", str(port), "execution.mode=multi", "execution.cores=2"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PJRT_DEVICE": "CPU"},
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(url)
+            answers = {}
+
+            def ask(i: int) -> None:
+                answers[i] = httpx.post(
+                    f"{url}/sdapi/v1/txt2img", json={**BASE, "prompt": PROMPTS[i], "seed": 7 + i}, timeout=120
+                )
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+        finally:
+            proc.terminate()
+            assert proc.wait(120) == 0
+    text = log.read_text()
+    assert "ready, 2 device loop(s)" in text
+    for i, answer in answers.items():
+        assert answer.status_code == 200, answer.text
+        image = decode(answer.json()["images"][0])
+        reference = Image.open(xla_run / image_filename(i, 7 + i, PROMPTS[i]))
+        # Two CPU devices in this process against one: within 1/255 (FACTS.md).
+        assert int(np.abs(pixels(image) - pixels(reference)).max()) <= OTHER_DEVICE_COUNT

@@ -1,0 +1,70 @@
+"""The server's queue, without a device: images coalesce into static batches by key, within the window."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, QueueFull, Request
+
+KEY = BatchKey(64, 64, True, 3, 7.5, None)
+OTHER = BatchKey(64, 64, True, 5, 7.5, None)  # another step count: never batched with KEY
+
+
+def ask(queue: BatchQueue, images: int, key: BatchKey = KEY) -> Request:
+    request = Request(images)
+    queue.submit(request, [ImageJob(request, i, f"p{i}", "", i, key) for i in range(images)])
+    return request
+
+
+def test_a_full_batch_goes_at_once_and_a_partial_one_after_the_window():
+    queue = BatchQueue(batch_size=2, window_seconds=0.2, max_requests=8)
+    first, second, third = ask(queue, 1), ask(queue, 1), ask(queue, 1)
+    start = time.monotonic()
+    key, jobs = queue.take(timeout=1)
+    assert key == KEY and [job.request for job in jobs] == [first, second]  # two requests, one batch
+    assert time.monotonic() - start < 0.1
+    key, jobs = queue.take(timeout=1)
+    assert [job.request for job in jobs] == [third] and time.monotonic() - start >= 0.19  # waited for companions
+    assert queue.take(timeout=0.05) is None
+
+
+def test_images_of_other_keys_are_never_batched_together():
+    queue = BatchQueue(batch_size=4, window_seconds=0.0, max_requests=8)
+    ask(queue, 1, KEY), ask(queue, 1, OTHER), ask(queue, 1, KEY)
+    taken = [queue.take(timeout=1), queue.take(timeout=1)]
+    assert [(key, len(jobs)) for key, jobs in taken] == [(KEY, 2), (OTHER, 1)]
+
+
+def test_a_big_request_is_split_into_batches_of_the_compiled_size():
+    queue = BatchQueue(batch_size=2, window_seconds=0.0, max_requests=8)
+    request = ask(queue, 5)
+    sizes = [len(queue.take(timeout=1)[1]) for _ in range(3)]
+    assert sizes == [2, 2, 1] and queue.depth() == 0 and not request.done
+
+
+def test_a_full_queue_refuses_and_a_settled_request_frees_its_slot():
+    queue = BatchQueue(batch_size=2, window_seconds=10, max_requests=2)
+    first, _ = ask(queue, 3), ask(queue, 1)
+    with pytest.raises(QueueFull):
+        ask(queue, 1)
+    queue.settle(first)  # answered or timed out: its images still waiting are dropped
+    assert queue.depth() == 1 and first.cancelled
+    ask(queue, 1)
+
+
+def test_delivery_completes_a_request_and_closing_releases_the_loops():
+    queue = BatchQueue(batch_size=2, window_seconds=0.0, max_requests=4)
+    request = ask(queue, 2)
+    _, jobs = queue.take(timeout=1)
+    for job in jobs:
+        request.deliver(job.position, f"pixels {job.position}")
+    assert request.wait(0) and request.pixels == {0: "pixels 0", 1: "pixels 1"}
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(queue.take(timeout=10)))
+    waiter.start()
+    queue.close()
+    waiter.join(2)
+    assert got == [None] and not waiter.is_alive()

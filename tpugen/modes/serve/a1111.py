@@ -1,0 +1,254 @@
+"""The AUTOMATIC1111 web UI's API (`/sdapi/v1/...`), so the clients and UIs people already have work unchanged."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from typing import Any
+
+import anyio.to_thread
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
+
+from tpugen.errors import InputError
+from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse
+from tpugen.modes.serve.service import ImageSpec, Service
+from tpugen.outputs.png import a1111_parameters
+from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
+
+router = APIRouter(prefix="/sdapi/v1")
+# The web UI's own seed range for seed -1.
+RANDOM_SEEDS = 4294967294
+
+
+class Txt2Img(BaseModel):
+    """The web UI's txt2img request. Unset size, steps and CFG scale take the server's config."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str = ""
+    negative_prompt: str = ""
+    styles: list[str] = []
+    seed: int = -1
+    subseed: int = -1
+    subseed_strength: float = 0.0
+    seed_resize_from_h: int = -1
+    seed_resize_from_w: int = -1
+    sampler_name: str | None = None
+    sampler_index: str | None = None
+    scheduler: str | None = None
+    batch_size: int = 1
+    n_iter: int = 1
+    steps: int | None = None
+    cfg_scale: float | None = None
+    width: int | None = None
+    height: int | None = None
+    restore_faces: bool | None = None
+    tiling: bool | None = None
+    do_not_save_samples: bool = False
+    do_not_save_grid: bool = False
+    eta: float | None = None
+    denoising_strength: float | None = None
+    s_min_uncond: float | None = None
+    s_churn: float | None = None
+    s_tmax: float | None = None
+    s_tmin: float | None = None
+    s_noise: float | None = None
+    override_settings: dict[str, Any] | None = None
+    override_settings_restore_afterwards: bool = True
+    refiner_checkpoint: str | None = None
+    refiner_switch_at: float | None = None
+    disable_extra_networks: bool = False
+    firstpass_image: str | None = None
+    comments: dict[str, Any] | None = None
+    enable_hr: bool = False
+    firstphase_width: int = 0
+    firstphase_height: int = 0
+    hr_scale: float = 2.0
+    hr_upscaler: str | None = None
+    hr_second_pass_steps: int = 0
+    hr_resize_x: int = 0
+    hr_resize_y: int = 0
+    hr_checkpoint_name: str | None = None
+    hr_sampler_name: str | None = None
+    hr_scheduler: str | None = None
+    hr_prompt: str = ""
+    hr_negative_prompt: str = ""
+    force_task_id: str | None = None
+    script_name: str | None = None
+    script_args: list[Any] = []
+    send_images: bool = True
+    save_images: bool = False
+    alwayson_scripts: dict[str, Any] = {}
+    infotext: str | None = None
+
+
+# Fields that ask for what tpugen does not have: a request that sets one (to anything but "nothing", such as
+# enable_hr: false or an empty alwayson_scripts) is refused, naming the field.
+MISSING_FEATURES = {
+    "enable_hr": "hires. fix (a second, upscaled pass) is not built",
+    "restore_faces": "face restoration is not built",
+    "tiling": "tiling is not built",
+    "script_name": "scripts are not built",
+    "alwayson_scripts": "scripts are not built",
+    "styles": "saved prompt styles are not kept on this server; put the text in the prompt",
+    "subseed_strength": "variation seeds are not built",
+    "refiner_checkpoint": "a refiner is not built",
+    "firstpass_image": "a first-pass image is for hires. fix, which is not built",
+    "override_settings": "settings are the server's config; start it with others",
+}
+
+
+def missing_features(raw: dict) -> list[str]:
+    return [f"{field}: {why}" for field, why in MISSING_FEATURES.items() if raw.get(field)]
+
+
+def sampler_for(service: Service, sampler_name: str | None, scheduler: str | None) -> str | None:
+    """tpugen's scheduler for the web UI's sampler and scheduler fields (None: the model's own)."""
+    if not sampler_name:
+        return None
+    family = service.family
+    if family.flow_matching:
+        if sampler_name in ("Euler", "Flow Euler"):
+            return None
+        raise InputError(f"sampler_name: {family.title} models keep their own flow-matching scheduler (Euler)")
+    wanted = (
+        f"{sampler_name} Karras"
+        if (scheduler or "").lower() == "karras" and "Karras" not in sampler_name
+        else sampler_name
+    )
+    choice = find_scheduler(wanted)
+    if choice is None:
+        raise InputError(f"sampler_name: unknown sampler {wanted!r}; valid names: {', '.join(SCHEDULER_NAMES)}")
+    return None if choice.name == service.engines[0].loaded.default_scheduler else choice.name
+
+
+def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
+    config = service.run.config
+    height, width = service.sizes[0]
+    seed = body.seed if body.seed >= 0 else random.randrange(RANDOM_SEEDS)
+    scheduler = sampler_for(service, body.sampler_name or body.sampler_index, body.scheduler)
+    if body.batch_size < 1 or body.n_iter < 1:
+        raise InputError(f"batch_size and n_iter: must be at least 1, got {body.batch_size} and {body.n_iter}")
+    return [
+        ImageSpec(
+            prompt=body.prompt,
+            negative_prompt=body.negative_prompt,
+            seed=seed + i,  # the web UI's rule: image i of a request gets seed + i
+            steps=body.steps if body.steps is not None else config.steps,
+            guidance_scale=body.cfg_scale if body.cfg_scale is not None else config.guidance_scale,
+            height=body.height or height,
+            width=body.width or width,
+            scheduler=scheduler,
+        )
+        for i in range(body.batch_size * body.n_iter)
+    ]
+
+
+@router.post("/txt2img")
+async def txt2img(request: Request):
+    service: Service = request.app.state.service
+    body = await parse(request, Txt2Img, missing_features)
+    images = images_for(service, body)
+    pixels = await anyio.to_thread.run_sync(service.generate, images)
+    records = [image_record(service, image) for image in images[: len(pixels)]]
+    infotexts = [a1111_parameters(record) for record in records]
+    first = images[0]
+    info = {
+        "prompt": first.prompt,
+        "all_prompts": [image.prompt for image in images[: len(pixels)]],
+        "negative_prompt": first.negative_prompt,
+        "all_negative_prompts": [image.negative_prompt for image in images[: len(pixels)]],
+        "seed": first.seed,
+        "all_seeds": [image.seed for image in images[: len(pixels)]],
+        "subseed": body.subseed,
+        "all_subseeds": [body.subseed] * len(pixels),
+        "subseed_strength": body.subseed_strength,
+        "width": first.width,
+        "height": first.height,
+        "sampler_name": records[0]["scheduler"] if records else None,
+        "cfg_scale": first.guidance_scale,
+        "steps": first.steps,
+        "batch_size": body.batch_size,
+        "restore_faces": False,
+        "sd_model_name": service.engines[0].model_label,
+        "styles": [],
+        "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
+        "index_of_first_image": 0,
+        "infotexts": infotexts,
+        "version": f"tpugen {records[0]['tpugen_version']}" if records else None,
+    }
+    return json_response(
+        {
+            "images": [image_b64(p, r) for p, r in zip(pixels, records, strict=True)] if body.send_images else [],
+            "parameters": body.model_dump(),
+            "info": json.dumps(info, ensure_ascii=False),
+        }
+    )
+
+
+@router.get("/samplers")
+def samplers(request: Request) -> list[dict]:
+    service: Service = request.app.state.service
+    if service.family.flow_matching:
+        return [{"name": "Euler", "aliases": ["Flow Euler", "FlowMatchEulerDiscreteScheduler"], "options": {}}]
+    return [{"name": name, "aliases": [find_scheduler(name).class_name], "options": {}} for name in SCHEDULER_NAMES]
+
+
+@router.get("/sd-models")
+def sd_models(request: Request) -> list[dict]:
+    service: Service = request.app.state.service
+    label = service.engines[0].model_label
+    return [
+        {
+            "title": label,
+            "model_name": label,
+            "hash": None,
+            "sha256": None,
+            "filename": service.run.config.model.id,
+            "config": None,
+        }
+    ]
+
+
+@router.get("/options")
+def options(request: Request) -> dict:
+    service: Service = request.app.state.service
+    return {"sd_model_checkpoint": service.engines[0].model_label, "samples_format": "png"}
+
+
+@router.get("/progress")
+def progress(request: Request) -> dict:
+    service: Service = request.app.state.service
+    requests = service.queue.open_requests()
+    asked = sum(r.images for r in requests)
+    made = sum(len(r.pixels) for r in requests)
+    return {
+        "progress": made / asked if asked else 0.0,
+        "eta_relative": 0.0,
+        "state": {
+            "skipped": False,
+            "interrupted": False,
+            "job": "",
+            "job_count": len(requests),
+            "job_timestamp": "0",
+            "job_no": 0,
+            "sampling_step": 0,
+            "sampling_steps": 0,
+        },
+        "current_image": None,
+        "textinfo": f"{made} of {asked} images" if asked else None,
+    }
+
+
+@router.get("/scripts")
+def scripts() -> dict:
+    return {"txt2img": [], "img2img": []}
+
+
+@router.post("/interrupt")
+def interrupt(request: Request):
+    """Open requests stop waiting for images not yet started and answer with the ones they have."""
+    request.app.state.service.interrupt()
+    return None

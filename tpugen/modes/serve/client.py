@@ -1,0 +1,124 @@
+"""`tpugen generate CONFIG --server URL`: the run made by a warm server, its run directory copied here.
+
+This side imports no torch and no model code: only the config, HTTP (the standard library) and files."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from tpugen.config import ResolvedRun, run_sizes
+from tpugen.engine.session import run_id_for
+from tpugen.errors import InputError, Interrupted, RunError
+from tpugen.outputs.files import atomic_write_bytes
+
+POLL_SECONDS = 0.5
+
+
+def run_payload(run: ResolvedRun, run_id: str) -> dict:
+    """The run config as the server takes it: the prompts themselves (a prompts file is read here), the run id
+    chosen here, no local paths."""
+    config = run.config
+    data = json.loads(config.model_dump_json(exclude={"output", "cache", "serve", "prompts_file"}))
+    entries = []
+    for spec in run.prompts:
+        entry = {"prompt": spec.prompt}
+        if spec.negative_prompt != config.negative_prompt:
+            entry["negative_prompt"] = spec.negative_prompt
+        if spec.seed is not None:
+            entry["seed"] = spec.seed
+        if spec.steps != config.steps:
+            entry["steps"] = spec.steps
+        if spec.guidance_scale != config.guidance_scale:
+            entry["guidance_scale"] = spec.guidance_scale
+        if spec.sizes != run_sizes(config):
+            entry["height"], entry["width"] = spec.sizes[0]
+        entries.append(entry if len(entry) > 1 else spec.prompt)
+    data["prompts"] = entries
+    data["output"] = {"run_id": run_id}
+    return data
+
+
+class Server:
+    """A tpugen server's runs API, over HTTP."""
+
+    def __init__(self, url: str, api_key: str | None) -> None:
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+
+    def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+        request = urllib.request.Request(self.url + path, method=method)
+        if self.api_key:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode("utf-8")
+            request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, data=data, timeout=60) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise RunError(f"--server {self.url}: cannot reach it ({reason})") from None
+
+    def json(self, method: str, path: str, body: dict | None = None) -> dict:
+        status, data = self.call(method, path, body)
+        try:
+            answer = json.loads(data or b"{}")
+        except ValueError:
+            answer = {}
+        if status >= 400:
+            lines = answer.get("detail") if isinstance(answer, dict) else None
+            lines = lines if isinstance(lines, list) else [f"HTTP {status}"]
+            raise (InputError if status in (409, 422) else RunError)(*(f"server: {line}" for line in lines))
+        return answer
+
+
+def submit(run: ResolvedRun, url: str, *, api_key: str | None = None, display=None) -> dict:
+    """Send the run, show its progress, and copy its run directory into the local output.dir when it ends."""
+    server = Server(url, api_key)
+    run_id = run_id_for(run)
+    local = Path(run.config.output.dir) / run_id
+    if local.exists() and any(local.iterdir()):  # refused before anything is sent; nothing is made until files come
+        raise InputError(f"output.run_id: {local} already exists and is not empty; choose another run_id")
+    started = server.json("POST", "/v1/runs", run_payload(run, run_id))
+    if display is not None:
+        display.phase(f"running on {server.url} as {started['id']}")
+        display.batches_started(started["images_planned"])
+    try:
+        status = started
+        while status["status"] in ("queued", "running"):
+            time.sleep(POLL_SECONDS)
+            status = server.json("GET", f"/v1/runs/{urllib.parse.quote(run_id)}")
+            if display is not None:
+                display.progress(status["images"], status["images_planned"])
+    except KeyboardInterrupt:
+        server.json("DELETE", f"/v1/runs/{urllib.parse.quote(run_id)}")
+        raise Interrupted(
+            2, f"interrupted: the server stops {run_id} after its batch in flight (resumable there)"
+        ) from None
+    finally:
+        if display is not None:
+            display.finished()
+    download(server, run_id, local)
+    if status["status"] != "complete":
+        lines = status.get("error") or [f"the run ended {status['status']} on the server"]
+        raise RunError(*lines, f"what it made is in {local}")
+    return {**status["report"], "run_dir": str(local)}
+
+
+def download(server: Server, run_id: str, local: Path) -> None:
+    """Every file of the run, each written whole or not at all."""
+    local.mkdir(parents=True, exist_ok=True)
+    listing = server.json("GET", f"/v1/runs/{urllib.parse.quote(run_id)}/files")
+    for name in listing["files"]:
+        status, data = server.call("GET", f"/v1/runs/{urllib.parse.quote(run_id)}/files/{urllib.parse.quote(name)}")
+        if status != 200:
+            raise RunError(f"server: cannot fetch {name} of run {run_id} (HTTP {status})")
+        atomic_write_bytes(local / Path(name).name, data)

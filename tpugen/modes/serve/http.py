@@ -1,0 +1,127 @@
+"""The server's HTTP side: one FastAPI app, its routers, the API key, limits, and errors as one line each."""
+
+from __future__ import annotations
+
+import base64
+import hmac
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+
+from tpugen import __version__
+from tpugen.config.messages import format_error
+from tpugen.errors import InputError, TpugenError, one_line
+from tpugen.modes.serve import a1111, openai_api, ops, runs_api
+from tpugen.modes.serve.queue import QueueFull
+from tpugen.modes.serve.replies import MAX_BODY_BYTES, TooLarge, problem_response
+from tpugen.modes.serve.service import Conflict, NotReady, Service, TimedOut
+
+OPEN_PATHS = ("/healthz", "/readyz")  # answered without the API key, and while draining
+
+
+def _status_of(exc: BaseException) -> int:
+    if isinstance(exc, TooLarge):
+        return 413
+    if isinstance(exc, (NotReady, QueueFull)):
+        return 503
+    if isinstance(exc, TimedOut):
+        return 504
+    if isinstance(exc, Conflict):
+        return 409
+    if isinstance(exc, InputError):
+        return 422
+    return 500
+
+
+def require_key(api_key: str | None):
+    """The API key check, as a dependency: `Authorization: Bearer KEY` (OpenAI clients) or HTTP basic auth with
+    the key as the password (A1111 clients, --api-auth). Compared in constant time; never logged."""
+
+    def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, value = header.partition(" ")
+        offered = ""
+        if scheme.lower() == "bearer":
+            offered = value.strip()
+        elif scheme.lower() == "basic":
+            try:
+                offered = base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")[2]
+            except (ValueError, UnicodeDecodeError):
+                offered = ""
+        if not hmac.compare_digest(offered.encode(), api_key.encode()):
+            raise Unauthorized()
+
+    return check
+
+
+class Unauthorized(Exception):
+    """No API key, or another one."""
+
+
+def build_app(service: Service, api_key: str | None) -> FastAPI:
+    """The app: routers for the A1111 API, the OpenAI images API, tpugen runs and operations."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        import anyio.to_thread
+
+        # Each request waits for its images in a worker thread: room for every request the queue takes.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = service.serve.max_queue + 16
+        service.start()
+        yield
+        service.stop()
+
+    app = FastAPI(title="tpugen", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service = service
+    secured = [Depends(require_key(api_key))]
+    app.include_router(ops.router)
+    app.include_router(ops.metrics_router, dependencies=secured)
+    app.include_router(a1111.router, dependencies=secured)
+    app.include_router(openai_api.router, dependencies=secured)
+    app.include_router(runs_api.router, dependencies=secured)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        lines = []
+        for error in exc.errors():
+            error = dict(error)
+            error["loc"] = tuple(part for part in error.get("loc", ()) if part != "body") or ("body",)
+            lines.append("body: not valid JSON" if error.get("type") == "json_invalid" else format_error(error))
+        return problem_response(422, lines)
+
+    @app.exception_handler(Unauthorized)
+    async def unauthorized(request: Request, exc: Unauthorized):
+        lines = ["an API key is needed: Authorization: Bearer KEY, or basic auth with the key as the password"]
+        return problem_response(401, lines, {"WWW-Authenticate": 'Bearer, Basic realm="tpugen"'})
+
+    @app.exception_handler(TpugenError)
+    async def tpugen_error(request: Request, exc: TpugenError):
+        status = _status_of(exc)
+        return problem_response(status, exc.lines or [one_line(exc)], {"Retry-After": "5"} if status == 503 else None)
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(request: Request, exc: QueueFull):
+        return problem_response(503, [f"the server is busy: {exc}; try again shortly"], {"Retry-After": "2"})
+
+    @app.exception_handler(Exception)
+    async def unforeseen(request: Request, exc: Exception):
+        return problem_response(500, [one_line(exc)])
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        path = request.url.path
+        if service.state == "draining" and path not in OPEN_PATHS:
+            response = problem_response(503, ["the server is shutting down"], {"Retry-After": "30"})
+        elif int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            response = problem_response(413, [f"the body is over {MAX_BODY_BYTES // 1024} KiB"])
+        else:
+            response = await call_next(request)
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", None) or "unknown"
+        service.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
+        return response
+
+    return app

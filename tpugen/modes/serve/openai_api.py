@@ -1,0 +1,67 @@
+"""The OpenAI images API (`POST /v1/images/generations`), so the official openai client works with
+base_url=http://HOST:PORT/v1."""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+
+import anyio.to_thread
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
+
+from tpugen.errors import InputError
+from tpugen.modes.serve.a1111 import RANDOM_SEEDS
+from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse, problem_response
+from tpugen.modes.serve.service import ImageSpec, Service
+
+router = APIRouter(prefix="/v1/images")
+
+
+class Generation(BaseModel):
+    """OpenAI's request; quality, style, user and the other fields that pick among OpenAI's own models are
+    accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str
+    n: int = 1
+    size: str | None = None
+    response_format: str | None = None
+    model: str | None = None
+
+
+def size_of(service: Service, size: str | None) -> tuple[int, int]:
+    """(height, width) from "WxH" (None: the server's first warm size)."""
+    if size is None or size == "auto":
+        return service.sizes[0]
+    match = re.fullmatch(r"(\d+)x(\d+)", size)
+    if not match:
+        raise InputError(f"size: must look like WIDTHxHEIGHT (for example 1024x1024), got {size!r}")
+    return int(match.group(2)), int(match.group(1))
+
+
+@router.post("/generations")
+async def generations(request: Request):
+    service: Service = request.app.state.service
+    body = await parse(request, Generation)
+    if body.response_format not in (None, "b64_json"):
+        return problem_response(400, [f"response_format: {body.response_format} is not served; use b64_json"])
+    served = {service.engines[0].model_label, service.run.config.model.id}
+    if body.model is not None and body.model not in served:
+        return problem_response(
+            400, [f"model: this server serves {service.engines[0].model_label!r}, not {body.model!r}"]
+        )
+    if body.n < 1:
+        raise InputError(f"n: must be at least 1, got {body.n}")
+    height, width = size_of(service, body.size)
+    config = service.run.config
+    seed = random.randrange(RANDOM_SEEDS)  # OpenAI's API has no seed: a fresh one per request
+    images = [
+        ImageSpec(body.prompt, config.negative_prompt, seed + i, config.steps, config.guidance_scale, height, width)
+        for i in range(body.n)
+    ]
+    pixels = await anyio.to_thread.run_sync(service.generate, images)
+    data = [{"b64_json": image_b64(p, image_record(service, image))} for p, image in zip(pixels, images, strict=False)]
+    return json_response({"created": int(time.time()), "data": data})

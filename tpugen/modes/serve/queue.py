@@ -1,0 +1,147 @@
+"""The server's queue: images wait here until a device loop takes a batch of them (plain Python, no device).
+
+Images whose batch key is the same (shape, steps, guidance, scheduler) coalesce into one static batch of the
+compiled batch size within the batch window; a batch is padded to that size, never made a new shape.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+
+class QueueFull(Exception):
+    """More requests than the server keeps waiting (serve.max_queue)."""
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """Images with the same key can share a pipeline call."""
+
+    height: int
+    width: int
+    cfg: bool
+    steps: int
+    guidance_scale: float
+    scheduler: str | None  # None: the model's own
+
+
+@dataclass
+class ImageJob:
+    """One image a request asks for, and where its pixels go."""
+
+    request: Request
+    position: int  # its place among the request's images
+    prompt: str
+    negative_prompt: str
+    seed: int
+    key: BatchKey
+
+
+@dataclass
+class Request:
+    """A request's images: done when every one has its pixels, or failed/cancelled as a whole."""
+
+    images: int
+    created: float = field(default_factory=time.monotonic)
+    pixels: dict[int, object] = field(default_factory=dict)
+    error: BaseException | None = None
+    cancelled: bool = False
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    def deliver(self, position: int, pixels) -> None:
+        self.pixels[position] = pixels
+        if len(self.pixels) == self.images:
+            self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._done.set()
+
+    def finish(self) -> None:
+        """Done with whatever it has (an interrupt: the images made so far)."""
+        self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+class BatchQueue:
+    """Requests' images by batch key, oldest first; device loops take batches of them."""
+
+    def __init__(self, batch_size: int, window_seconds: float, max_requests: int) -> None:
+        self.batch_size = batch_size
+        self.window = window_seconds
+        self.max_requests = max_requests
+        self._waiting: OrderedDict[BatchKey, deque[ImageJob]] = OrderedDict()
+        self._open: set[int] = set()  # ids of requests that are waiting or running
+        self._requests: dict[int, Request] = {}
+        self._changed = threading.Condition()
+        self.closed = False
+
+    def submit(self, request: Request, jobs: list[ImageJob]) -> None:
+        """Queue a request's images; QueueFull when max_requests are open already."""
+        with self._changed:
+            if len(self._open) >= self.max_requests:
+                raise QueueFull(f"{len(self._open)} requests are waiting or running (serve.max_queue)")
+            self._open.add(id(request))
+            self._requests[id(request)] = request
+            for job in jobs:
+                self._waiting.setdefault(job.key, deque()).append(job)
+            self._changed.notify_all()
+
+    def settle(self, request: Request) -> None:
+        """The request has its answer (or gave up): its images still waiting are dropped, its slot freed."""
+        with self._changed:
+            request.cancelled = request.cancelled or not request.done
+            for key in list(self._waiting):
+                kept = deque(job for job in self._waiting[key] if job.request is not request)
+                if kept:
+                    self._waiting[key] = kept
+                else:
+                    del self._waiting[key]
+            self._open.discard(id(request))
+            self._requests.pop(id(request), None)
+            self._changed.notify_all()
+
+    def depth(self) -> int:
+        """Images waiting for a device."""
+        with self._changed:
+            return sum(len(jobs) for jobs in self._waiting.values())
+
+    def open_requests(self) -> list[Request]:
+        with self._changed:
+            return list(self._requests.values())
+
+    def close(self) -> None:
+        """No more batches: device loops waiting in take() return None."""
+        with self._changed:
+            self.closed = True
+            self._changed.notify_all()
+
+    def take(self, timeout: float) -> tuple[BatchKey, list[ImageJob]] | None:
+        """The next batch: from the first key (oldest first) that has a full batch or whose first image has
+        waited the batch window; None if nothing is ready within `timeout`, or the queue is closed."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not self.closed:
+                now = time.monotonic()
+                wake = deadline
+                for key, jobs in self._waiting.items():
+                    due = jobs[0].request.created + self.window
+                    if len(jobs) >= self.batch_size or now >= due:
+                        taken = [jobs.popleft() for _ in range(min(self.batch_size, len(jobs)))]
+                        if not jobs:
+                            del self._waiting[key]
+                        return key, taken
+                    wake = min(wake, due)
+                if now >= deadline:
+                    return None
+                self._changed.wait(wake - now)
+            return None

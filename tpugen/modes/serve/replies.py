@@ -1,0 +1,96 @@
+"""What the server sends back: errors as one line each, images as base64 PNGs, JSON bodies."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from tpugen import __version__
+from tpugen.errors import InputError
+from tpugen.modes.serve.service import Service
+from tpugen.outputs.png import png_bytes
+
+MAX_BODY_BYTES = 1 << 20
+
+
+def problem_response(status: int, lines: list[str], headers: dict | None = None) -> JSONResponse:
+    """Every error the server sends: one line per problem in `detail`, and an OpenAI-style `error` object
+    (what the openai client reads) holding the same words."""
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    body = {"detail": lines, "error": {"message": "; ".join(lines), "type": kind, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class TooLarge(InputError):
+    """A body over MAX_BODY_BYTES (413)."""
+
+
+def image_b64(pixels, record: dict) -> str:
+    """An image as base64 PNG bytes, carrying the same chunks `tpugen generate` writes."""
+    from PIL import Image
+
+    return base64.b64encode(png_bytes(Image.fromarray(pixels), record)).decode("ascii")
+
+
+def image_record(service: Service, image) -> dict:
+    """What made a server's image, as a run's PNG records it (there is no run file or batch here)."""
+    engine = service.engines[0]
+    model = service.run.config.model
+    return {
+        "prompt": image.prompt,
+        "negative_prompt": image.negative_prompt,
+        "seed": image.seed,
+        "steps": image.steps,
+        "guidance_scale": image.guidance_scale,
+        "height": image.height,
+        "width": image.width,
+        "scheduler": image.scheduler or engine.loaded.default_scheduler,
+        "model": engine.model_label,
+        "model_id": model.id,
+        "dtype": model.dtype,
+        "tpugen_version": __version__,
+    }
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused past MAX_BODY_BYTES even when no Content-Length says so (chunked)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body.extend(chunk)
+        if len(body) > MAX_BODY_BYTES:
+            raise TooLarge(f"the body is over {MAX_BODY_BYTES // 1024} KiB")
+    return bytes(body)
+
+
+def json_response(data, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(json.dumps(data), status_code=status, media_type="application/json", headers=headers)
+
+
+async def parse(request: Request, model: type[BaseModel], extra_problems=None):
+    """The JSON body as `model`, or 422 with one line per problem: the schema's, and those `extra_problems`
+    finds in the raw mapping (so a bad type and a missing feature are reported together)."""
+    from fastapi.exceptions import RequestValidationError
+
+    from tpugen.config.messages import format_error
+
+    body = await read_body(request)
+    try:
+        raw = json.loads(body or b"{}")
+    except ValueError:
+        raise InputError("body: not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise InputError("body: must be a JSON object")
+    problems = extra_problems(raw) if extra_problems else []
+    try:
+        parsed = model.model_validate(raw)
+    except ValidationError as exc:
+        if not problems:
+            raise RequestValidationError(exc.errors()) from None
+        raise InputError(*problems, *(format_error(dict(e)) for e in exc.errors())) from None
+    if problems:
+        raise InputError(*problems)
+    return parsed

@@ -1,0 +1,390 @@
+"""What the server does behind its HTTP routes: warm engines, one device loop per engine, runs on them."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tpugen.config import ResolvedRun, resolve, run_sizes
+from tpugen.engine import Display, Engine, StopSignals, Topology
+from tpugen.engine.session import run_id_for
+from tpugen.errors import InputError, Interrupted, TpugenError, one_line
+from tpugen.models import FAMILIES
+from tpugen.modes.serve.metrics import Metrics
+from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, Request
+from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, plan_run
+from tpugen.schedulers import find_scheduler
+
+MAX_PROMPT_CHARACTERS = 10_000
+
+
+class NotReady(TpugenError):
+    """The server is warming up or shutting down (503)."""
+
+
+class NotWarm(InputError):
+    """A request for a shape or scheduler the server has not compiled, under serve.new_shapes: reject (422)."""
+
+
+class TimedOut(TpugenError):
+    """A request that waited longer than serve.request_timeout_s (504)."""
+
+
+class Conflict(InputError):
+    """A run id that is taken (409)."""
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """One image a request asks for, in tpugen's words."""
+
+    prompt: str
+    negative_prompt: str
+    seed: int
+    steps: int
+    guidance_scale: float
+    height: int
+    width: int
+    scheduler: str | None = None  # a name find_scheduler knows; None: the model's own
+
+
+@dataclass
+class RunHandle:
+    """A run sent to the server (POST /v1/runs): it runs on the warm engine in a thread of its own."""
+
+    id: str
+    run: ResolvedRun
+    run_dir: Path
+    planned: int
+    stop: StopSignals = field(default_factory=StopSignals)
+    state: str = "queued"  # queued, running, complete, stopped, failed
+    error: list[str] | None = None
+    report: dict | None = None
+    thread: threading.Thread | None = None
+
+
+class Service:
+    """Engines opened from the server's config (one per device under execution.mode: multi), warmed for
+    serve.sizes x serve.schedulers, each fed batches from the one queue by a device loop of its own."""
+
+    def __init__(self, run: ResolvedRun, engines: list[Engine], *, output_root: Path, display: Display) -> None:
+        config = run.config
+        self.run = run
+        self.engines = engines
+        self.display = display
+        self.output_root = output_root
+        self.family = FAMILIES[run.family]
+        self.batch_size = config.batch_size
+        self.serve = config.serve
+        self.sizes = [tuple(s) for s in self.serve.sizes] if self.serve.sizes else list(run_sizes(config))
+        self.cfg = self.family.cfg and config.guidance_scale > 1.0
+        self.schedulers = [None, *(find_scheduler(name).name for name in self.serve.schedulers)]
+        self.queue = BatchQueue(self.batch_size, self.serve.batch_window_ms / 1000, self.serve.max_queue)
+        self.metrics = Metrics()
+        self.state = "warming"  # warming, ready, draining, failed
+        self.failure: str | None = None
+        self.runs: dict[str, RunHandle] = {}
+        self._runs_lock = threading.Lock()
+        self._batches = 0
+        self._count_lock = threading.Lock()
+        self._loops: list[threading.Thread] = []
+        self.interrupted: set[int] = set()  # ids of requests an A1111 client interrupted
+
+    # ---------------------------------------------------------------- start and stop
+
+    def start(self) -> None:
+        """Warm every shape key and scheduler in a thread (the server answers /readyz 503 meanwhile), then
+        start the device loops."""
+        threading.Thread(target=self._warm_then_serve, name="tpugen-warmup", daemon=True).start()
+
+    def _warm_then_serve(self) -> None:
+        try:
+            # One engine at a time: the first compiles, the others find its graphs in the process's cache.
+            for engine in self.engines:
+                engine.backend.bind_thread()
+                for scheduler in self.schedulers:
+                    engine.warm_scheduler(self.warm_plan(), scheduler, self.display)
+        except BaseException as exc:  # the server stays up to say why, never ready
+            self.failure = one_line(exc)
+            self.state = "failed"
+            print(f"tpugen serve: warmup failed: {self.failure}", file=sys.stderr, flush=True)
+            return
+        for number, engine in enumerate(self.engines):
+            loop = threading.Thread(target=self._device_loop, args=(engine,), name=f"tpugen-device-{number}")
+            loop.start()
+            self._loops.append(loop)
+        if self.state == "warming":
+            self.state = "ready"
+        print(f"tpugen serve: ready, {len(self.engines)} device loop(s), warm: {self.warm_summary()}", flush=True)
+
+    def warm_plan(self) -> RunPlan:
+        """One batch per warm size, at the config's steps and guidance."""
+        config = self.run.config
+        batches = []
+        for height, width in self.sizes:
+            item = WorkItem(0, 0, "warmup", "", 0, config.steps, config.guidance_scale, height, width, self.cfg)
+            shape = ShapeKey(height, width, self.batch_size, self.cfg)
+            batches.append(Batch(len(batches), shape, (item,), self.batch_size - 1))
+        return RunPlan(tuple(b.items[0] for b in batches), tuple(batches))
+
+    def warm_summary(self) -> str:
+        sizes = ", ".join(f"{w}x{h}" for h, w in self.sizes)
+        names = ", ".join(s or self.engines[0].loaded.default_scheduler for s in self.schedulers)
+        return f"sizes {sizes} (width x height; {'cfg' if self.cfg else 'no cfg'}, batch {self.batch_size}); samplers {names}"
+
+    def begin_drain(self) -> None:
+        """SIGTERM/SIGINT: refuse new work, stop runs after their batch in flight (resumable); requests in
+        flight still get their images."""
+        self.state = "draining"
+        with self._runs_lock:
+            for handle in self.runs.values():
+                handle.stop.request(signal.SIGTERM)
+
+    def wait_drained(self) -> None:
+        """Until no request waits for images and no run is running (each is bounded: a request by its
+        timeout, a run by its batch in flight)."""
+        while self.queue.open_requests() or any(h.state in ("queued", "running") for h in list(self.runs.values())):
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """After the last request: wait for the runs, then stop the device loops after their batch."""
+        self.begin_drain()
+        for handle in list(self.runs.values()):
+            if handle.thread is not None:
+                handle.thread.join()
+        self.queue.close()
+        for loop in self._loops:
+            loop.join()
+
+    # ---------------------------------------------------------------- images for requests
+
+    def key_for(self, image: ImageSpec) -> BatchKey:
+        cfg = self.family.cfg and image.guidance_scale > 1.0
+        return BatchKey(image.height, image.width, cfg, image.steps, image.guidance_scale, image.scheduler)
+
+    def check(self, images: list[ImageSpec]) -> list[str]:
+        """Every problem with a request's images, one line each, in tpugen's words (422)."""
+        problems = []
+        limit = self.serve.max_images_per_request
+        if not images:
+            problems.append("the request asks for no images")
+        if len(images) > limit:
+            problems.append(f"{len(images)} images asked for; this server makes at most {limit} per request")
+        for image in images[:1]:
+            for name, text in (("prompt", image.prompt), ("negative_prompt", image.negative_prompt)):
+                if len(text) > MAX_PROMPT_CHARACTERS:
+                    problems.append(f"{name}: {len(text)} characters; at most {MAX_PROMPT_CHARACTERS}")
+            if not image.prompt.strip():
+                problems.append("prompt: is empty")
+            if image.height <= 0 or image.width <= 0 or image.height % 8 or image.width % 8:
+                problems.append(f"size: {image.width}x{image.height}: width and height must be positive multiples of 8")
+            if not 1 <= image.steps <= 1000:
+                problems.append(f"steps: must be from 1 to 1000, got {image.steps}")
+        if problems:
+            return problems
+        if self.serve.new_shapes == "reject":
+            for key in dict.fromkeys(self.key_for(image) for image in images):
+                problem = self._not_warm(key)
+                if problem:
+                    problems.append(problem)
+        return problems
+
+    def _not_warm(self, key: BatchKey) -> str | None:
+        engine = self.engines[0]
+        shape = ShapeKey(key.height, key.width, self.batch_size, key.cfg)
+        if engine.is_warm(shape, key.scheduler):
+            return None
+        scheduler = key.scheduler or engine.loaded.default_scheduler
+        if (key.height, key.width) not in self.sizes:
+            what = f"size {key.width}x{key.height} is not warm"
+        elif key.cfg != self.cfg:
+            what = f"{'CFG on' if key.cfg else 'CFG off (guidance 1 or less)'} at {key.width}x{key.height} is not warm"
+        else:
+            what = f"sampler {scheduler!r} is not warm"
+        return f"{what} (serve.new_shapes: reject); warm: {self.warm_summary()}"
+
+    def generate(self, images: list[ImageSpec], *, on_request=None) -> list:
+        """Each image's pixels (uint8 HxWx3), once the device loops have made them; blocks the caller.
+
+        Raises NotReady (503), QueueFull (503), NotWarm or InputError (422), TimedOut (504), or what the
+        device raised (500). An interrupted request returns the images it has."""
+        if self.state != "ready":
+            raise NotReady(self.failure or f"the server is {self.state}; try again shortly")
+        problems = self.check(images)
+        if problems:
+            raise (NotWarm if any("is not warm" in p for p in problems) else InputError)(*problems)
+        request = Request(len(images))
+        jobs = [
+            ImageJob(request, i, image.prompt, image.negative_prompt, image.seed, self.key_for(image))
+            for i, image in enumerate(images)
+        ]
+        self.queue.submit(request, jobs)
+        self.metrics.queue_depth.set(self.queue.depth())
+        if on_request is not None:
+            on_request(request)
+        try:
+            if not request.wait(self.serve.request_timeout_s):
+                raise TimedOut(
+                    f"the request waited {self.serve.request_timeout_s:g} s (serve.request_timeout_s) for a device"
+                )
+            if request.error is not None:
+                raise request.error
+            return [request.pixels[i] for i in sorted(request.pixels)]
+        finally:
+            self.queue.settle(request)
+            self.metrics.queue_depth.set(self.queue.depth())
+
+    def interrupt(self) -> int:
+        """A1111's interrupt: every open request stops waiting for images not yet started and returns
+        the ones it has. Returns how many requests were interrupted."""
+        requests = self.queue.open_requests()
+        for request in requests:
+            request.finish()
+        return len(requests)
+
+    def _device_loop(self, engine: Engine) -> None:
+        engine.backend.bind_thread()
+        while True:
+            taken = self.queue.take(timeout=0.25)
+            if taken is None:
+                if self.queue.closed:
+                    return
+                continue
+            key, jobs = taken
+            self.metrics.queue_depth.set(self.queue.depth())
+            self._run_batch(engine, key, [job for job in jobs if not job.request.done])
+
+    def _run_batch(self, engine: Engine, key: BatchKey, jobs: list[ImageJob]) -> None:
+        if not jobs:
+            return
+        with self._count_lock:
+            number = self._batches
+            self._batches += 1
+        items = tuple(
+            WorkItem(
+                i,
+                0,
+                job.prompt,
+                job.negative_prompt,
+                job.seed,
+                key.steps,
+                key.guidance_scale,
+                key.height,
+                key.width,
+                key.cfg,
+            )
+            for i, job in enumerate(jobs)
+        )
+        batch = Batch(
+            number, ShapeKey(key.height, key.width, self.batch_size, key.cfg), items, self.batch_size - len(items)
+        )
+        try:
+            # Every graph compiled here is one after warmup: a new shape (serve.new_shapes: compile; reject
+            # refused it at the door) or, if a count shows up for a warm one, a shape planning missed.
+            before = engine.backend.counters()
+            if not engine.is_warm(batch.shape, key.scheduler):
+                print(f"tpugen serve: compiling {batch.shape} for a request (serve.new_shapes: compile)", flush=True)
+                engine.warm_scheduler(RunPlan(items, (batch,)), key.scheduler)
+            start = time.perf_counter()
+            pixels = engine.generate(batch, scheduler=key.scheduler)
+            seconds = time.perf_counter() - start
+            after = engine.backend.counters()
+        except BaseException as exc:  # a request's failure never stops the loop
+            print(f"tpugen serve: batch {number} failed: {one_line(exc)}", file=sys.stderr, flush=True)
+            for job in jobs:
+                job.request.fail(exc)
+            return
+        for job, image in zip(jobs, pixels, strict=True):
+            job.request.deliver(job.position, image)
+        if before is not None and after is not None and after.compiles > before.compiles:
+            self.metrics.compiles_after_warmup.inc(after.compiles - before.compiles)
+        self.metrics.batch(seconds, len(jobs), batch.padding)
+        print(
+            f"tpugen serve: batch {number}: {batch.shape}, {len(jobs)} images (+{batch.padding} padding), "
+            f"{seconds:.2f} s, {self.queue.depth()} images waiting",
+            flush=True,
+        )
+
+    # ---------------------------------------------------------------- runs
+
+    def start_run(self, data: dict) -> RunHandle:
+        """A run config sent by a client, checked, then run in a thread on the first engine."""
+        if self.state != "ready":
+            raise NotReady(self.failure or f"the server is {self.state}; try again shortly")
+        run = self.resolve_run(data)
+        if self.serve.new_shapes == "reject":
+            engine = self.engines[0]
+            cold = [str(shape) for shape in plan_run(run).shape_keys if not engine.is_warm(shape)]
+            if cold:
+                raise NotWarm(
+                    f"the run needs {', '.join(cold)}, not warm (serve.new_shapes: reject); warm: {self.warm_summary()}"
+                )
+        run_id = run_id_for(run)
+        run_dir = self.output_root / run_id
+        with self._runs_lock:
+            if run_id in self.runs or (run_dir.exists() and any(run_dir.iterdir())):
+                raise Conflict(f"output.run_id: {run_id} exists on this server; choose another run_id")
+            handle = RunHandle(run_id, run, run_dir, len(plan_run(run).items))
+            handle.thread = threading.Thread(target=self._execute_run, args=(handle,), name=f"tpugen-run-{run_id}")
+            self.runs[run_id] = handle
+        handle.thread.start()
+        return handle
+
+    def resolve_run(self, data: dict) -> ResolvedRun:
+        """A client's run config under the server's model and way of running (absent or equal is fine)."""
+        if not isinstance(data, dict):
+            raise InputError("the run config must be a mapping of keys")
+        served = self.run.config
+        problems = []
+        for section in ("model", "execution", "compile", "cache"):
+            given = data.get(section)
+            if given is None:
+                continue
+            ours = getattr(served, section).model_dump()
+            if not isinstance(given, dict):
+                problems.append(f"{section}: must be a mapping, or left out (the server's is used)")
+                continue
+            for key, value in sorted(given.items()):
+                if section == "model" and key == "allow_remote_code" and value:
+                    problems.append("model.allow_remote_code: a run sent to the server cannot run a model's code")
+                elif key not in ours or ours[key] != value:
+                    problems.append(
+                        f"{section}.{key}: the server runs {section}.{key}: {ours.get(key)!r}; leave it out or equal"
+                    )
+        if data.get("prompts_file") is not None:
+            problems.append("prompts_file: send the prompts themselves (prompts: [...]); the server reads no files")
+        if problems:
+            raise InputError(*problems)
+        merged = {key: value for key, value in data.items() if key not in ("output", "serve")}
+        for section in ("model", "execution", "compile", "cache"):
+            merged[section] = getattr(served, section).model_dump()
+        # A client's output.dir means nothing here: the server writes under its own root, by run id.
+        merged["output"] = {"dir": str(self.output_root), "run_id": (data.get("output") or {}).get("run_id")}
+        return resolve(merged, base_dir=self.output_root)
+
+    def _execute_run(self, handle: RunHandle) -> None:
+        from tpugen.modes.single import run_single
+
+        handle.state = "running"
+        self.engines[0].backend.bind_thread()
+        try:
+            handle.report = run_single(
+                handle.run, engine=self.engines[0], topology=Topology(), stop=handle.stop, display=self.display
+            )
+            handle.state = "complete"
+        except Interrupted as exc:
+            handle.state, handle.error = "stopped", exc.lines
+        except TpugenError as exc:
+            handle.state, handle.error = "failed", exc.lines
+        except BaseException as exc:
+            handle.state, handle.error = "failed", [one_line(exc)]
+        print(f"tpugen serve: run {handle.id} {handle.state}", flush=True)
+
+    def stop_run(self, run_id: str) -> RunHandle:
+        handle = self.runs[run_id]
+        handle.stop.request(signal.SIGTERM)
+        return handle
