@@ -333,10 +333,15 @@ def load_run(run_dir: Path) -> ResolvedRun:
 def image_changing_differences(old_config: dict, new_config: dict) -> list[str]:
     """The dotted keys whose values differ between two configs in a way that changes images."""
     a, b = _flatten(old_config), _flatten(new_config)
+
+    def value(flat: dict, key: str):
+        # A run made before model.loras existed has no such key: it had no LoRAs, as [] says.
+        return None if flat.get(key) == [] else flat.get(key)
+
     return [
         key
         for key in sorted(set(a) | set(b))
-        if a.get(key) != b.get(key) and not any(key == k or key.startswith(k + ".") for k in _NOT_IMAGE_KEYS)
+        if value(a, key) != value(b, key) and not any(key == k or key.startswith(k + ".") for k in _NOT_IMAGE_KEYS)
     ]
 
 
