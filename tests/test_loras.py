@@ -1,15 +1,19 @@
-"""LoRAs in the config: bad LoRAs refused in one line before anything loads, and the config hash."""
+"""LoRAs fused into the weights: diffusers' images, the base model's graphs, switches that compile nothing, and
+bad LoRAs refused in one line before anything loads."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli, tiny_config, write_config
+from conftest import COMPILED_VS_EAGER, make_lora, run_cli, tiny_config, write_config
 
 from tpugen.config import load_config
+from tpugen.errors import InputError
 
 # A shape key no other test compiles (tests/ uses 64x64, 72x64, 80x64, 96x64), so counts are exact here.
 SHAPE = {"height": 64, "width": 80, "batch_size": 1}
@@ -28,6 +32,11 @@ def lora_config(tmp: Path, run_id: str, loras: list[dict], **overrides) -> dict:
 
 def resolved(tmp: Path, run_id: str, loras: list[dict] = ()):
     return load_config(write_config(tmp / f"{run_id}.yaml", lora_config(tmp, run_id, list(loras))))
+
+
+def _header(path: Path) -> bytes:
+    data = path.read_bytes()
+    return data[8 : 8 + struct.unpack("<Q", data[:8])[0]]
 
 
 def fake_lora(path: Path, keys: list[str], fill: float = 0.0) -> Path:
@@ -134,3 +143,202 @@ def test_the_config_hash_follows_the_lora_set_its_scales_and_its_content(tmp_pat
         "error: model.loras[0].sha256: 'a.safetensors'",
         "error: model.loras[1].sha256: 'b.safetensors'",
     ]
+
+
+# ---------------------------------------------------------------- bad input the model's modules tell (xla)
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize(
+    "tensors,expected",
+    [
+        (
+            {
+                "unet.down_blocks.7.attentions.0.to_q.lora_A.weight": (4, 8),
+                "unet.down_blocks.7.attentions.0.to_q.lora_B.weight": (8, 4),
+            },
+            "model.loras[0].id: 'odd': 1 of its 1 modules match no module of tiny-sd "
+            "(e.g. unet.down_blocks.7.attentions.0.to_q); it is a LoRA for another model",
+        ),
+        (
+            # An SDXL UNet LoRA in diffusers' names, which SD 1.x shares: only the widths give it away.
+            {
+                "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k.lora_A.weight": (4, 2048),
+                "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k.lora_B.weight": (64, 4),
+            },
+            "model.loras[0].id: 'odd' is for another architecture than tiny-sd (Stable Diffusion 1.x/2.x): 1 of "
+            "its 1 modules have other widths (e.g. unet.down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k: "
+            "2048 -> 64 in the LoRA, 32 -> 64 in the model); its cross-attention width says Stable Diffusion XL, and "
+            "tiny-sd is Stable Diffusion 1.x/2.x (width 32)",
+        ),
+        (
+            {"unet.down_blocks.1.attentions.0.proj_in.lora_A.weight": (4, 64), "unet.conv_in.weight": (32, 4, 3, 3)},
+            "model.loras[0].id: 'odd' carries 1 whole tensors, not LoRA factors (e.g. unet.conv_in.weight); "
+            "tpugen fuses lora_A/lora_B (kohya lora_down/lora_up) factors only",
+        ),
+    ],
+    ids=["keys that match no module", "an SDXL UNet LoRA on SD 1.x, told by its widths", "whole weights"],
+)
+def test_a_lora_that_does_not_fit_the_model_is_refused_before_any_weights_are_read(
+    tmp_path, monkeypatch, tensors, expected
+):
+    import tpugen.engine.engine
+    from tpugen.tiny import builtin_path
+
+    builtin_path("tiny-sd")  # built beforehand: building it prints the libraries' own warnings once
+    monkeypatch.setattr(tpugen.engine.engine, "read_shared", lambda *a, **k: pytest.fail("weights were read"))
+    from safetensors.numpy import save_file
+
+    save_file({key: np.ones(shape, np.float32) for key, shape in tensors.items()}, str(tmp_path / "odd.safetensors"))
+    path = write_config(tmp_path / "c.yaml", lora_config(tmp_path, "odd", [{"id": "odd.safetensors"}]))
+
+    result = run_cli("generate", path, "--quiet")
+
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: {expected}"]
+    assert not (tmp_path / "outputs").exists()
+
+
+# ---------------------------------------------------------------- fused, compiled, switched (xla)
+
+
+@pytest.fixture(scope="module")
+def lora_files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("loras")
+    return {
+        "kohya": make_lora(folder / "style-kohya.safetensors", "kohya", seed=1),
+        "peft": make_lora(folder / "subject-peft.safetensors", "peft", seed=2),
+    }
+
+
+def diffusers_images(loras: list[tuple[Path, float]]) -> list[np.ndarray]:
+    """The reference: diffusers' own pipeline on the CPU with the LoRAs loaded and fused by diffusers
+    (load_lora_weights, fuse_lora), from tpugen's noise (one CPU generator per image, seeded seed + index)."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    from tpugen.families import family_code
+    from tpugen.tiny import builtin_path
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(builtin_path("tiny-sd")), safety_checker=None)
+    pipe.set_progress_bar_config(disable=True)
+    for number, (path, scale) in enumerate(loras):
+        pipe.load_lora_weights(str(path), adapter_name=f"a{number}")
+        pipe.fuse_lora(lora_scale=scale, adapter_names=[f"a{number}"])
+    images = []
+    for index, prompt in enumerate(PROMPTS):
+        generator = torch.Generator("cpu").manual_seed(7 + index)
+        (latents,) = family_code("sd").noise(pipe, [generator], SHAPE["height"], SHAPE["width"])
+        image = pipe(
+            prompt=[prompt],
+            negative_prompt=["blurry"],
+            height=SHAPE["height"],
+            width=SHAPE["width"],
+            num_inference_steps=3,
+            guidance_scale=7.5,
+            latents=latents,
+            generator=[generator],
+            output_type="np",
+        ).images[0]
+        images.append((image * 255.0).round().clip(0, 255).astype(np.uint8))
+    return images
+
+
+def generate_all(engine, run) -> list[np.ndarray]:
+    from tpugen.plan import plan_run
+
+    return [pixels for batch in plan_run(run).batches for pixels in engine.generate(batch)]
+
+
+def assert_close(images: list[np.ndarray], reference: list[np.ndarray], measured: dict, name: str) -> None:
+    diffs = [np.abs(a.astype(np.int16) - b.astype(np.int16)) for a, b in zip(images, reference, strict=True)]
+    measured[name] = (max(int(d.max()) for d in diffs), float(np.mean([d.mean() for d in diffs])))
+    assert measured[name][0] <= COMPILED_VS_EAGER, measured[name]
+
+
+@pytest.fixture(scope="module")
+def warm_engine(lora_files, tmp_path_factory):
+    """An engine opened with the kohya LoRA at 0.7 and warmed up at SHAPE: (engine, run, warmup entry, images)."""
+    from tpugen.engine import Engine, EngineSpec
+    from tpugen.plan import plan_run
+
+    tmp = tmp_path_factory.mktemp("warm")
+    run = resolved(tmp, "kohya", [{"id": str(lora_files["kohya"]), "scale": 0.7}])
+    engine = Engine.open(EngineSpec.of(run))
+    (entry,) = engine.warmup(plan_run(run))
+    yield engine, run, entry, generate_all(engine, run)
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def base_model(warm_engine, tmp_path_factory):
+    """The base model (no LoRA) at SHAPE, opened after the LoRA engine warmed up: (warmup entry, images)."""
+    from tpugen.engine import Engine, EngineSpec
+    from tpugen.plan import plan_run
+
+    run = resolved(tmp_path_factory.mktemp("base"), "base")
+    engine = Engine.open(EngineSpec.of(run))
+    (entry,) = engine.warmup(plan_run(run))
+    images = generate_all(engine, run)
+    engine.close()
+    return entry, images
+
+
+@pytest.mark.xla
+def test_fused_loras_give_diffusers_images_with_the_base_models_graphs(warm_engine, base_model, lora_files):
+    engine, run, entry, images = warm_engine
+    # The LoRA engine compiled the base model's three graphs for a new shape key, no more.
+    assert entry["compiles"] == 3, entry
+    assert entry["graphs_per_phase"] == {"text encoding": 1, "first denoising step": 1, "later denoising steps": 0,
+                                         "decoding": 1}  # fmt: skip
+    assert [lora.name for lora in engine.loras] == ["style-kohya"] and engine.loras_key == ((run.loras[0].sha256, 0.7),)
+    measured: dict = {}
+    assert_close(images, diffusers_images([(lora_files["kohya"], 0.7)]), measured, "kohya 0.7")
+    # The base model at the same shape key then compiles nothing: its graphs are the ones the LoRA engine made.
+    base_entry, base_images = base_model
+    assert base_entry["compiles"] == 0, base_entry
+    assert all(np.abs(a.astype(int) - b).max() > 10 for a, b in zip(base_images, images, strict=True))
+    print(f"warmup compiles with the LoRA {entry['compiles']}, base after it {base_entry['compiles']}; {measured}")
+
+
+@pytest.mark.xla
+def test_switching_loras_on_a_warm_engine_compiles_nothing_and_restores_the_base_exactly(
+    warm_engine, base_model, lora_files, tmp_path
+):
+    import torch_xla.debug.metrics as met
+
+    from tpugen.config.loras import resolve_lora
+    from tpugen.config.schema import LoraConfig
+
+    engine, run, _, kohya_images = warm_engine
+    _, base_images = base_model  # from an engine that never had a LoRA
+    peft = resolve_lora(LoraConfig(id=str(lora_files["peft"])), tmp_path)
+
+    broken = resolve_lora(
+        LoraConfig(id=str(make_lora(tmp_path / "nan.safetensors", "peft", seed=3, std=np.nan))), tmp_path
+    )
+    before = met.metric_data("CompileTime")[0]
+    with pytest.raises(InputError, match="^model.loras: fusing 'nan' gives non-finite weights"):
+        engine.use_loras([broken])  # refused on the host: the engine keeps its LoRA, and its twins stay clean
+    assert engine.loras == run.loras
+    switched = engine.use_loras([peft])
+    peft_images = generate_all(engine, run)
+    to_base = engine.use_loras([])
+    restored = generate_all(engine, run)
+    back = engine.use_loras(run.loras)
+    again = generate_all(engine, run)
+    assert met.metric_data("CompileTime")[0] == before  # the real XLA counter: nothing compiled across switches
+
+    measured: dict = {}
+    assert_close(peft_images, diffusers_images([(lora_files["peft"], 1.0)]), measured, "peft 1.0")
+    assert all(np.abs(a.astype(int) - b).max() > 10 for a, b in zip(peft_images, kohya_images, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(restored, base_images, strict=True))  # bytes, not "close"
+    assert all(np.array_equal(a, b) for a, b in zip(again, kohya_images, strict=True))
+    assert engine.loras == run.loras and engine.use_loras(run.loras)["tensors"] == 0  # the same set: nothing moves
+    # Both LoRAs change the same modules' weights, one tensor each (not their biases): each switch moves those,
+    # and the host keeps a copy of their base values only, not of the model.
+    modules = sum(key.endswith(".lora_A.weight") for key in json.loads(_header(lora_files["peft"])))
+    assert switched["tensors"] == to_base["tensors"] == back["tensors"] == modules == 102
+    model_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.pipe.unet.parameters())
+    assert 0 < switched["host_copy_bytes"] < model_bytes
+    print(f"switch seconds: {switched['seconds']:.3f}, {to_base['seconds']:.3f}, {back['seconds']:.3f}; {measured}")

@@ -69,6 +69,10 @@ class Backend(Protocol):
 
     def device_for(self, component: str): ...
 
+    def put_weight(self, component: str, name: str, live, host):
+        """A device tensor holding `host`, laid out as the live parameter `live` is (same device, same split):
+        the new data of a weight a LoRA changes. A transfer, never a graph."""
+
     def split_batch(self, tensor): ...
 
     def memory(self) -> dict | None: ...
@@ -110,6 +114,10 @@ class EagerBackend:
     def device_for(self, component: str):
         """The device a component computes on (under offload too, where it waits on the host between calls)."""
         return self.device
+
+    def put_weight(self, component: str, name: str, live, host):
+        # Under offload the live weight waits on the host: then this is the host tensor itself.
+        return host.to(live.device)
 
     def split_batch(self, tensor):
         """Lay a batch-first tensor out over the devices' data axis (a no-op without SPMD)."""
