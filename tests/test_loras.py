@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import COMPILED_VS_EAGER, make_lora, run_cli, tiny_config, write_config
+from PIL import Image
 
+from tpugen import __version__
 from tpugen.config import load_config
 from tpugen.errors import InputError
 
@@ -37,6 +39,14 @@ def resolved(tmp: Path, run_id: str, loras: list[dict] = ()):
 def _header(path: Path) -> bytes:
     data = path.read_bytes()
     return data[8 : 8 + struct.unpack("<Q", data[:8])[0]]
+
+
+def web_ui_hash(path: Path) -> str:
+    """The web UI's short LoRA hash, computed here as its modules/hashes.py does (addnet_hash_safetensors): the
+    sha256 of everything after the safetensors header, first 12 hex digits."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    return hashlib.sha256(data[8 + length :]).hexdigest()[:12]
 
 
 def fake_lora(path: Path, keys: list[str], fill: float = 0.0) -> Path:
@@ -342,3 +352,37 @@ def test_switching_loras_on_a_warm_engine_compiles_nothing_and_restores_the_base
     model_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.pipe.unet.parameters())
     assert 0 < switched["host_copy_bytes"] < model_bytes
     print(f"switch seconds: {switched['seconds']:.3f}, {to_base['seconds']:.3f}, {back['seconds']:.3f}; {measured}")
+
+
+@pytest.mark.xla
+def test_images_manifest_and_report_name_each_lora_with_its_scale_and_hash(warm_engine, lora_files, tmp_path):
+    import torch_xla.debug.metrics as met
+
+    from tpugen.modes.single import run_single
+
+    engine, *_ = warm_engine
+    entries = [{"id": str(lora_files["kohya"]), "scale": 0.7}, {"id": str(lora_files["peft"]), "scale": 0.5}]
+    run = resolved(tmp_path, "two", entries)
+    assert engine.accepts(run)  # LoRAs do not decide which engine a run can use: the engine switches them
+    before = met.metric_data("CompileTime")[0]
+    report = run_single(run, engine=engine)  # the engine switches to the run's LoRAs itself
+    assert met.metric_data("CompileTime")[0] == before and engine.loras == run.loras
+
+    kohya, peft = (web_ui_hash(lora_files[name]) for name in ("kohya", "peft"))
+    run_dir = tmp_path / "outputs" / "two"
+    first = sorted(run_dir.glob("[0-9]*.png"))[0]
+    parameters = Image.open(first).text["parameters"]
+    assert parameters.splitlines()[-1].endswith(
+        f', Model: tiny-sd, Lora hashes: "style-kohya: {kohya}, subject-peft: {peft}", Version: tpugen {__version__}'
+    ), parameters
+    expected = [
+        {"name": "style-kohya", "id": str(lora_files["kohya"]), "scale": 0.7, "hash": kohya,
+         "sha256": hashlib.sha256(lora_files["kohya"].read_bytes()).hexdigest()},
+        {"name": "subject-peft", "id": str(lora_files["peft"]), "scale": 0.5, "hash": peft,
+         "sha256": hashlib.sha256(lora_files["peft"].read_bytes()).hexdigest()},
+    ]  # fmt: skip
+    assert json.loads(Image.open(first).text["tpugen"])["loras"] == expected
+    manifest = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
+    assert [record["loras"] for record in manifest] == [expected, expected]
+    assert report["model"]["loras"] == expected and json.loads((run_dir / "report.json").read_text())["model"]["loras"]
+    assert f"style-kohya at 0.7 (hash {kohya}" in (run_dir / "report.md").read_text()

@@ -61,6 +61,8 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
     """What made an image; stored in its PNG, so it holds nothing that varies between identical runs or
     depends on how the run was executed (no rank, no worker, no timing)."""
     model = run.config.model
+    # LoRAs change the images, so they are part of what made one; a run without them keeps the record it had.
+    loras = {"loras": [lora.record() for lora in run.loras]} if run.loras else {}
     return {
         "index": item.index,
         "file": file,
@@ -75,6 +77,7 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
         "model": model_label,
         "model_id": model.id,
         "dtype": model.dtype,
+        **loras,
         "batch": batch_number,
         "config_hash": run.config_hash,
         "tpugen_version": __version__,
