@@ -121,6 +121,48 @@ def generate_in_new_process(tmp: Path, *args: str, env: dict | None = None, time
     return proc, Path(config["output"]["dir"]) / config["output"]["run_id"]
 
 
+# The modules LoRA trainers target by default (sd-scripts for SD): the UNet's attention, feed-forward and
+# projections, CLIP's attention and MLP.
+LORA_TARGETS = {
+    "unet": ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"),
+    "text_encoder": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+}
+
+
+def make_lora(path: Path, fmt: str, *, seed: int, model: str = "tiny-sd", rank: int = 4, std: float = 0.3) -> Path:
+    """A LoRA file for a built-in model's UNet and text encoder with random non-zero factors, named after the
+    model's own modules and shaped by their weights (read from its safetensors headers). `fmt`: "peft"
+    (diffusers/PEFT: unet.X.lora_A.weight, text_encoder.text_model.X.lora_B.weight) or "kohya" (sd-scripts:
+    lora_unet_X.lora_down.weight, lora_te_text_model_X.lora_up.weight, X.alpha). Builds the model if needed."""
+    from safetensors.numpy import save_file
+
+    from tpugen.config.loras import safetensors_header
+    from tpugen.tiny import builtin_path
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for component, targets in LORA_TARGETS.items():
+        header = safetensors_header(next((builtin_path(model) / component).glob("*.safetensors")))
+        for key, info in sorted(header.items()):
+            module = key.removesuffix(".weight")
+            if not key.endswith(".weight") or not module.endswith(targets):
+                continue
+            shape = info["shape"]
+            down = rng.normal(0, std, (rank, shape[1], *shape[2:])).astype(np.float32)
+            up = rng.normal(0, std, (shape[0], rank, *[1] * (len(shape) - 2))).astype(np.float32)
+            name = module if component == "unet" else f"text_model.{module}"  # files name CLIP's inner model
+            if fmt == "peft":
+                tensors[f"{component}.{name}.lora_A.weight"] = down
+                tensors[f"{component}.{name}.lora_B.weight"] = up
+            else:
+                stem = ("lora_unet_" if component == "unet" else "lora_te_") + name.replace(".", "_")
+                tensors[f"{stem}.lora_down.weight"] = down
+                tensors[f"{stem}.lora_up.weight"] = up
+                tensors[f"{stem}.alpha"] = np.array(rank / 2, dtype=np.float32)
+    save_file(tensors, str(path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def xla_run(tmp_path_factory) -> Path:
     """The reference XLA run: 3 prompts at batch 2 (one padded batch), 3 steps, CFG on. Made in a process of

@@ -61,6 +61,18 @@ def test_a1111_parameters_quote_values_with_separators():
     assert "Negative prompt" not in a1111_parameters({**RECORD, "negative_prompt": ""})
 
 
+def test_a1111_parameters_name_each_lora_by_its_short_hash_as_the_web_ui_does():
+    loras = [
+        {"name": "water: color, v2", "scale": 0.8, "hash": "0123456789ab"},
+        {"name": "pixel", "scale": 1.0, "hash": "ba9876543210"},
+    ]
+    settings = a1111_parameters({**RECORD, "loras": loras}).splitlines()[-1]
+    # extensions-builtin/Lora: "NAME: HASH" joined by ", ", ':' and ',' taken out of names; the value quoted.
+    assert settings.endswith(
+        'Model: "org/model:v1", Lora hashes: "water color v2: 0123456789ab, pixel: ba9876543210", Version: tpugen 0.1.0'
+    )
+
+
 def test_png_carries_both_chunks_even_for_non_latin_text(tmp_path):
     record = {**RECORD, "prompt": "a fox 🦊 مرحبا"}
     path = tmp_path / "x.png"

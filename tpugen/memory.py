@@ -213,10 +213,10 @@ def safetensors_parameters(path: Path) -> int:
     return sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
 
 
-def directory_parameters(model_dir: Path, variant: str | None = None) -> dict[str, int]:
-    """Parameters of each component of a diffusers directory, counted from safetensors headers."""
+def component_files(model_dir: Path, variant: str | None = None) -> dict[str, list[Path]]:
+    """The safetensors files each component of a diffusers directory loads from (the variant's, where it has them)."""
     index = json.loads((model_dir / "model_index.json").read_text())
-    counts = {}
+    found = {}
     for name, value in index.items():
         folder = model_dir / name
         if name.startswith("_") or not isinstance(value, list) or not folder.is_dir():
@@ -226,8 +226,16 @@ def directory_parameters(model_dir: Path, variant: str | None = None) -> dict[st
         plain = [f for f in files if len(f.name.split(".")) == 2 or "-of-" in f.name.split(".")[0]]
         chosen = wanted or plain or files
         if chosen:
-            counts[name] = sum(safetensors_parameters(f) for f in chosen)
-    return counts
+            found[name] = chosen
+    return found
+
+
+def directory_parameters(model_dir: Path, variant: str | None = None) -> dict[str, int]:
+    """Parameters of each component of a diffusers directory, counted from safetensors headers."""
+    return {
+        name: sum(safetensors_parameters(f) for f in files)
+        for name, files in component_files(model_dir, variant).items()
+    }
 
 
 def _without_torch_xla() -> None:

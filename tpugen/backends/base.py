@@ -72,6 +72,10 @@ class Backend(Protocol):
     def bind_thread(self) -> None:
         """Called first in a thread that drives this backend (a server's device loop)."""
 
+    def put_weight(self, component: str, name: str, live, host):
+        """A device tensor holding `host`, laid out as the live parameter `live` is (same device, same split):
+        the new data of a weight a LoRA changes. A transfer, never a graph."""
+
     def split_batch(self, tensor): ...
 
     def memory(self) -> dict | None: ...
@@ -116,6 +120,10 @@ class EagerBackend:
     def device_for(self, component: str):
         """The device a component computes on (under offload too, where it waits on the host between calls)."""
         return self.device
+
+    def put_weight(self, component: str, name: str, live, host):
+        # Under offload the live weight waits on the host: then this is the host tensor itself.
+        return host.to(live.device)
 
     def split_batch(self, tensor):
         """Lay a batch-first tensor out over the devices' data axis (a no-op without SPMD)."""

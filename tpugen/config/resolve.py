@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from tpugen.config.loras import Lora, resolve_loras
 from tpugen.config.messages import format_error
 from tpugen.config.overrides import apply_overrides
 from tpugen.config.prompts import PromptSpec, resolve_prompts
@@ -30,6 +31,7 @@ class ResolvedRun:
     model_source: ModelSource
     config_hash: str
     family: str = "sd"
+    loras: tuple[Lora, ...] = ()  # model.loras, each file found and hashed
 
     def to_yaml(self) -> str:
         return dump_config(self.config)
@@ -81,6 +83,7 @@ def resolve(
     if config.guidance_scale is None:
         config.guidance_scale = defaults["guidance_scale"]
     problems.extend(run_problems(config, family))
+    loras = resolve_loras(config.model.loras, base_dir, family.name, config.model.id, problems)
     if config.sizes is None and (config.height is None or config.width is None):
         config.height = config.height or defaults["height"]
         config.width = config.width or defaults["width"]
@@ -97,7 +100,7 @@ def resolve(
 
     if problems:
         raise InputError(*problems)
-    return ResolvedRun(config, resolved_prompts, source, config_hash(config, resolved_prompts), family.name)
+    return ResolvedRun(config, resolved_prompts, source, config_hash(config, resolved_prompts), family.name, loras)
 
 
 def _local_dir(key: str, value: str, problems: list[str]) -> str:
@@ -126,6 +129,8 @@ def _dir_problem(out_dir: Path) -> str | None:
 def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
     """8 hex digits naming everything that changes the images (not where they are written)."""
     payload = config.model_dump(exclude={"output", "cache", "serve"})
+    if not payload["model"]["loras"]:
+        del payload["model"]["loras"]  # configs without LoRAs keep the hash they had before the key existed
     payload["prompts"] = [p.__dict__ for p in prompts]
     payload.pop("prompts_file", None)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 import typing
 from typing import Annotated, Any, Literal
 
@@ -17,6 +18,41 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+# A LoRA's scale: 1.0 is the strength it was trained at and web UIs' sliders stop at 2; past 4 its change
+# swamps the model's own weights (noise, not style). Negative scales invert what it learned, which LoRAs are
+# not trained for: a sign typed by mistake more often than meant.
+LORA_SCALE_MAX = 4.0
+
+
+class LoraConfig(_Section):
+    # A .safetensors LoRA file (relative to the config file), a folder holding one, or a hub repo id org/name.
+    # Formats: diffusers/PEFT and kohya (sd-scripts), for the UNet or transformer and the text encoders.
+    id: str
+    # How strongly it is fused into the weights, from 0 to 4 (1.0: as trained).
+    scale: float = 1.0
+    # The file inside a hub repo or a folder (default: its only .safetensors, or pytorch_lora_weights.safetensors).
+    weight_name: str | None = None
+    # The file's sha256, filled in when the config is resolved; set it to pin the file (any other is refused).
+    sha256: str | None = None
+
+    @field_validator("scale")
+    @classmethod
+    def _sensible_scale(cls, value: float) -> float:
+        if not 0 <= value <= LORA_SCALE_MAX:
+            raise ValueError(
+                f"must be from 0 to {LORA_SCALE_MAX:g} (1.0 is the strength it was trained at; negative scales invert "
+                f"it and past {LORA_SCALE_MAX:g} it swamps the model's weights), got {value:g}"
+            )
+        return value
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[0-9a-f]{64}", value):
+            raise ValueError(f"must be the 64 lowercase hex digits of a sha256, got {value!r}")
+        return value
+
+
 class ModelConfig(_Section):
     id: str
     revision: str | None = None
@@ -28,6 +64,9 @@ class ModelConfig(_Section):
     custom_pipeline: str | None = None
     # SDXL's invisible watermark (runs on the host, so off by default on TPU).
     watermark: bool = False
+    # LoRAs fused into the weights on the host before the model moves to the device, in this order: the compiled
+    # graphs stay the base model's (no compile per LoRA), and a warm engine can switch them without compiling.
+    loras: list[LoraConfig] = []
 
     @field_validator("scheduler")
     @classmethod
@@ -255,7 +294,9 @@ def section_at(path: list[str]) -> type[BaseModel] | None:
 
 
 def model_type(annotation: Any) -> type[BaseModel] | None:
-    for candidate in (annotation, *typing.get_args(annotation)):
+    """The section a key holds (a model, or an optional one); a list of models (model.loras) is a value."""
+    unions = (typing.Union, types.UnionType)
+    for candidate in (annotation, *(typing.get_args(annotation) if typing.get_origin(annotation) in unions else ())):
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
             return candidate
     return None

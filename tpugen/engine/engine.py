@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from tpugen.backends import make_backend
 from tpugen.config import CacheConfig, CompileConfig, ExecutionConfig, ModelConfig, ResolvedRun
-from tpugen.engine.pipeline import LoadedPipeline, read_shared
+from tpugen.config.loras import Lora, loras_key
+from tpugen.engine.loras import LoraWeights, check_fit, file_shapes, loadable_components, unet_config_of
+from tpugen.engine.pipeline import LoadedPipeline, quiet_libraries, read_shared
 from tpugen.errors import InputError, RunError
 from tpugen.families import family_code
 from tpugen.memory import fit_problem, is_out_of_memory, memory_plan_for, out_of_memory_advice
@@ -48,15 +52,21 @@ class EngineSpec:
     source: ModelSource
     family: str
     batch_size: int  # only for the out-of-memory advice
+    loras: tuple[Lora, ...] = ()  # fused when the engine opens
 
     @classmethod
     def of(cls, run: ResolvedRun) -> EngineSpec:
         c = run.config
-        return cls(c.model, c.execution, c.compile, c.cache, run.model_source, run.family, c.batch_size)
+        return cls(c.model, c.execution, c.compile, c.cache, run.model_source, run.family, c.batch_size, run.loras)
 
     def key(self) -> str:
-        """Equal for two runs that can share this engine."""
-        sections = (self.model, self.execution.model_copy(update={"strict_shapes": False}), self.compile, self.cache)
+        """Equal for two runs that can share this engine. LoRAs do not count: an engine switches them (use_loras)."""
+        sections = (
+            self.model.model_copy(update={"loras": []}),
+            self.execution.model_copy(update={"strict_shapes": False}),
+            self.compile,
+            self.cache,
+        )
         return "|".join(s.model_dump_json() for s in sections)
 
 
@@ -71,7 +81,9 @@ class Engine:
     """A pipeline loaded once onto its backend. It knows which shape keys it has compiled: `warmup` compiles
     only the ones it lacks, and `run` executes any plan's batches into a run session."""
 
-    def __init__(self, spec: EngineSpec, backend, loaded: LoadedPipeline, load_seconds: float, memory) -> None:
+    def __init__(
+        self, spec: EngineSpec, backend, loaded: LoadedPipeline, load_seconds: float, memory, weights=None
+    ) -> None:
         self.spec = spec
         self.backend = backend
         self.loaded = loaded
@@ -80,6 +92,9 @@ class Engine:
         self.warm: dict[tuple[str, str], dict] = {}  # (shape key, scheduler) -> its warmup entry
         # One batch at a time on the device: a server's device loop and a run on the same engine take turns.
         self.lock = threading.RLock()
+        self._weights = weights  # tpugen.engine.loras.LoraWeights; None for a pipeline without a LoRA loader
+        self._loras: tuple[Lora, ...] = spec.loras if weights is not None else ()
+        self._key = loras_key(self._loras)
 
     # ---------------------------------------------------------------- opening
 
@@ -102,11 +117,20 @@ class Engine:
         family = family_code(spec.family)
         if execution.placement != "none":
             _assign_components(spec, backend, memory, family.denoiser)
+        checked = _check_loras_before_loading(spec)
 
         display.phase(f"loading {spec.model.id} onto {backend.name}")
         start = time.perf_counter()
         pipe, label, scheduler_name = read_shared(spec.model, spec.source, family, ranks_in_process=ranks_in_process)
         pipe.set_progress_bar_config(disable=True)
+        weights = LoraWeights(pipe) if loadable_components(type(pipe)) else None
+        if spec.loras:
+            if weights is None:
+                raise InputError(f"model.loras: {type(pipe).__name__} has no LoRA loader in diffusers")
+            if not checked:  # the model's files were not on disk to check against: check against its modules
+                _check_loras(spec, spec.loras, type(pipe), weights.shapes(), getattr(pipe, "unet", None))
+            display.phase(f"fusing {len(spec.loras)} LoRA(s) into the weights on the host")
+            weights.fuse_on_host(spec.loras)
         backend.prepare_on_host(pipe, family, spec.compile)
         offload = execution.offload == "model"
         advice = out_of_memory_advice(execution, spec.batch_size, spec.model.dtype)
@@ -122,7 +146,7 @@ class Engine:
         backend.prepare_on_device(pipe, family, spec.compile, loaded.hooks)
         loaded.out_of_memory_advice = advice
         backend.wait()
-        return cls(spec, backend, loaded, time.perf_counter() - start, memory)
+        return cls(spec, backend, loaded, time.perf_counter() - start, memory, weights)
 
     def accepts(self, run: ResolvedRun) -> bool:
         """Whether `run` can use this engine as it is (same model, way of running, compile and cache)."""
@@ -143,6 +167,57 @@ class Engine:
         """Take the patches off the pipeline and let it go (its device memory is freed with it)."""
         self.loaded.hooks.remove_all()
         self.loaded = None
+        self._weights = None
+
+    # ---------------------------------------------------------------- LoRAs
+
+    @property
+    def loras(self) -> tuple[Lora, ...]:
+        """The LoRAs fused into the weights now (name, scale, short hash, sha256 each), as last given."""
+        return self._loras
+
+    @property
+    def loras_key(self) -> tuple:
+        """Hashable, equal for two LoRA sets that give the same weights: work for different keys never shares a
+        batch (a batch runs on one set of weights)."""
+        return self._key
+
+    def use_loras(self, loras: Sequence[Lora]) -> dict:
+        """Fuse `loras` (tpugen.config.loras.Lora, from resolve_lora) instead of the LoRAs fused now; [] for none.
+
+        Between batches, on a warm engine: the base weights come back from the host copy and the new set is
+        fused into them on the host (diffusers' loaders), then each changed weight gets a new device tensor.
+        Nothing compiles: the graphs take weights as inputs. Returns {"seconds", "tensors" moved,
+        "host_copy_bytes"}. A LoRA that does not fit the model is refused (InputError) and nothing changes.
+        """
+        loras = tuple(loras)
+        if loras_key(loras) == self.loras_key:
+            self._loras = loras  # the same weights; names and ids as now given
+            return {"seconds": 0.0, "tensors": 0, "host_copy_bytes": self._host_copy_bytes()}
+        if self._weights is None:
+            raise InputError(f"model.loras: {type(self.loaded.pipe).__name__} has no LoRA loader in diffusers")
+        if self.spec.compile.scan_blocks:
+            raise InputError(
+                "model.loras: compile.scan_blocks stacks the blocks' weights, so LoRAs cannot be switched on this "
+                "engine; open one with the LoRAs in model.loras"
+            )
+        _check_loras(self.spec, loras, type(self.loaded.pipe), self._weights.shapes(), self._weights.twins.get("unet"))
+        start = time.perf_counter()
+        try:
+            with self.lock:  # never while a batch runs on these weights (a server's device loop)
+                moved = self._weights.switch(loras, self.backend.put_weight)
+                self.backend.wait()
+        except InputError:  # refused while fusing on the host: the live weights were not touched
+            raise
+        except BaseException:
+            # Weights may be left between two sets: a key no set has, so the next use_loras puts them all again.
+            self._key = ("weights between two LoRA sets",)
+            raise
+        self._loras, self._key = loras, loras_key(loras)
+        return {"seconds": time.perf_counter() - start, "tensors": moved, "host_copy_bytes": self._host_copy_bytes()}
+
+    def _host_copy_bytes(self) -> int:
+        return self._weights.host_copy_bytes() if self._weights is not None else 0
 
     # ---------------------------------------------------------------- compiling
 
@@ -284,6 +359,60 @@ class Engine:
                 return self.warmup(plan, display)
             finally:
                 self.loaded.use_scheduler(None)
+
+
+def _check_loras(spec: EngineSpec, loras, pipeline_class, shapes, unet) -> None:
+    """Each LoRA checked against the model's modules and widths (tpugen.engine.loras.check_fit)."""
+    unet_config = getattr(unet, "config", None) if unet is not None else None
+    for number, lora in enumerate(loras):
+        where = f"model.loras[{number}]"
+        check_fit(lora, where, pipeline_class, shapes, spec.family, spec.model.id, unet_config)
+
+
+def _check_loras_before_loading(spec: EngineSpec) -> bool:
+    """model.loras checked against the model's safetensors headers before any weights are read; False when the
+    model's files are not on this machine yet (a hub model not downloaded), to be checked once it is loaded."""
+    if not spec.loras:
+        return True
+    quiet_libraries()
+    import diffusers
+
+    from tpugen.models import FAMILIES
+
+    model_dir = _model_dir(spec)
+    class_name = FAMILIES[spec.family].pipeline_class
+    if model_dir is not None:
+        class_name = json.loads((model_dir / "model_index.json").read_text()).get("_class_name", class_name)
+    pipeline_class = getattr(diffusers, class_name, None)
+    components = loadable_components(pipeline_class)
+    if not components:
+        raise InputError(f"model.loras: {class_name} has no LoRA loader in diffusers")
+    if model_dir is None:
+        return False
+    shapes = file_shapes(model_dir, components, spec.model.variant)
+    if not shapes or set(shapes) != {c for c in components if (model_dir / c).is_dir()}:
+        return False  # weights in another format than safetensors: no headers to read
+    unet_config = unet_config_of(model_dir)
+    for number, lora in enumerate(spec.loras):
+        check_fit(lora, f"model.loras[{number}]", pipeline_class, shapes, spec.family, spec.model.id, unet_config)
+    return True
+
+
+def _model_dir(spec: EngineSpec) -> Path | None:
+    """The model's diffusers directory on this machine: a built-in's, a local one, or a hub model's cached snapshot."""
+    source = spec.source
+    if source.kind == "builtin":
+        from tpugen.tiny import builtin_path
+
+        return builtin_path(source.ref)
+    if source.kind == "local":
+        return Path(source.ref)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source.ref, revision=spec.model.revision, local_files_only=True))
+    except Exception:  # not downloaded yet: checked against the loaded modules instead
+        return None
 
 
 def _shape_fields(shape) -> dict:

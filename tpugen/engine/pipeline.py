@@ -262,10 +262,11 @@ def torch_dtype(name: str):
 
 
 # Ranks that are threads of one process (torch_xla.launch on CPU) share one copy read from disk; this is
-# state of the process, not of any rank, and the lock also keeps diffusers' loader (which patches
-# torch.nn process-wide while it runs) from ever running in two threads at once.
+# state of the process, not of any rank, and the lock also keeps diffusers' loaders (from_pretrained, and
+# the LoRA loaders through peft, which patch torch.nn process-wide while they run) from ever running in two
+# threads at once.
 _HOST_COPIES: dict[tuple, tuple] = {}
-_HOST_LOCK = threading.Lock()
+LOADER_LOCK = threading.Lock()
 
 
 def read_from_disk(model, source, family: FamilyCode) -> tuple:
@@ -310,7 +311,7 @@ def read_from_disk(model, source, family: FamilyCode) -> tuple:
 
 def read_shared(model, source, family: FamilyCode, *, ranks_in_process: int = 1) -> tuple:
     """read_from_disk, once per process when several ranks share it (each rank gets its own deep copy)."""
-    with _HOST_LOCK:
+    with LOADER_LOCK:
         if ranks_in_process <= 1:
             return read_from_disk(model, source, family)
         key = (model.model_dump_json(), source)

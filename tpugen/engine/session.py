@@ -61,6 +61,8 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
     """What made an image; stored in its PNG, so it holds nothing that varies between identical runs or
     depends on how the run was executed (no rank, no worker, no timing)."""
     model = run.config.model
+    # LoRAs change the images, so they are part of what made one; a run without them keeps the record it had.
+    loras = {"loras": [lora.record() for lora in run.loras]} if run.loras else {}
     return {
         "index": item.index,
         "file": file,
@@ -75,6 +77,7 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
         "model": model_label,
         "model_id": model.id,
         "dtype": model.dtype,
+        **loras,
         "batch": batch_number,
         "config_hash": run.config_hash,
         "tpugen_version": __version__,
@@ -335,11 +338,16 @@ def image_changing_differences(old_config: dict, new_config: dict) -> list[str]:
     lacks (a run recorded before tpugen had it) counts as that key's default."""
     defaults = _flatten(_plain(RunConfig(model=ModelConfig(id="-")).model_dump()))
     a, b = _flatten(old_config), _flatten(new_config)
+
+    def value(flat: dict, key: str):
+        # A run made before model.loras existed has no such key: it had no LoRAs, as [] says.
+        found = flat.get(key, defaults.get(key))
+        return None if found == [] else found
+
     return [
         key
         for key in sorted(set(a) | set(b))
-        if a.get(key, defaults.get(key)) != b.get(key, defaults.get(key))
-        and not any(key == k or key.startswith(k + ".") for k in _NOT_IMAGE_KEYS)
+        if value(a, key) != value(b, key) and not any(key == k or key.startswith(k + ".") for k in _NOT_IMAGE_KEYS)
     ]
 
 

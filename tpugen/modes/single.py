@@ -21,6 +21,15 @@ def host_index_for(run: ResolvedRun):
     return host_index
 
 
+def _engine_for(run: ResolvedRun, engine: Engine | None, display: Display) -> Engine:
+    """The engine `run` uses: a new one, or the one given with the run's LoRAs fused (a switch compiles nothing)."""
+    if engine is None:
+        return Engine.open(EngineSpec.of(run), display=display)
+    if engine.use_loras(run.loras)["tensors"]:
+        display.phase(f"LoRAs switched: {', '.join(lora.name for lora in run.loras) or 'none'}")
+    return engine
+
+
 def run_single(
     run: ResolvedRun,
     *,
@@ -58,7 +67,7 @@ def run_single(
 
     # A caller that owns the signals (a server running this run in a thread) passes its own StopSignals.
     with stop or StopSignals(on_signal=stopping) as stop:
-        engine = engine or Engine.open(EngineSpec.of(run), display=display)
+        engine = _engine_for(run, engine, display)
         if session is None:
             session = RunSession.create(run)
             full_plan, plan = session.share(topology.parts, topology.part)
@@ -93,7 +102,7 @@ def run_single(
 def warm_up(run: ResolvedRun, *, display: Display | None = None, engine: Engine | None = None) -> dict:
     """`tpugen warmup`: compile every planned shape key once; writes no run directory."""
     display = display or Display()
-    engine = engine or Engine.open(EngineSpec.of(run), display=display)
+    engine = _engine_for(run, engine, display)
     results = engine.warmup(plan_run(run), display)
     return {
         "device": engine.describe(),

@@ -51,8 +51,14 @@ def a1111_parameters(record: dict) -> str:
         "Seed": record["seed"],
         "Size": f"{record['width']}x{record['height']}",
         "Model": record["model"],
-        "Version": f"tpugen {record['tpugen_version']}",
     }
+    if record.get("loras"):
+        # As the web UI writes it (extensions-builtin/Lora): "NAME: HASH" pairs joined by ", ", each name without
+        # ':' or ',', the hash its 12-digit short hash; the whole value then quoted, since it holds ':'.
+        fields["Lora hashes"] = ", ".join(
+            f"{lora['name'].replace(':', '').replace(',', '')}: {lora['hash']}" for lora in record["loras"]
+        )
+    fields["Version"] = f"tpugen {record['tpugen_version']}"
     lines.append(", ".join(f"{key}: {_a1111_value(value)}" for key, value in fields.items()))
     return "\n".join(lines)
 

@@ -121,7 +121,12 @@ def build_report(
         "config_hash": run.config_hash,
         "pod": {"worker_index": topology["worker_index"], "num_workers": topology["num_workers"]},
         "topology": topology,
-        "model": {"id": run.config.model.id, "dtype": run.config.model.dtype, "scheduler": scheduler},
+        "model": {
+            "id": run.config.model.id,
+            "dtype": run.config.model.dtype,
+            "scheduler": scheduler,
+            "loras": [lora.record() for lora in run.loras],
+        },
         "images": images + images_reused,
         "images_this_session": images,
         "images_reused": images_reused,
@@ -233,6 +238,15 @@ def _launcher_lines(launcher: dict | None) -> list[str]:
         + (f", with {env}" if env else "")
         + f": `{' '.join(launcher['command'])}`."
     ]
+
+
+def _lora_lines(loras: list[dict] | None) -> list[str]:
+    if not loras:
+        return []
+    fused = ", ".join(
+        f"{lora['name']} at {lora['scale']:g} (hash {lora['hash']}, sha256 {lora['sha256']})" for lora in loras
+    )
+    return [f"- LoRAs fused into the weights: {fused}"]
 
 
 def _placement_lines(placement: dict | None) -> list[str]:
@@ -365,9 +379,14 @@ def render_markdown(report: dict) -> str:
         f"- status: {status}",
         *_pod_lines(report),
         f"- model: {report['model']['id']} ({report['model']['dtype']}, scheduler {report['model']['scheduler']})",
+        *_lora_lines(report["model"].get("loras")),
         f"- backend: {device.get('backend', 'n/a')} on {device.get('device_kind', 'n/a')} "
         f"(world size {topology.get('world_size', 1)}"
-        + (f"; worker {topology['worker_index']} of {topology['num_workers']}" if topology.get("num_workers", 1) > 1 and not pod else "")
+        + (
+            f"; worker {topology['worker_index']} of {topology['num_workers']}"
+            if topology.get("num_workers", 1) > 1 and not pod
+            else ""
+        )
         + ")",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         f"- config hash: {report['config_hash']}",

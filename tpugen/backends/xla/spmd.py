@@ -55,6 +55,7 @@ class SpmdBackend(XlaBackend):
         # From names and shapes, while the weights are on the host.
         plan = plan_sharding(pipe, self.model, family.denoiser_rules)
         specs = {(p.component, p.parameter): p.spec for p in plan.parameters}
+        self._specs = specs  # a weight replaced later (a LoRA switch) is split the same way
         tensors, moved = [], {}
         for name, component in pipe.components.items():
             if not isinstance(component, nn.Module):
@@ -91,6 +92,13 @@ class SpmdBackend(XlaBackend):
 
     def memory(self) -> dict:
         return {"unavailable": "torch_xla reports no memory for the SPMD virtual device"}
+
+    def put_weight(self, component: str, name: str, live, host):
+        tensor = host.to(self.device)
+        spec = self._specs.get((component, name))
+        if spec is not None:
+            self._xs.mark_sharding(tensor, self.mesh, spec)
+        return tensor
 
     def split_batch(self, tensor):
         if self.data > 1:

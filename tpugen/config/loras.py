@@ -1,0 +1,234 @@
+"""LoRA files at the door: where each is, that it is a LoRA for the model's family, its scale, and its hashes."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpugen.config.schema import LoraConfig
+from tpugen.errors import InputError
+from tpugen.models import FAMILIES
+
+# What diffusers saves a LoRA as, and looks for first in a folder or a hub repo.
+DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_MAX_HEADER = 100_000_000  # the safetensors format's own limit on its JSON header
+
+
+@dataclass(frozen=True)
+class Lora:
+    """A LoRA resolved: its file on this machine, the scale it is fused at, and its hashes."""
+
+    name: str  # the file's stem: what <lora:NAME:SCALE> and the web UI call it
+    id: str  # as the config gave it, a path made absolute
+    path: str  # the .safetensors file
+    scale: float
+    sha256: str  # of the whole file: names exactly what is fused (tensors, and metadata diffusers reads)
+    short_hash: str  # the web UI's: 12 hex digits of the sha256 of the tensor data after the header
+
+    def record(self) -> dict:
+        """How images, manifests and reports name it."""
+        return {"name": self.name, "id": self.id, "scale": self.scale, "hash": self.short_hash, "sha256": self.sha256}
+
+
+def loras_key(loras) -> tuple:
+    """Equal for two LoRA sets that give the same weights: the same files at the same scales, in any order
+    (tpugen fuses them in this order, so the order given never changes a bit)."""
+    return tuple(sorted((lora.sha256, float(lora.scale)) for lora in loras))
+
+
+# ---------------------------------------------------------------- reading a file
+
+
+def safetensors_header(path: Path) -> dict | None:
+    """The JSON header of a .safetensors file (tensor name -> dtype, shape, offsets), or None if it is not one."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                return None
+            (length,) = struct.unpack("<Q", head)
+            if not 2 <= length <= _MAX_HEADER or length + 8 > os.fstat(handle.fileno()).st_size:
+                return None
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return header if isinstance(header, dict) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _hashes(path: str, size: int, mtime_ns: int) -> tuple[str, str]:
+    """(sha256 of the file, sha256 of its tensor data), read once; cached while the file is unchanged."""
+    whole, data = hashlib.sha256(), hashlib.sha256()
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        whole.update(head + handle.read(struct.unpack("<Q", head)[0]))
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            whole.update(chunk)
+            data.update(chunk)
+    return whole.hexdigest(), data.hexdigest()
+
+
+def file_hashes(path: Path) -> tuple[str, str]:
+    """(the whole file's sha256, the web UI's short hash). The short hash is what AUTOMATIC1111's web UI writes
+    in `Lora hashes:`: the first 12 hex digits of kohya's "addnet" hash, a sha256 of everything after the header,
+    so that editing a file's metadata keeps its name on image sites."""
+    stat = path.stat()
+    whole, data = _hashes(str(path), stat.st_size, stat.st_mtime_ns)
+    return whole, data[:12]
+
+
+def is_lora_key(key: str) -> bool:
+    # Every LoRA format names its factors with "lora": lora_A/lora_B (PEFT), lora.down (diffusers' old),
+    # lora_unet_*/lora_te_* with lora_down/lora_up/alpha (kohya); diffusers refuses keys without it.
+    return "lora" in key.lower()
+
+
+# ---------------------------------------------------------------- which family a LoRA is for
+
+
+def _denoiser_evidence(keys: list[str]) -> tuple[set[str], str] | None:
+    if any(marker in key for key in keys for marker in ("double_blocks", "single_blocks", "single_transformer_blocks")):
+        return {"flux"}, "Flux's double- and single-stream block names"
+    if any(key.startswith(("transformer.", "lora_transformer_")) for key in keys):
+        return {"sd3", "flux"}, "transformer block names"
+    if any(
+        key.startswith(("lora_unet_input_blocks", "lora_unet_middle_block", "lora_unet_output_blocks")) for key in keys
+    ):
+        return {"sdxl"}, "SDXL UNet block names (lora_unet_input_blocks_*)"
+    if any(key.startswith(("unet.", "lora_unet_")) for key in keys):
+        return {"sd", "sdxl"}, "UNet block names"
+    return None
+
+
+def lora_families(keys: list[str]) -> tuple[set[str], str]:
+    """The families a LoRA's keys say it can be for, and the evidence; every family when they do not say."""
+    families, evidence = set(FAMILIES), []
+    denoiser = _denoiser_evidence(keys)
+    if denoiser is not None:
+        families &= denoiser[0]
+        evidence.append(denoiser[1])
+    # A second CLIP encoder: SDXL and SD3 have one; Flux's second encoder is T5, which its loader never targets.
+    if any(key.startswith(("lora_te2_", "text_encoder_2.")) for key in keys):
+        families &= {"sdxl", "sd3"}
+        evidence.append("keys for a second text encoder (lora_te2_ or text_encoder_2)")
+    if any(key.startswith(("lora_te3_", "text_encoder_3.")) for key in keys):
+        families &= {"sd3"}
+        evidence.append("keys for a third text encoder")
+    return (families or set(FAMILIES)), " and ".join(evidence)
+
+
+def _titles(families: set[str]) -> str:
+    return " or ".join(FAMILIES[name].title for name in FAMILIES if name in families)
+
+
+# ---------------------------------------------------------------- where a LoRA is
+
+
+def _hub_file(repo: str, filename: str, where: str) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo, filename))
+    except Exception as exc:  # any hub failure is one line naming the LoRA
+        names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
+        if names & {"RepositoryNotFoundError", "GatedRepoError"}:
+            why = "no such repo on the hub (or it is private or gated: set HF_TOKEN)"
+        elif "EntryNotFoundError" in names:
+            why = f"the repo has no file {filename!r} (set weight_name)"
+        elif names & {"OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectionError", "ConnectError"}:
+            why = "offline: the hub cannot be reached and the file is not in the local cache (HF_HOME)"
+        else:
+            why = (str(exc).strip().split("\n") or [type(exc).__name__])[0]
+        raise InputError(f"{where}.id: cannot fetch {filename!r} from {repo!r}: {why}") from None
+
+
+def _in_folder(folder: Path, weight_name: str | None, where: str) -> Path:
+    if weight_name:
+        return folder / weight_name
+    files = sorted(folder.glob("*.safetensors"))
+    if len(files) == 1:
+        return files[0]
+    if (folder / DEFAULT_WEIGHT_NAME).is_file():
+        return folder / DEFAULT_WEIGHT_NAME
+    found = ", ".join(f.name for f in files[:5]) or "none"
+    raise InputError(f"{where}.weight_name: {str(folder)!r} holds {len(files)} .safetensors files ({found}); name one")
+
+
+def locate(lora_id: str, weight_name: str | None, base_dir: Path, where: str) -> tuple[Path, str]:
+    """(the LoRA's file, its id with a path made absolute): a file, a folder holding one, or a hub repo."""
+    candidate = Path(lora_id).expanduser()
+    candidate = candidate if candidate.is_absolute() else base_dir / candidate
+    if candidate.exists():
+        path = _in_folder(candidate, weight_name, where) if candidate.is_dir() else candidate
+        shown = str(candidate.resolve())
+    elif _HUB_ID.match(lora_id) and not lora_id.endswith(".safetensors"):
+        return _hub_file(lora_id, weight_name or DEFAULT_WEIGHT_NAME, where), lora_id
+    else:
+        raise InputError(f"{where}.id: {str(candidate)!r} does not exist (a path is relative to the config file)")
+    if not path.is_file():
+        raise InputError(f"{where}.weight_name: {str(path)!r} does not exist")
+    return path.resolve(), shown
+
+
+# ---------------------------------------------------------------- one LoRA, checked
+
+
+def resolve_lora(
+    lora: LoraConfig, base_dir: Path, *, family: str | None = None, model: str = "the model", where: str = "model.loras"
+) -> Lora:
+    """`lora` checked and resolved, or InputError with one line: a missing file, a file that is not a
+    safetensors LoRA, a LoRA whose keys say it is for another family than `family`, a sha256 pin that does
+    not match. The scale's range is the schema's. Touches only the file system (and the hub for a repo id)."""
+    path, shown = locate(lora.id, lora.weight_name, base_dir, where)
+    header = safetensors_header(path)
+    if header is None:
+        raise InputError(
+            f"{where}.id: {path.name!r} is not a .safetensors file (tpugen reads LoRAs only in that format)"
+        )
+    keys = [key for key in header if key != "__metadata__"]
+    factors = [key for key in keys if is_lora_key(key)]
+    if not factors:
+        raise InputError(
+            f"{where}.id: {path.name!r} is not a LoRA: none of its {len(keys)} tensors is a LoRA factor "
+            "(names like unet.*.lora_A.weight or lora_unet_*.lora_down.weight)"
+        )
+    families, evidence = lora_families(factors)
+    if family is not None and family not in families:
+        raise InputError(
+            f"{where}.id: {path.stem!r} is a LoRA for {_titles(families)} (its keys have {evidence}), "
+            f"and the model {model} is {FAMILIES[family].title}"
+        )
+    sha256, short_hash = file_hashes(path)
+    if lora.sha256 is not None and lora.sha256 != sha256:
+        raise InputError(
+            f"{where}.sha256: {path.name!r} has sha256 {sha256}, not the {lora.sha256} the config pins (the file changed)"
+        )
+    return Lora(path.stem, shown, str(path), lora.scale, sha256, short_hash)
+
+
+def resolve_loras(loras: list[LoraConfig], base_dir: Path, family: str, model: str, problems: list[str]) -> tuple:
+    """Every LoRA of model.loras resolved (ids made absolute, sha256 filled in), problems noted one line each."""
+    resolved, seen = [], {}
+    for number, lora in enumerate(loras):
+        where = f"model.loras[{number}]"
+        try:
+            entry = resolve_lora(lora, base_dir, family=family, model=model, where=where)
+        except InputError as exc:
+            problems.extend(exc.lines)
+            continue
+        if entry.sha256 in seen:
+            problems.append(
+                f"{where}.id: the same file as model.loras[{seen[entry.sha256]}]; give it once, scales add up"
+            )
+            continue
+        seen[entry.sha256] = number
+        lora.id, lora.sha256 = entry.id, entry.sha256
+        resolved.append(entry)
+    return tuple(resolved)
