@@ -5,14 +5,22 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from tpugen.backends import make_backend
+from tpugen.backends import FLASH_ATTENTION_HOOK, make_backend
+from tpugen.backends.base import NOT_A_TPU, XLA_ONLY, flash_failure
 from tpugen.config import CacheConfig, CompileConfig, ExecutionConfig, ModelConfig, ResolvedRun
 from tpugen.engine.pipeline import LoadedPipeline, read_shared
-from tpugen.errors import InputError, RunError
+from tpugen.errors import InputError, RunError, TpugenError
 from tpugen.families import family_code
-from tpugen.memory import fit_problem, is_out_of_memory, memory_plan_for, out_of_memory_advice
+from tpugen.memory import (
+    attention_summary,
+    fit_problem,
+    is_out_of_memory,
+    largest_attention,
+    memory_plan_for,
+    out_of_memory_advice,
+)
 from tpugen.models import ModelSource
 from tpugen.outputs.report import TimedPhase
 from tpugen.plan import Batch, RunPlan
@@ -77,6 +85,7 @@ class Engine:
         self.load_seconds = load_seconds
         self.memory = memory  # the memory plan (tpugen.memory.MemoryPlan) where the model's size is known
         self.warm: dict[tuple[str, str], dict] = {}  # (shape key, scheduler) -> its warmup entry
+        self.flash_attention = backend.flash_attention  # tpugen.backends.FlashAttention; off after a fallback
 
     # ---------------------------------------------------------------- opening
 
@@ -111,7 +120,9 @@ class Engine:
         backend.prepare_on_device(pipe, family, spec.compile, loaded.hooks)
         loaded.out_of_memory_advice = advice
         backend.wait()
-        return cls(spec, backend, loaded, time.perf_counter() - start, memory)
+        engine = cls(spec, backend, loaded, time.perf_counter() - start, memory)
+        engine._say_flash_attention(display)
+        return engine
 
     def accepts(self, run: ResolvedRun) -> bool:
         """Whether `run` can use this engine as it is (same model, way of running, compile and cache)."""
@@ -126,7 +137,62 @@ class Engine:
         return self.loaded.model_label
 
     def describe(self) -> dict:
-        return self.backend.describe()
+        return {**self.backend.describe(), "flash_attention": self.flash_attention.as_dict()}
+
+    def memory_summary(self, plan: RunPlan) -> dict | None:
+        """The memory plan's dict, with the largest attention matrix of `plan`'s shape keys (or that flash
+        attention holds none)."""
+        summary = self.memory.as_dict() if self.memory else {}
+        pipe, family = self.loaded.pipe, self.loaded.family
+        route = family.flash_attention
+        attention = largest_attention(
+            family.name,
+            dict(getattr(pipe, family.denoiser).config),
+            plan.shape_keys,
+            component=family.denoiser,
+            dtype=self.spec.model.dtype,
+            vae_scale=pipe.vae_scale_factor,
+            text_tokens=self.loaded.max_sequence_length() or 0,
+        )
+        if attention is not None:
+            summary["attention"] = attention_summary(
+                attention, flash_on=self.flash_attention.on, min_tokens=route.min_tokens
+            )
+        return summary or None
+
+    def _say_flash_attention(self, display: Display) -> None:
+        """Flash attention's state, once: a warning when `true` could not have it; nothing when it is simply
+        off (false, or auto off a TPU)."""
+        flash = self.flash_attention
+        if flash.on:
+            display.phase(f"flash attention: on ({', '.join(flash.components)})")
+        elif flash.setting is True:
+            display.warning(f"flash attention: off -- {flash.reason}")
+        elif flash.setting == "auto" and flash.reason not in (NOT_A_TPU, XLA_ONLY):
+            display.phase(f"flash attention: off -- {flash.reason}")
+
+    def _call(self, batch: Batch, display: Display, census: bool = False):
+        """One pipeline call. If it fails while flash attention is on, the model's own attention processors come
+        back (the hook is removed) and the call is made again: the fallback never costs a run, and happens at
+        most once per engine. A failure the kernel did not cause fails the second call the same way."""
+        if not self.flash_attention.on:
+            return self.loaded.generate(batch, census=census)
+        before, start = self.backend.counters(), time.perf_counter()
+        try:
+            return self.loaded.generate(batch, census=census)
+        except TpugenError:
+            raise  # out of memory, named as such: not the kernel's doing
+        except Exception as exc:
+            reason = flash_failure(exc)
+        seconds, delta = time.perf_counter() - start, _delta(self.backend, before)
+        # Here, after the except block, the failed call's frames and the half-traced lazy tensors they held are
+        # released, so nothing of that call is pending when the retry syncs.
+        self.loaded.hooks.remove(FLASH_ATTENTION_HOOK)
+        failed = {"shape_key": str(batch.shape), "seconds": seconds, "compiles": delta.compiles if delta else None}
+        self.flash_attention = replace(self.flash_attention, reason=reason, partition_spec=None, failed_attempt=failed)
+        self.warm.clear()  # graphs compiled with the kernel's processors are not the ones the run will use
+        self._say_flash_attention(display)
+        return self.loaded.generate(batch, census=census)
 
     def close(self) -> None:
         """Take the patches off the pipeline and let it go (its device memory is freed with it)."""
@@ -137,8 +203,17 @@ class Engine:
 
     def warmup(self, plan: RunPlan, display: Display | None = None, checkpoint: Checkpoint = _no_checkpoint):
         """One full pipeline call per shape key this engine has not compiled yet, at the plan's step count:
-        its wall time is the compile time. Keys already warm are listed as such and cost nothing."""
+        its wall time is the compile time. Keys already warm are listed as such and cost nothing. If flash
+        attention falls back at a later key, the keys warmed before it are warmed again without it (listed twice)."""
         display = display or Display()
+        flash_on = self.flash_attention.on
+        results = self._warm_keys(plan, display, checkpoint)
+        if flash_on and not self.flash_attention.on:
+            again = [e for e in self._warm_keys(plan, display, checkpoint) if not e.get("already_warm")]
+            results += [{**e, "again_without_flash_attention": True} for e in again]
+        return results
+
+    def _warm_keys(self, plan: RunPlan, display: Display, checkpoint: Checkpoint) -> list[dict]:
         first_batch: dict = {}
         for batch in plan.batches:
             first_batch.setdefault(batch.shape, batch)
@@ -166,7 +241,7 @@ class Engine:
             display.phase(f"warmup: compiling {shape} (on a TPU the first compile can take many minutes)")
             before = self.backend.counters()
             start = time.perf_counter()
-            _, census = self.loaded.generate(batch, census=True)
+            _, census = self._call(batch, display, census=True)
             self.backend.wait()
             seconds = time.perf_counter() - start
             delta = _delta(self.backend, before)
@@ -212,7 +287,7 @@ class Engine:
                 checkpoint()
                 before = backend.counters()
                 start = time.perf_counter()
-                pixels = self.loaded.generate(batch)
+                pixels = self._call(batch, display)
                 backend.wait()  # the clock is read only after the device has finished
                 seconds = time.perf_counter() - start
                 delta = _delta(backend, before)
@@ -254,7 +329,7 @@ class Engine:
     def generate(self, batch: Batch, scheduler: str | None = None) -> list:
         """One batch's pixels, outside any run (a server's requests): uint8 HxWx3 arrays of its real rows."""
         self.loaded.use_scheduler(scheduler)
-        return self.loaded.generate(batch)
+        return self._call(batch, Display())
 
 
 def _shape_fields(shape) -> dict:
