@@ -153,6 +153,21 @@ BAD_CONFIGS = [
     ),
     ("override wrong type", {}, ["batch_size=two"], ["error: batch_size: expected an integer, got 'two'"]),
     (
+        "flash attention neither auto nor a boolean",
+        {"compile": {"flash_attention": "yes"}},
+        [],
+        ["error: compile.flash_attention: must be auto, true or false, got 'yes'"],
+    ),
+    (
+        "flash attention forced on a backend without torch_xla",
+        {"execution": {"backend": "cpu"}, "compile": {"flash_attention": True}},
+        [],
+        [
+            "error: compile.flash_attention: true is torch_xla's Pallas kernel, for execution.backend: xla, "
+            "not cpu; use auto or false"
+        ],
+    ),
+    (
         "several problems at once",
         {"steps": 0, "height": 12, "seeds": 1},
         [],

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from tpugen.backends import backend_environment
+from tpugen.backends import FlashAttention, backend_environment
+from tpugen.backends.xla.flash import planned_flash_attention
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display
 from tpugen.errors import InputError
-from tpugen.memory import config_fit, how_it_runs, memory_plan_for
+from tpugen.families import family_code
+from tpugen.memory import (
+    MemoryPlan,
+    attention_summary,
+    config_fit,
+    denoiser_config,
+    how_it_runs,
+    largest_attention,
+    memory_plan_for,
+)
+from tpugen.models import FAMILIES
 from tpugen.plan import RunPlan, plan_run
 
 
@@ -52,15 +64,45 @@ def warmup(run: ResolvedRun, *, display: Display | None = None) -> dict:
     return warm_up(run, display=display)
 
 
-def plan(run: ResolvedRun) -> tuple[RunPlan, object, str, str | None]:
-    """`tpugen plan`: (the run as batches, the memory plan or None, how the config runs, whether that fits).
-    Loads no weights and starts no device."""
-    execution = run.config.execution
-    memory = memory_plan_for(
-        run.model_source, run.config.model, execution.chip, execution.chip_memory_gb, device_free=True
+@dataclass(frozen=True)
+class PlanView:
+    """What `tpugen plan` prints."""
+
+    run_plan: RunPlan
+    memory: MemoryPlan | None  # None: the model is neither on disk nor known to tpugen
+    how: str  # how the config runs the model
+    fit: str | None  # whether that fits the chip
+    flash_attention: FlashAttention  # as a run here would start (a failure at warmup can still turn it off)
+    attention: dict | None  # the largest attention matrix, or that flash attention holds none
+
+
+def plan(run: ResolvedRun) -> PlanView:
+    """`tpugen plan`: the run as batches, the memory plan, and flash attention. Loads no weights and starts no
+    device."""
+    config, execution = run.config, run.config.execution
+    memory = memory_plan_for(run.model_source, config.model, execution.chip, execution.chip_memory_gb, device_free=True)
+    fit = config_fit(memory, execution, config.model.id) if memory else None
+    run_plan = plan_run(run)
+    family = family_code(run.family)
+    route = family.flash_attention
+    flash = planned_flash_attention(
+        config.compile.flash_attention, route, backend=execution.backend, spmd=execution.sharding == "spmd"
     )
-    fit = config_fit(memory, execution, run.config.model.id) if memory else None
-    return plan_run(run), memory, how_it_runs(execution), fit
+    attention = None
+    found = denoiser_config(run.model_source, family.denoiser)
+    if found is not None:
+        largest = largest_attention(
+            run.family,
+            found[0],
+            run_plan.shape_keys,
+            component=family.denoiser,
+            dtype=config.model.dtype,
+            vae_scale=found[1],
+            text_tokens=FAMILIES[run.family].max_sequence_length or 0,
+        )
+        if largest is not None:
+            attention = attention_summary(largest, flash_on=flash.on, min_tokens=route.min_tokens)
+    return PlanView(run_plan, memory, how_it_runs(execution), fit, flash, attention)
 
 
 def serve(run: ResolvedRun, *, host: str, port: int, api_key: str | None, display: Display | None = None) -> None:

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tpugen import __version__
@@ -114,8 +115,16 @@ def plan(
     if chip is not None:
         overrides = [*(overrides or []), f"execution.chip={chip}"]
     run = load_config(config, overrides or [])
-    run_plan, memory, how, fit = app.plan(run)
-    _print_plan(run_plan)
+    view = app.plan(run)
+    memory = view.memory
+    _print_plan(view.run_plan)
+    flash = view.flash_attention
+    if flash.on:
+        out.print(f"flash attention: on ({', '.join(flash.components)}), unless the kernel fails at warmup")
+    else:
+        out.print(f"flash attention: off -- {flash.reason}", markup=False)  # reasons hold [brackets]
+    if view.attention:
+        out.print(view.attention["note"], markup=False)
     if memory is None:
         out.print(f"memory: {run.config.model.id} is neither on disk nor known to tpugen; no memory plan")
         return
@@ -127,7 +136,7 @@ def plan(
     table.add_row("total", "", f"{memory.total_bytes / 1e9:.2f}")
     out.print(table)
     out.print(f"{memory.chip} ({memory.chip_gb:g} GB per chip): {memory.verdict} -- {memory.advice}")
-    out.print(f"this config ({how}): {fit}")
+    out.print(f"this config ({view.how}): {view.fit}")
 
 
 def _print_plan(run_plan) -> None:
@@ -153,7 +162,7 @@ class _RichDisplay:
 
     def phase(self, text: str) -> None:
         if not self.quiet:
-            err.print(f"[dim]{text}[/dim]")
+            err.print(f"[dim]{escape(text)}[/dim]")  # text can hold brackets: torch_xla[pallas]
 
     def batches_started(self, total: int) -> None:
         if self.quiet:
@@ -199,7 +208,8 @@ def _print_summary(report: dict) -> None:
     for entry in report["warmup"]:
         compiles = "" if entry["compiles"] is None else f", {entry['compiles']} graphs"
         rank = f"rank {entry['rank']} " if "rank" in entry else ""
-        table.add_row(f"{rank}warmup {entry['shape_key']} s", f"{entry['seconds']:.2f}{compiles}")
+        again = " again, without flash attention" if entry.get("again_without_flash_attention") else ""
+        table.add_row(f"{rank}warmup {entry['shape_key']}{again} s", f"{entry['seconds']:.2f}{compiles}")
     show = lambda v, fmt: "n/a" if v is None else fmt.format(v)  # noqa: E731
     table.add_row("timed phase s", show(timed["wall_seconds"], "{:.2f}"))
     table.add_row("per image s (mean)", show(timed["per_image_seconds"]["mean"], "{:.3f}"))

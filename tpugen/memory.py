@@ -407,6 +407,120 @@ def memory_plan_for(
     return plan_memory(counts, dtype=model.dtype, chip=chip, chip_gb=chip_gb, source=how)
 
 
+# ---------------------------------------------------------------- the largest attention matrix (pure)
+
+# diffusers' UNet2DConditionModel default, for configs that leave it out (tpugen's own SD 1.5 config does).
+_UNET_DOWN_BLOCKS = ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"]
+CLIP_TOKENS = 77  # SD3 joins its CLIP embeddings (77 tokens) and the T5 tokens into one text sequence
+
+
+@dataclass(frozen=True)
+class AttentionSize:
+    """The largest attention of one denoiser call: one layer's softmax(q k^T), which an unfused attention holds
+    whole (rows x heads x tokens x tokens) and the flash kernel never does."""
+
+    component: str
+    tokens: int
+    heads: int
+    rows: int  # batch rows the denoiser sees: the batch, doubled by classifier-free guidance
+    dtype_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.heads * self.tokens**2 * self.dtype_bytes
+
+
+def attention_geometry(
+    family: str, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int
+) -> tuple[int, int]:
+    """(tokens, heads) of the denoiser's largest attention for one image size, from the denoiser's config.
+
+    UNet (sd, sdxl): the self-attention of the first down block that has attention, at the latent size halved
+    once per block before it; its heads are `attention_head_dim` (diffusers' old name for the head count) unless
+    `num_attention_heads` is set. Flux: the 2x2-packed latent tokens joined by the T5 tokens. SD3: latent patches
+    of `patch_size` joined by 77 CLIP tokens and the T5 tokens.
+    """
+    if family in ("sd", "sdxl"):
+        blocks = config.get("down_block_types") or _UNET_DOWN_BLOCKS
+        level = next((i for i, block in enumerate(blocks) if "Attn" in block), 0)
+        heads = config.get("num_attention_heads") or config.get("attention_head_dim") or 8
+        heads = heads[level] if isinstance(heads, (list, tuple)) else heads
+        side = vae_scale * 2**level
+        return (height // side) * (width // side), heads
+    patch = 2 if family == "flux" else config.get("patch_size") or 2
+    side = vae_scale * patch
+    text = text_tokens + (CLIP_TOKENS if family == "sd3" else 0)
+    return (height // side) * (width // side) + text, config["num_attention_heads"]
+
+
+def largest_attention(
+    family: str, config: dict, shapes, *, component: str, dtype: str, vae_scale: int, text_tokens: int
+) -> AttentionSize | None:
+    """The biggest attention matrix over a run's shape keys (height, width, batch_size, cfg)."""
+    sizes = []
+    for shape in shapes:
+        tokens, heads = attention_geometry(
+            family, config, shape.height, shape.width, vae_scale=vae_scale, text_tokens=text_tokens
+        )
+        rows = shape.batch_size * (2 if shape.cfg else 1)
+        sizes.append(AttentionSize(component, tokens, heads, rows, DTYPE_BYTES[dtype]))
+    return max(sizes, key=lambda a: a.bytes, default=None)
+
+
+def attention_summary(attention: AttentionSize, *, flash_on: bool, min_tokens: int) -> dict:
+    """What the memory plan says about attention: the matrix an unfused attention holds, or that the kernel
+    holds none. Per layer, one at a time, for the whole batch (SPMD divides it over the mesh)."""
+    gb = attention.bytes / 1e9
+    size = f"{gb:.2f} GB" if attention.bytes >= 1e8 else f"{attention.bytes / 1e6:.3g} MB"
+    shape = (
+        f"{attention.rows} rows x {attention.heads} heads x {attention.tokens}^2 tokens x {attention.dtype_bytes} bytes"
+    )
+    materialised = not (flash_on and attention.tokens >= min_tokens)
+    if not materialised:
+        note = (
+            f"flash attention: no full attention matrix ({attention.component}'s largest attention, {shape}, "
+            f"would be {size} unfused)"
+        )
+    else:
+        note = f"attention: {attention.component}'s largest attention matrix is {size} per layer ({shape})"
+        if flash_on:
+            note += f"; flash attention is on, but diffusers runs the kernel only from {min_tokens} tokens"
+    return {
+        "component": attention.component,
+        "tokens": attention.tokens,
+        "heads": attention.heads,
+        "rows": attention.rows,
+        "gb": gb,
+        "materialised": materialised,
+        "note": note,
+    }
+
+
+def denoiser_config(source, denoiser: str) -> tuple[dict, int] | None:
+    """(the denoiser's config, the VAE's downscale factor) from a model directory's config.json files or the
+    configs tpugen knows for hub models; None when neither is here."""
+    if source.kind in ("builtin", "local"):
+        if source.kind == "builtin":
+            from tpugen.tiny import builtin_path, is_built
+
+            if not is_built(source.ref):  # building one imports model code; the memory plan does that apart
+                return None
+            root = builtin_path(source.ref)
+        else:
+            root = Path(source.ref)
+        try:
+            config = json.loads((root / denoiser / "config.json").read_text())
+            vae = json.loads((root / "vae" / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    elif source.ref in KNOWN_COMPONENTS and denoiser in KNOWN_COMPONENTS[source.ref]:
+        config = KNOWN_COMPONENTS[source.ref][denoiser][1]
+        vae = KNOWN_COMPONENTS[source.ref].get("vae", (None, {}))[1]
+    else:
+        return None
+    return config, 2 ** (len(vae.get("block_out_channels") or [0] * 4) - 1)
+
+
 # ---------------------------------------------------------------- out of memory on the device (pure)
 
 _OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM when allocating")

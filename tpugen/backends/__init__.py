@@ -3,7 +3,7 @@ import torch_xla or torch_tpu, and only inside functions."""
 
 from __future__ import annotations
 
-from tpugen.backends.base import Backend, Counters, versions
+from tpugen.backends.base import FLASH_ATTENTION_HOOK, Backend, Counters, FlashAttention, versions
 from tpugen.backends.compile import compile_spec
 
 
@@ -59,4 +59,13 @@ def load_device_runtime(execution) -> None:
         import_torch_tpu()
 
 
-__all__ = ["Backend", "Counters", "backend_environment", "load_device_runtime", "make_backend", "versions"]
+__all__ = [
+    "FLASH_ATTENTION_HOOK",
+    "Backend",
+    "Counters",
+    "FlashAttention",
+    "backend_environment",
+    "load_device_runtime",
+    "make_backend",
+    "versions",
+]

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Any, Protocol
 
+from tpugen.errors import one_line
+
 
 @dataclass(frozen=True)
 class Counters:
@@ -38,6 +40,51 @@ class Counters:
         return asdict(self)
 
 
+FLASH_ATTENTION_HOOK = "flash attention"  # the named hook that puts the denoiser's attention on the kernel
+FLASH_ATTENTION_FALSE = "compile.flash_attention: false"
+# Why flash attention is simply off (nothing to tell the user beyond the report): auto off a TPU.
+NOT_A_TPU = "not a TPU"
+XLA_ONLY = "torch_xla's Pallas kernel runs on backend xla only"
+
+
+@dataclass(frozen=True)
+class FlashAttention:
+    """Whether the denoiser's attention runs through torch_xla's Pallas flash-attention kernel, and if not, why."""
+
+    setting: bool | str  # compile.flash_attention: auto, true or false
+    components: tuple[str, ...]  # the pipeline components it is (or would be) for
+    reason: str | None = None  # why it is off; None while it is on
+    partition_spec: tuple | None = None  # SPMD: how q, k and v (batch, heads, tokens, head dim) lie on the mesh
+    failed_attempt: dict | None = None  # the warmup call that failed with it on: its error, seconds and compiles
+
+    @property
+    def on(self) -> bool:
+        return self.reason is None
+
+    def as_dict(self) -> dict:
+        return {
+            "state": "on" if self.on else "off",
+            "setting": self.setting,
+            "components": list(self.components),
+            "reason": self.reason,
+            "partition_spec": list(self.partition_spec) if self.partition_spec is not None else None,
+            "failed_attempt": self.failed_attempt,
+        }
+
+
+def flash_attention_off(setting: bool | str, route, reason: str) -> FlashAttention:
+    """Off for `reason`, or because the config says false."""
+    return FlashAttention(setting, route.components, FLASH_ATTENTION_FALSE if setting is False else reason)
+
+
+def flash_failure(exc: BaseException) -> str:
+    """Why a call with flash attention on failed, in one line, as raised (a missing jax says what installs it)."""
+    reason = one_line(exc)
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in ("jax", "jaxlib"):
+        reason += " (torch_xla's Pallas kernels need torch_xla[pallas], which tpugen[tpu] installs)"
+    return reason
+
+
 def versions() -> dict:
     """Versions of the packages that decide what gets compiled and how."""
     out = {}
@@ -57,6 +104,7 @@ class Backend(Protocol):
     device_count: int  # physical devices this backend drives
     cache: dict  # the persistent compile cache's state, for the report
     placing: str | None  # the component moving onto the device now, for an out-of-memory message
+    flash_attention: FlashAttention | None  # set by prepare_on_device
 
     def prepare_on_host(self, pipe, family, compile_config) -> None:
         """Changes made while the weights are still on the host (scan stacks them)."""
@@ -65,7 +113,8 @@ class Backend(Protocol):
         """Put the pipeline on the device: all of it, or (offload) each component only while it runs."""
 
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
-        """Changes made once the pipeline is on the device (torch.compile, attention swaps), as named hooks."""
+        """Changes made once the pipeline is on the device (torch.compile, attention swaps, flash attention), as
+        named hooks; sets `flash_attention`."""
 
     def device_for(self, component: str): ...
 
@@ -95,6 +144,7 @@ class EagerBackend:
     name = "cpu"
     device_count = 1
     placing: str | None = None
+    flash_attention: FlashAttention | None = None
 
     def __init__(self, device, *, compile_spec=None) -> None:
         self.device = device
@@ -111,6 +161,7 @@ class EagerBackend:
             pipe.to(self.device)
 
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
+        self.flash_attention = flash_attention_off(compile_config.flash_attention, family.flash_attention, XLA_ONLY)
         if self.compile_spec is not None:
             self.compile_spec.apply(pipe, family, hooks)
 

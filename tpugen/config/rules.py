@@ -27,6 +27,11 @@ def run_problems(config: RunConfig, family: Family) -> list[str]:
         )
     if config.compile.scan_blocks and (execution.backend != "xla" or family.name not in ("flux", "sd3")):
         problems.append("compile.scan_blocks: is built for Flux and SD3 models on execution.backend: xla")
+    if config.compile.flash_attention is True and execution.backend != "xla":
+        problems.append(
+            f"compile.flash_attention: true is torch_xla's Pallas kernel, for execution.backend: xla, "
+            f"not {execution.backend}; use auto or false"
+        )
     if execution.offload == "model" and execution.backend == "cpu":
         problems.append("execution.offload: model moves components onto an accelerator; the cpu backend has none")
 

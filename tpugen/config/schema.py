@@ -87,11 +87,25 @@ class TorchTpuConfig(_Section):
     mode: Literal["eager", "defer_and_fuse", "compile"] = "eager"
 
 
+def _check_auto_or_bool(value: Any) -> Any:
+    if value == "auto" or isinstance(value, bool):
+        return value
+    shown = value if not isinstance(value, str) else repr(value)
+    raise ValueError(f"must be auto, true or false, got {shown}")
+
+
+# One readable error for a bad value, instead of one per member of `bool | Literal["auto"]`.
+AutoOrBool = Annotated[Any, AfterValidator(_check_auto_or_bool)]
+
+
 class CompileConfig(_Section):
     # torch.compile the denoiser on the cpu and cuda backends (xla compiles through torch_xla already).
     torch_compile: bool = False
     # xla: run Flux's repeated blocks through torch_xla's scan, so one block per type is compiled.
     scan_blocks: bool = False
+    # xla: the denoiser's attention through torch_xla's Pallas flash-attention kernel (diffusers' XLA path). auto: on
+    # a TPU only; true: try it anywhere. If it cannot run (no jax, not a TPU, a compile error), the run goes on without.
+    flash_attention: AutoOrBool = "auto"
 
 
 def _check_placement(value: Any) -> Any:

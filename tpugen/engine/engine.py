@@ -7,17 +7,25 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tpugen.backends import make_backend
+from tpugen.backends import FLASH_ATTENTION_HOOK, make_backend
+from tpugen.backends.base import NOT_A_TPU, XLA_ONLY, flash_failure
 from tpugen.config import CacheConfig, CompileConfig, ExecutionConfig, ModelConfig, ResolvedRun
 from tpugen.config.loras import Lora, loras_key
 from tpugen.engine.loras import LoraWeights, check_fit, file_shapes, loadable_components, unet_config_of
 from tpugen.engine.pipeline import LoadedPipeline, quiet_libraries, read_shared
-from tpugen.errors import InputError, RunError
+from tpugen.errors import InputError, RunError, TpugenError
 from tpugen.families import family_code
-from tpugen.memory import fit_problem, is_out_of_memory, memory_plan_for, out_of_memory_advice
+from tpugen.memory import (
+    attention_summary,
+    fit_problem,
+    is_out_of_memory,
+    largest_attention,
+    memory_plan_for,
+    out_of_memory_advice,
+)
 from tpugen.models import ModelSource
 from tpugen.outputs.report import TimedPhase
 from tpugen.plan import Batch, RunPlan
@@ -95,6 +103,7 @@ class Engine:
         self._weights = weights  # tpugen.engine.loras.LoraWeights; None for a pipeline without a LoRA loader
         self._loras: tuple[Lora, ...] = spec.loras if weights is not None else ()
         self._key = loras_key(self._loras)
+        self.flash_attention = backend.flash_attention  # tpugen.backends.FlashAttention; off after a fallback
 
     # ---------------------------------------------------------------- opening
 
@@ -146,7 +155,9 @@ class Engine:
         backend.prepare_on_device(pipe, family, spec.compile, loaded.hooks)
         loaded.out_of_memory_advice = advice
         backend.wait()
-        return cls(spec, backend, loaded, time.perf_counter() - start, memory, weights)
+        engine = cls(spec, backend, loaded, time.perf_counter() - start, memory, weights)
+        engine._say_flash_attention(display)
+        return engine
 
     def accepts(self, run: ResolvedRun) -> bool:
         """Whether `run` can use this engine as it is (same model, way of running, compile and cache)."""
@@ -161,7 +172,62 @@ class Engine:
         return self.loaded.model_label
 
     def describe(self) -> dict:
-        return self.backend.describe()
+        return {**self.backend.describe(), "flash_attention": self.flash_attention.as_dict()}
+
+    def memory_summary(self, plan: RunPlan) -> dict | None:
+        """The memory plan's dict, with the largest attention matrix of `plan`'s shape keys (or that flash
+        attention holds none)."""
+        summary = self.memory.as_dict() if self.memory else {}
+        pipe, family = self.loaded.pipe, self.loaded.family
+        route = family.flash_attention
+        attention = largest_attention(
+            family.name,
+            dict(getattr(pipe, family.denoiser).config),
+            plan.shape_keys,
+            component=family.denoiser,
+            dtype=self.spec.model.dtype,
+            vae_scale=pipe.vae_scale_factor,
+            text_tokens=self.loaded.max_sequence_length() or 0,
+        )
+        if attention is not None:
+            summary["attention"] = attention_summary(
+                attention, flash_on=self.flash_attention.on, min_tokens=route.min_tokens
+            )
+        return summary or None
+
+    def _say_flash_attention(self, display: Display) -> None:
+        """Flash attention's state, once: a warning when `true` could not have it; nothing when it is simply
+        off (false, or auto off a TPU)."""
+        flash = self.flash_attention
+        if flash.on:
+            display.phase(f"flash attention: on ({', '.join(flash.components)})")
+        elif flash.setting is True:
+            display.warning(f"flash attention: off -- {flash.reason}")
+        elif flash.setting == "auto" and flash.reason not in (NOT_A_TPU, XLA_ONLY):
+            display.phase(f"flash attention: off -- {flash.reason}")
+
+    def _call(self, batch: Batch, display: Display, census: bool = False):
+        """One pipeline call. If it fails while flash attention is on, the model's own attention processors come
+        back (the hook is removed) and the call is made again: the fallback never costs a run, and happens at
+        most once per engine. A failure the kernel did not cause fails the second call the same way."""
+        if not self.flash_attention.on:
+            return self.loaded.generate(batch, census=census)
+        before, start = self.backend.counters(), time.perf_counter()
+        try:
+            return self.loaded.generate(batch, census=census)
+        except TpugenError:
+            raise  # out of memory, named as such: not the kernel's doing
+        except Exception as exc:
+            reason = flash_failure(exc)
+        seconds, delta = time.perf_counter() - start, _delta(self.backend, before)
+        # Here, after the except block, the failed call's frames and the half-traced lazy tensors they held are
+        # released, so nothing of that call is pending when the retry syncs.
+        self.loaded.hooks.remove(FLASH_ATTENTION_HOOK)
+        failed = {"shape_key": str(batch.shape), "seconds": seconds, "compiles": delta.compiles if delta else None}
+        self.flash_attention = replace(self.flash_attention, reason=reason, partition_spec=None, failed_attempt=failed)
+        self.warm.clear()  # graphs compiled with the kernel's processors are not the ones the run will use
+        self._say_flash_attention(display)
+        return self.loaded.generate(batch, census=census)
 
     def close(self) -> None:
         """Take the patches off the pipeline and let it go (its device memory is freed with it)."""
@@ -223,8 +289,17 @@ class Engine:
 
     def warmup(self, plan: RunPlan, display: Display | None = None, checkpoint: Checkpoint = _no_checkpoint):
         """One full pipeline call per shape key this engine has not compiled yet, at the plan's step count:
-        its wall time is the compile time. Keys already warm are listed as such and cost nothing."""
+        its wall time is the compile time. Keys already warm are listed as such and cost nothing. If flash
+        attention falls back at a later key, the keys warmed before it are warmed again without it (listed twice)."""
         display = display or Display()
+        flash_on = self.flash_attention.on
+        results = self._warm_keys(plan, display, checkpoint)
+        if flash_on and not self.flash_attention.on:
+            again = [e for e in self._warm_keys(plan, display, checkpoint) if not e.get("already_warm")]
+            results += [{**e, "again_without_flash_attention": True} for e in again]
+        return results
+
+    def _warm_keys(self, plan: RunPlan, display: Display, checkpoint: Checkpoint) -> list[dict]:
         first_batch: dict = {}
         for batch in plan.batches:
             first_batch.setdefault(batch.shape, batch)
@@ -253,7 +328,7 @@ class Engine:
             with self.lock:
                 before = self.backend.counters()
                 start = time.perf_counter()
-                _, census = self.loaded.generate(batch, census=True)
+                _, census = self._call(batch, display, census=True)
                 self.backend.wait()
                 seconds = time.perf_counter() - start
                 delta = _delta(self.backend, before)
@@ -284,10 +359,14 @@ class Engine:
         checkpoint: Checkpoint = _no_checkpoint,
         strict_shapes: bool = False,
         phase: TimedPhase | None = None,
+        loras: Sequence[Lora] | None = None,
     ) -> TimedPhase:
         """The timed phase: each batch generated, then handed to `write_batch(batch, pixels, seconds)`, which
         writes its images and returns their names. Strict shapes: a batch that compiles stops the run. The
-        phase's figures are in `phase` whatever happens, so a report can be written after a failure."""
+        phase's figures are in `phase` whatever happens, so a report can be written after a failure.
+
+        Each batch runs with the loaded scheduler and with `loras` (None: whatever is fused now): a server's
+        requests may switch either between this run's batches."""
         display = display or Display()
         phase = phase if phase is not None else TimedPhase()
         backend = self.backend
@@ -298,9 +377,12 @@ class Engine:
             for batch in plan.batches:
                 checkpoint()
                 with self.lock:
+                    self.loaded.use_scheduler(None)
+                    if loras is not None:
+                        self.use_loras(loras)
                     before = backend.counters()
                     start = time.perf_counter()
-                    pixels = self.loaded.generate(batch)
+                    pixels = self._call(batch, display)
                     backend.wait()  # the clock is read only after the device has finished
                     seconds = time.perf_counter() - start
                     delta = _delta(backend, before)
@@ -343,8 +425,11 @@ class Engine:
         """One batch's pixels, outside any run (a server's requests): uint8 HxWx3 arrays of its real rows."""
         with self.lock:
             self.loaded.use_scheduler(scheduler)
-            pixels = self.loaded.generate(batch)
-            self.backend.wait()
+            try:
+                pixels = self._call(batch, Display())
+                self.backend.wait()
+            finally:
+                self.loaded.use_scheduler(None)  # at rest, an engine has the scheduler it was loaded with
             return pixels
 
     def is_warm(self, shape, scheduler: str | None = None) -> bool:

@@ -224,7 +224,7 @@ class RunSession:
             topology=topology.as_dict(),
             images_reused=len(self.finished),
             error=error,
-            memory=engine.memory.as_dict() if engine.memory else None,
+            memory=engine.memory_summary(plan),
             earlier_sessions=self.earlier_sessions,
         )
 

@@ -1,6 +1,6 @@
 """Each model family's code in a module of its own; `family_code(name)` gives the one a run needs."""
 
-from tpugen.families.base import FamilyCode
+from tpugen.families.base import FamilyCode, FlashRoute
 from tpugen.families.flux import Flux
 from tpugen.families.sd import StableDiffusion
 from tpugen.families.sd3 import StableDiffusion3
@@ -14,4 +14,4 @@ def family_code(name: str) -> FamilyCode:
     return _CODE[name]
 
 
-__all__ = ["FamilyCode", "family_code"]
+__all__ = ["FamilyCode", "FlashRoute", "family_code"]

@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tpugen.models import FAMILIES, Family
 from tpugen.sharding import ATTENTION, FEED_FORWARD
+
+
+@dataclass(frozen=True)
+class FlashRoute:
+    """How diffusers 0.42 puts a family's attention on torch_xla's Pallas flash-attention kernel
+    (`ModelMixin.enable_xla_flash_attention`), or why it cannot."""
+
+    components: tuple[str, ...]  # the pipeline components whose attention goes through the kernel (none: no route)
+    # Flux: its own processors switched to diffusers' "_native_xla" attention backend; else every `Attention`
+    # module gets XLAFlashAttnProcessor2_0.
+    is_flux: bool = False
+    # Whether diffusers hands an SPMD partition spec to the kernel (its Flux backend passes none).
+    takes_partition_spec: bool = True
+    # diffusers calls the kernel only where q, k and v all have this many tokens; below, plain SDPA.
+    min_tokens: int = 0
+    unsupported: str | None = None  # why there is no route
 
 
 class FamilyCode:
@@ -19,6 +37,9 @@ class FamilyCode:
     denoiser_rules: dict[str, list[tuple[str, str]]] = {"UNet2DConditionModel": ATTENTION + FEED_FORWARD}
     # Timesteps computed on the host and moved to the device at the denoiser's door (see install_hooks).
     timesteps_on_host = False
+    # compile.flash_attention: XLAFlashAttnProcessor2_0 on every attention of the UNet, which runs the kernel
+    # only from 4096 tokens (SD 1.5 at 512x512, SDXL at 1024x1024: the largest self-attentions).
+    flash_attention = FlashRoute(("unet",), min_tokens=4096)
 
     @property
     def info(self) -> Family:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tpugen.families.base import FamilyCode
+from tpugen.families.base import FamilyCode, FlashRoute
 from tpugen.sharding import ADALN, ATTENTION, COLUMN, FEED_FORWARD, ROW
 
 
@@ -22,6 +22,9 @@ class Flux(FamilyCode):
     }
     # diffusers 0.42 keeps Flux's timesteps on the device, so every step's value is baked into its graph.
     timesteps_on_host = True
+    # Flux's own processors on diffusers' "_native_xla" attention backend: the kernel for every attention, at any
+    # size, but with no SPMD partition spec (diffusers 0.42 ignores the one it is given).
+    flash_attention = FlashRoute(("transformer",), is_flux=True, takes_partition_spec=False)
 
     def noise(self, pipe, generators, height: int, width: int) -> list:
         """Flux's latents are packed: 2x2 patches of a 16-channel latent become one token of 64 channels."""

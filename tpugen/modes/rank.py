@@ -143,7 +143,7 @@ def _rank_work(run: ResolvedRun, run_dir: Path, finished: frozenset[int], result
     result["device"] = engine.describe()
     result["cache"] = engine.backend.cache
     result["scheduler"] = engine.scheduler_name
-    result["memory"] = engine.memory.as_dict() if engine.memory else None
+    result["memory"] = engine.memory_summary(plan)
 
     with _WARMUP_LOCK:
         result["warmup"] = engine.warmup(plan)

@@ -90,6 +90,7 @@ def run_single(
                 checkpoint=stop.check,
                 strict_shapes=run.config.execution.strict_shapes,
                 phase=phase,
+                loras=run.loras,
             )
             stop.check()
         except BaseException as exc:

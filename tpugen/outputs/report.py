@@ -227,6 +227,29 @@ def _memory_line(memory: dict | None) -> str:
     )
 
 
+def _attention_lines(memory: dict | None) -> list[str]:
+    attention = (memory or {}).get("attention")
+    return [f"- {attention['note']}"] if attention else []
+
+
+def _flash_lines(flash: dict | None) -> list[str]:
+    """Whether the denoiser's attention ran on the flash kernel; if not, why, as one line."""
+    if not flash:
+        return []
+    if flash["state"] == "on":
+        spec = flash.get("partition_spec")
+        where = f"; SPMD partition spec {tuple(spec)}" if spec else ""
+        return [f"- flash attention: on ({', '.join(flash['components'])}{where})"]
+    lines = [f"- flash attention: off -- {flash['reason']}"]
+    failed = flash.get("failed_attempt")
+    if failed:
+        lines.append(
+            f"  - the warmup call of {failed['shape_key']} with it on failed after {_fmt(failed['seconds'], 2)} s "
+            f"(graphs compiled: {_fmt(failed['compiles'])}); warmed up again with the model's own attention"
+        )
+    return lines
+
+
 def _launcher_lines(launcher: dict | None) -> list[str]:
     if not launcher:
         return []
@@ -393,6 +416,8 @@ def render_markdown(report: dict) -> str:
         f"- images: {report['images']} in {report['batches']} batches ({report['padding_rows']} padding rows)",
         f"- model load: {_fmt(report['model_load_seconds'], 2)} s",
         _memory_line(report.get("memory")),
+        *_attention_lines(report.get("memory")),
+        *_flash_lines(device.get("flash_attention")),
         *_sharding_lines(device.get("sharding")),
         *_placement_lines(device.get("placement")),
         "",
@@ -403,6 +428,8 @@ def render_markdown(report: dict) -> str:
     ]
     for entry in report["warmup"]:
         where = f"{_part_label(entry)}{entry['shape_key']}"
+        if entry.get("again_without_flash_attention"):
+            where += " (again, without flash attention)"
         if entry.get("already_warm"):
             lines.append(f"| {where} | 0.00 | 0 | 0.00 | already warm on this engine |")
             continue

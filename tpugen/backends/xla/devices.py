@@ -13,10 +13,15 @@ def tpu_present() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
+def pjrt_device() -> str:
+    """The PJRT device torch_xla will use here: PJRT_DEVICE, else TPU where this VM has chips, else CPU."""
+    return os.environ.get("PJRT_DEVICE", "TPU" if tpu_present() else "CPU").upper()
+
+
 def choose_pjrt_device() -> str:
     """PJRT_DEVICE, said by us when unset, so torch_xla does not guess (and warn) on a machine without a TPU."""
     if "PJRT_DEVICE" not in os.environ:
-        os.environ["PJRT_DEVICE"] = "TPU" if tpu_present() else "CPU"
+        os.environ["PJRT_DEVICE"] = pjrt_device()
     return os.environ["PJRT_DEVICE"].upper()
 
 

@@ -76,6 +76,7 @@ class PlacedBackend(XlaBackend):
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
         moves = self._moves
         hooks.add("inputs to each component's device", lambda: [handle.remove() for handle in moves])
+        super().prepare_on_device(pipe, family, compile_config, hooks)
 
     def describe(self) -> dict:
         return {

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 
-from tpugen.backends.base import Counters
+from tpugen.backends.base import Counters, FlashAttention
 from tpugen.backends.xla.cache import start_cache
 from tpugen.backends.xla.devices import import_torch_xla
+from tpugen.backends.xla.flash import flash_reason, install_flash_attention, jax_installed
 from tpugen.backends.xla.patches import let_diffusers_offload_to_xla, solve_small_systems_on_xla
+from tpugen.errors import one_line
 
 
 class XlaBackend:
@@ -16,6 +18,8 @@ class XlaBackend:
     name = "xla"
     device_count = 1
     placing: str | None = None
+    flash_attention: FlashAttention | None = None
+    spmd = False
 
     def __init__(
         self, cache_enabled: bool | str = "auto", cache_dir: str | None = None, *, device_index: int | None = None
@@ -51,7 +55,22 @@ class XlaBackend:
         self.placing = None
 
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
-        """XLA compiles the graphs itself: nothing to add once the pipeline is on the device."""
+        """XLA compiles the graphs itself; what is added is flash attention, where it goes on."""
+        setting, route = compile_config.flash_attention, family.flash_attention
+        on_tpu = self._xm.xla_device_hw(self.device) == "TPU"
+        reason = flash_reason(setting, route, tpu=on_tpu, jax=jax_installed(), spmd=self.spmd)
+        spec = None
+        if reason is None:
+            spec = self.flash_partition_spec(pipe, route)
+            try:
+                install_flash_attention(pipe, route, spec, hooks)
+            except Exception as exc:  # diffusers refused to switch: the model keeps its own attention
+                reason = one_line(exc)
+        self.flash_attention = FlashAttention(setting, route.components, reason, None if reason else spec)
+
+    def flash_partition_spec(self, pipe, route) -> tuple | None:
+        """The kernel's SPMD partition spec: none on one device."""
+        return None
 
     def bind_thread(self) -> None:
         """Make this backend's device the current thread's default: torch_xla keeps one per thread, and a

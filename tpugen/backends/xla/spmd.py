@@ -29,6 +29,8 @@ class SpmdBackend(XlaBackend):
     images are those of one device, up to the order of floating-point sums.
     """
 
+    spmd = True
+
     def __init__(self, cache_enabled: bool | str, cache_dir: str | None, *, data: int, model: int, cores: int) -> None:
         use_devices(cores, "SPMD")
         # Before the compile cache and the first tensor: SPMD replaces the devices with one virtual device.
@@ -89,6 +91,17 @@ class SpmdBackend(XlaBackend):
             "split_tensors_verified": verified,
             "components": plan.components,
         }
+
+    def flash_partition_spec(self, pipe, route) -> tuple | None:
+        """Each chip attends over its own batch rows (data axis) and heads (model axis)."""
+        if not route.takes_partition_spec:
+            return None
+        from tpugen.backends.xla.flash import attention_heads, flash_partition_spec
+
+        # The kernel's shard_map takes its mesh from here (diffusers passes it none).
+        self._xs.set_global_mesh(self.mesh)
+        heads = set().union(*(attention_heads(getattr(pipe, name)) for name in route.components))
+        return flash_partition_spec(self.data, self.model, heads)
 
     def memory(self) -> dict:
         return {"unavailable": "torch_xla reports no memory for the SPMD virtual device"}
