@@ -1,0 +1,55 @@
+"""Writing files that are whole or absent: a temporary name, fsync, rename; ordinary modes; inside the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def inside(run_dir: Path, name: str) -> Path:
+    """`run_dir / name`, refusing any name that would land outside the run directory."""
+    path = (run_dir / name).resolve()
+    if path.parent != run_dir.resolve():
+        raise ValueError(f"refusing to write {name!r} outside {run_dir}")
+    return path
+
+
+def _new_file_mode() -> int:
+    """The mode an ordinary new file gets under this process's umask (0644 under 022).
+
+    Read once, at import: os.umask can only be read by setting it, which must not race with rank threads
+    that create files."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+NEW_FILE_MODE = _new_file_mode()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temporary file in the same directory, then rename: a crash leaves all or nothing.
+
+    The temporary file is private (0600) while it is written; it gets an ordinary file's mode before the rename.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, NEW_FILE_MODE)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: Path, data: object) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")

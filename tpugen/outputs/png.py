@@ -1,0 +1,67 @@
+"""Images as files: safe names, the A1111 `parameters` chunk and tpugen's own chunk with the full record."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import unicodedata
+from pathlib import Path
+
+from PIL import Image, PngImagePlugin
+
+from tpugen.outputs.files import atomic_write_bytes
+
+SLUG_MAX = 40
+
+
+def slug(prompt: str) -> str:
+    """ASCII lowercase words joined by '-', at most 40 characters; never a separator, '..' or leading dot."""
+    ascii_text = unicodedata.normalize("NFKD", prompt).encode("ascii", "ignore").decode("ascii").lower()
+    words = re.sub(r"[^a-z0-9]+", "-", ascii_text).strip("-")
+    return words[:SLUG_MAX].rstrip("-") or "image"
+
+
+def image_filename(index: int, seed: int, prompt: str) -> str:
+    return f"{index:05d}-{seed}-{slug(prompt)}.png"
+
+
+def _one_line(text: str) -> str:
+    """Line breaks (any that a reader may split on) as spaces: the web UI's text format has no escape, so a
+    prompt holding one could forge the negative prompt or the settings line. The exact text stays in the
+    `tpugen` chunk and the manifest."""
+    return " ".join(text.splitlines())
+
+
+def _a1111_value(value: object) -> str:
+    text = str(value)
+    # The format splits on ", " and ": ", so a value holding either (or a newline) is JSON-quoted.
+    return json.dumps(text, ensure_ascii=False) if any(c in text for c in ",:\n") else text
+
+
+def a1111_parameters(record: dict) -> str:
+    """The `parameters` text that AUTOMATIC1111-compatible tools read from a PNG."""
+    lines = [_one_line(record["prompt"])]
+    if record.get("negative_prompt"):
+        lines.append(f"Negative prompt: {_one_line(record['negative_prompt'])}")
+    fields = {
+        "Steps": record["steps"],
+        "Sampler": record["scheduler"],
+        "CFG scale": record["guidance_scale"],
+        "Seed": record["seed"],
+        "Size": f"{record['width']}x{record['height']}",
+        "Model": record["model"],
+        "Version": f"tpugen {record['tpugen_version']}",
+    }
+    lines.append(", ".join(f"{key}: {_a1111_value(value)}" for key, value in fields.items()))
+    return "\n".join(lines)
+
+
+def save_png(path: Path, image: Image.Image, record: dict) -> None:
+    """Save with a `parameters` tEXt chunk (A1111 format) and a `tpugen` chunk holding the full record."""
+    info = PngImagePlugin.PngInfo()
+    info.add_text("parameters", a1111_parameters(record))
+    info.add_text("tpugen", json.dumps(record, ensure_ascii=False))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=info)
+    atomic_write_bytes(path, buffer.getvalue())

@@ -1,0 +1,474 @@
+"""The report a run leaves: report.json built in one place, report.md rendered from it in one place (a
+single run, a run over all chips of a VM, and a pod run alike)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tpugen.outputs.files import atomic_write_text, write_json
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100), as numpy's default computes it."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def latency_summary(per_image: list[float]) -> dict:
+    if not per_image:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    return {
+        "mean": sum(per_image) / len(per_image),
+        "p50": percentile(per_image, 50),
+        "p90": percentile(per_image, 90),
+        "p99": percentile(per_image, 99),
+    }
+
+
+def session_summary(report: dict) -> dict:
+    """One session's own figures from the report it left (a resumed run has one session per start)."""
+    timed = report.get("timed_phase") or {}
+    return {
+        "finished_utc": report.get("finished_utc"),
+        "complete": report.get("complete"),
+        "error": report.get("error"),
+        "images": report.get("images_this_session", report.get("images")),
+        "device": report.get("device"),
+        "model_load_seconds": report.get("model_load_seconds"),
+        "warmup_seconds": report.get("warmup_seconds"),
+        "warmup": report.get("warmup"),
+        "timed_phase": timed,
+        "compiles_after_warmup": report.get("compiles_after_warmup"),
+        "recompiles": report.get("recompiles"),
+    }
+
+
+# ---------------------------------------------------------------- building report.json
+
+
+@dataclass
+class TimedPhase:
+    """What the timed phase has done so far; enough to write a report at any point, even after a failure."""
+
+    batches: list[dict] = field(default_factory=list)
+    recompiles: list[dict] = field(default_factory=list)
+    written: list[str] = field(default_factory=list)  # file names, in the order they were written
+    generate_seconds: float = 0.0
+    write_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    counters: dict | None = None  # the counters' difference over the phase (Counters.as_dict)
+
+
+def total(values) -> float | None:
+    """The sum, or None when any part was not measured."""
+    values = list(values)
+    return None if any(v is None for v in values) else sum(values)
+
+
+def build_report(
+    *,
+    run,
+    run_id: str,
+    run_dir: Path | str,
+    images_planned: int,
+    batches_planned: int,
+    padding_rows: int,
+    shape_keys: list[str],
+    device: dict,
+    versions: dict,
+    scheduler: str,
+    load_seconds: float | None,
+    warmup: list[dict],
+    persistent_cache: dict,
+    phase: TimedPhase,
+    topology: dict,
+    images_reused: int = 0,
+    error: str | None = None,
+    memory: dict | None = None,
+    earlier_sessions: list[dict] = (),
+    counters_scope: str | None = None,
+) -> dict:
+    """report.json's content, the same layout for every mode. `error` marks a run that stopped early; what it
+    finished is still listed."""
+    rows = phase.batches
+    per_image = [row["seconds"] / row["images"] for row in rows if row["images"] for _ in range(row["images"])]
+    images = len(phase.written)
+    wall = phase.wall_seconds
+    counters = phase.counters
+    if counters_scope is None:
+        counters_scope = (
+            "process-wide, read before and after each phase; one device in this process"
+            if device.get("backend") == "xla"
+            else "torch.compile graphs counted by dynamo; executions and transfers are not counted here"
+        )
+    return {
+        "tpugen_report": 1,
+        "complete": error is None,
+        "error": error,
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions,
+        "device": device,
+        "config_hash": run.config_hash,
+        "pod": {"worker_index": topology["worker_index"], "num_workers": topology["num_workers"]},
+        "topology": topology,
+        "model": {"id": run.config.model.id, "dtype": run.config.model.dtype, "scheduler": scheduler},
+        "images": images + images_reused,
+        "images_this_session": images,
+        "images_reused": images_reused,
+        "images_planned": images_planned,
+        "batches": batches_planned,
+        "padding_rows": padding_rows,
+        "shape_keys": shape_keys,
+        "memory": memory,
+        "model_load_seconds": load_seconds,
+        "warmup": warmup,
+        "warmup_seconds": sum(w["seconds"] for w in warmup),
+        "persistent_cache": persistent_cache,
+        "timed_phase": {
+            "wall_seconds": wall,
+            "generate_seconds": phase.generate_seconds,
+            "write_seconds": phase.write_seconds,
+            "images_per_second": images / wall if wall > 0 and images else None,
+            "per_image_seconds": latency_summary(per_image),
+            "seconds_per_step": sum(r["seconds"] / r["steps"] for r in rows) / len(rows) if rows else None,
+            "batches": rows,
+        },
+        "compiles_after_warmup": counters["compiles"] if counters else None,
+        "recompiles": phase.recompiles,
+        "xla_counters": (
+            {
+                "scope": counters_scope,
+                "warmup": {
+                    "compiles": total(w["compiles"] for w in warmup),
+                    "compile_seconds": total(w["compile_seconds"] for w in warmup),
+                },
+                "timed_phase": counters,
+            }
+            if counters
+            else None
+        ),
+        "earlier_sessions": list(earlier_sessions),
+        "files": {"manifest": "manifest.jsonl", "config": "config.yaml", "grid": "grid.png"},
+    }
+
+
+def persistent_cache_summary(cache: dict, warmup: list[dict]) -> dict:
+    """What the persistent compile cache did, as counted; never assumed."""
+    summary = dict(cache)
+    for key in ("hits", "misses", "load_failures"):
+        counts = [w[f"persistent_cache_{key}"] for w in warmup if w.get(f"persistent_cache_{key}") is not None]
+        summary[key] = sum(counts) if counts else None
+    return summary
+
+
+def merge_phases(parts: list[dict], label: str) -> TimedPhase:
+    """One timed phase from its parts' (ranks' or workers'): throughput is all images over the slowest part."""
+    return TimedPhase(
+        batches=[{**b, label: p[label]} for p in parts for b in p["timed_phase"]["batches"]],
+        recompiles=[{**e, label: p[label]} for p in parts for e in p.get("recompiles", [])],
+        written=[name for p in parts for name in p.get("written", [])],
+        generate_seconds=sum(p["timed_phase"]["generate_seconds"] for p in parts),
+        write_seconds=sum(p["timed_phase"]["write_seconds"] for p in parts),
+        wall_seconds=max((p["timed_phase"]["wall_seconds"] for p in parts), default=0.0),
+    )
+
+
+def write_report(run_dir: Path, report: dict) -> None:
+    write_json(run_dir / "report.json", report)
+    atomic_write_text(run_dir / "report.md", render_markdown(report))
+
+
+def read_report(run_dir: Path) -> dict | None:
+    """The run's report.json as an earlier session left it, or None (none yet, or unreadable)."""
+    try:
+        report = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def earlier_sessions_of(run_dir: Path) -> list[dict]:
+    """Every earlier session's figures, from the report the last one left: a resume never drops them."""
+    previous = read_report(run_dir)
+    if previous is None or "timed_phase" not in previous:
+        return []
+    return [*previous.get("earlier_sessions", []), session_summary(previous)]
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _memory_line(memory: dict | None) -> str:
+    if not memory or "verdict" not in memory:
+        return "- memory plan: n/a"
+    return (
+        f"- memory: {memory['total_gb']:.2f} GB of weights ({memory['source']}); "
+        f"{memory['chip']} ({memory['chip_gb']:g} GB): {memory['verdict']} -- {memory['advice']}"
+    )
+
+
+def _launcher_lines(launcher: dict | None) -> list[str]:
+    if not launcher:
+        return []
+    if launcher.get("tool") != "torchrun":
+        return [f"Launched by {launcher.get('tool')} (devices: {launcher.get('devices')})."]
+    env = " ".join(f"{k}={v}" for k, v in (launcher.get("environment") or {}).items())
+    return [
+        f"Launched by torchrun: {launcher['processes']} processes in a {launcher['process_group']} process group"
+        + (f", with {env}" if env else "")
+        + f": `{' '.join(launcher['command'])}`."
+    ]
+
+
+def _placement_lines(placement: dict | None) -> list[str]:
+    if not placement:
+        return []
+    where = ", ".join(f"{name} on {device}" for name, device in placement.items())
+    return [f"- placement: {where} (inputs move to each component's device, outputs back, through the host)"]
+
+
+def _sharding_lines(sharding: dict | None) -> list[str]:
+    if not sharding:
+        return []
+    mesh = sharding["mesh"]
+    lines = [
+        f"- SPMD: mesh data {mesh['data']} x model {mesh['model']} over {sharding['devices']} devices; "
+        f"{sharding['split_tensors']} weight tensors split over the model axis "
+        f"({sharding['split_tensors_verified']} carry the split on the device)"
+    ]
+    for name, component in sharding["components"].items():
+        uneven = f", {component['uneven_layers']} uneven layers replicated" if component["uneven_layers"] else ""
+        lines.append(
+            f"  - {name} ({component['architecture']}): {component['decision']}"
+            f" ({component['split_layers']} linear layers split{uneven})"
+        )
+    return lines
+
+
+# The components that run in each phase of a pipeline call.
+_PHASE_COMPONENTS = {
+    "text encoding": "text encoders",
+    "first denoising step": "denoiser",
+    "later denoising steps": "denoiser",
+    "decoding": "VAE",
+}
+
+
+def _device_memory_lines(warmup: list[dict]) -> list[str]:
+    """Device memory after each phase of each shape key's warmup call, or why the device cannot say."""
+    lines = []
+    for entry in warmup:
+        phases = entry.get("device_memory_per_phase") or {}
+        readings = [(phase, m) for phase, m in phases.items() if m]
+        if not readings:
+            continue
+        missing = {m.get("unavailable") for _, m in readings} - {None}
+        if missing:
+            lines.append(f"\nDevice memory per phase: n/a ({missing.pop()})")
+            return lines
+        parts = [
+            f"{phase} ({_PHASE_COMPONENTS.get(phase, phase)}): {m['bytes_in_use'] / 1e9:.2f} GB in use, "
+            f"peak so far {m['peak_bytes'] / 1e9:.2f} GB"
+            for phase, m in readings
+        ]
+        lines.append(f"\nDevice memory after each phase of {entry['shape_key']}: " + "; ".join(parts))
+    return lines
+
+
+def _part_label(entry: dict) -> str:
+    if "worker" in entry and "rank" in entry:
+        return f"worker {entry['worker']} rank {entry['rank']}: "
+    if "worker" in entry:
+        return f"worker {entry['worker']}: "
+    return f"rank {entry['rank']}: " if "rank" in entry else ""
+
+
+def _by_phase(entry: dict) -> str:
+    """Graphs compiled in each phase of a warmup call, with the compile seconds they cost (where measured)."""
+    graphs = entry.get("graphs_per_phase") or {}
+    seconds = entry.get("compile_seconds_per_phase") or {}
+    parts = []
+    for name, count in graphs.items():
+        spent = seconds.get(name)
+        parts.append(f"{name} {count}" + (f" ({spent:.2f} s)" if isinstance(spent, (int, float)) else ""))
+    return ", ".join(parts) or "n/a"
+
+
+def _pod_lines(report: dict) -> list[str]:
+    if "tpugen_pod_report" not in report:
+        return []
+    failed = report.get("gather_failed_workers") or []
+    kept = [r["worker"] for r in report["per_worker"] if r["worker"] in failed and r["gathered"]]
+    gathered = (
+        [f"- gathering failed for workers {failed}" + (f"; earlier copies kept for workers {kept}" if kept else "")]
+        if failed
+        else []
+    )
+    return [
+        f"- TPU: {report['tpu']} in {report['zone']}, {report['workers']} workers",
+        *gathered,
+        f"- pod images per second: {_fmt(report['pod_images_per_second'], 2)} "
+        f"(all images / the slowest worker's timed phase, {_fmt(report['slowest_worker_wall_seconds'], 2)} s)",
+    ]
+
+
+def _worker_lines(report: dict) -> list[str]:
+    if "per_worker" not in report:
+        return []
+    lines = [
+        "",
+        f"## Workers ({len(report['per_worker'])})",
+        "",
+        "| worker | exit | images | warmup s | timed wall s | images/s | compiles after warmup |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["per_worker"]:
+        lines.append(
+            f"| {r['worker']} | {_fmt(r['exit_status'])} | {r['images']} | {_fmt(r['warmup_seconds'], 2)} "
+            f"| {_fmt(r['timed_wall_seconds'], 2)} | {_fmt(r['images_per_second'], 2)} "
+            f"| {_fmt(r['compiles_after_warmup'])} |"
+        )
+    for r in report["per_worker"]:
+        if r["last_lines"]:
+            lines += ["", f"Worker {r['worker']}, last lines:", "", *[f"    {line}" for line in r["last_lines"]]]
+    return lines
+
+
+def render_markdown(report: dict) -> str:
+    """report.md: the same facts as report.json, laid out for a person."""
+    timed = report["timed_phase"]
+    lat = timed["per_image_seconds"]
+    device = report["device"]
+    topology = report.get("topology") or {}
+    pod = "tpugen_pod_report" in report
+    status = "complete" if report["complete"] else "INCOMPLETE"
+    if pod and not report["complete"]:
+        status += f" (failed workers: {report['failed_workers']})"
+    lines = [
+        f"# tpugen {'pod run' if pod else 'run'} {report['run_id']}",
+        "",
+        f"- status: {status}",
+        *_pod_lines(report),
+        f"- model: {report['model']['id']} ({report['model']['dtype']}, scheduler {report['model']['scheduler']})",
+        f"- backend: {device.get('backend', 'n/a')} on {device.get('device_kind', 'n/a')} "
+        f"(world size {topology.get('world_size', 1)}"
+        + (f"; worker {topology['worker_index']} of {topology['num_workers']}" if topology.get("num_workers", 1) > 1 and not pod else "")
+        + ")",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
+        f"- config hash: {report['config_hash']}",
+        f"- images: {report['images']} in {report['batches']} batches ({report['padding_rows']} padding rows)",
+        f"- model load: {_fmt(report['model_load_seconds'], 2)} s",
+        _memory_line(report.get("memory")),
+        *_sharding_lines(device.get("sharding")),
+        *_placement_lines(device.get("placement")),
+        "",
+        "## Warmup (compile) per shape key",
+        "",
+        "| shape key | wall s | graphs compiled | compile s | graphs (compile s) by phase |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for entry in report["warmup"]:
+        where = f"{_part_label(entry)}{entry['shape_key']}"
+        if entry.get("already_warm"):
+            lines.append(f"| {where} | 0.00 | 0 | 0.00 | already warm on this engine |")
+            continue
+        lines.append(
+            f"| {where} | {_fmt(entry['seconds'], 2)} | {_fmt(entry['compiles'])} "
+            f"| {_fmt(entry['compile_seconds'], 2)} | {_by_phase(entry)} |"
+        )
+    if not report["warmup"]:
+        lines.append("| (skipped) | | | | |")
+    lines.extend(_device_memory_lines(report["warmup"]))
+    cache = report.get("persistent_cache") or {}
+    if cache:
+        counted = (
+            f" ({_fmt(cache.get('hits'))} hits, {_fmt(cache.get('misses'))} misses, " if cache.get("enabled") else ""
+        )
+        counted += f"{_fmt(cache.get('load_failures'))} entries that could not be loaded)" if counted else ""
+        lines += [
+            "",
+            f"Persistent compile cache: {cache['note']}{' in ' + cache['dir'] if cache.get('dir') else ''}{counted}",
+        ]
+    lines += [
+        "",
+        "## Timed phase",
+        "",
+        f"- wall: {_fmt(timed['wall_seconds'], 2)} s (generation {_fmt(timed['generate_seconds'], 2)} s, "
+        f"writing files {_fmt(timed['write_seconds'], 2)} s)",
+        f"- images per second: {_fmt(timed['images_per_second'], 2)}",
+        f"- seconds per image: mean {_fmt(lat['mean'])}, p50 {_fmt(lat['p50'])}, p90 {_fmt(lat['p90'])}, "
+        f"p99 {_fmt(lat['p99'])}",
+        f"- seconds per denoising step (batch latency / steps, incl. text encoding and decoding): "
+        f"{_fmt(timed['seconds_per_step'], 4)}",
+        f"- compiles after warmup: {_fmt(report['compiles_after_warmup'])}",
+    ]
+    counters = report["xla_counters"]
+    if counters:
+        t = counters["timed_phase"]
+        counted = [f"{t['compiles']} compiles"]
+        if t["executions"] is not None:
+            counted.append(f"{t['executions']} graph executions")
+        if t["transfers_to_host"] is not None:
+            counted.append(f"{t['transfers_to_host']} device-to-host transfers")
+        lines.append(f"- compile counters of the timed phase ({counters['scope']}): {', '.join(counted)}")
+    for event in report["recompiles"]:
+        lines.append(f"- recompile: batch {event['batch']} ({event['shape_key']}) compiled {event['compiles']} graphs")
+    if report.get("ranks"):
+        lines += [
+            "",
+            f"## Ranks ({len(report['ranks'])})",
+            "",
+            f"Weights loaded {report['weights_loaded']}. Counters: {report['counters_scope']}.",
+            *_launcher_lines(report.get("launcher")),
+            "",
+            "| rank | images | warmup s | warmup graphs | s per image | timed wall s | compiles after warmup | error |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in report["ranks"]:
+            lines.append(
+                f"| {r['rank']} | {r['images']} | {_fmt(r['warmup_seconds'], 2)} | {r['warmup_compiles']} "
+                f"| {_fmt(r['per_image_seconds'])} | {_fmt(r['timed_wall_seconds'], 2)} "
+                f"| {_fmt(r['compiles_after_warmup'])} | {r['error'] or ''} |"
+            )
+    earlier = report.get("earlier_sessions") or []
+    if earlier:
+        lines += [
+            "",
+            f"## Earlier sessions of this run ({len(earlier)}; the figures above are this session's)",
+            "",
+            "| session | finished (UTC) | images | load s | warmup s | timed wall s | images/s | s per image "
+            "| compiles after warmup | ended |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for number, session in enumerate(earlier, start=1):
+            timed_then = session.get("timed_phase") or {}
+            per_image = (timed_then.get("per_image_seconds") or {}).get("mean")
+            lines.append(
+                f"| {number} | {session.get('finished_utc') or 'n/a'} | {_fmt(session.get('images'))} "
+                f"| {_fmt(session.get('model_load_seconds'), 2)} | {_fmt(session.get('warmup_seconds'), 2)} "
+                f"| {_fmt(timed_then.get('wall_seconds'), 2)} | {_fmt(timed_then.get('images_per_second'), 2)} "
+                f"| {_fmt(per_image)} | {_fmt(session.get('compiles_after_warmup'))} "
+                f"| {session.get('error') or 'complete'} |"
+            )
+    lines.extend(_worker_lines(report))
+    lines += ["", "| batch | shape key | images | seconds | compiles |", "| --- | --- | --- | --- | --- |"]
+    for b in timed["batches"]:
+        where = ".".join(str(b[k]) for k in ("worker", "rank", "batch") if k in b)
+        lines.append(f"| {where} | {b['shape_key']} | {b['images']} | {_fmt(b['seconds'])} | {_fmt(b['compiles'])} |")
+    lines.append("")
+    return "\n".join(lines)
