@@ -112,8 +112,9 @@ def _dir_problem(out_dir: Path) -> str | None:
 
 
 def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
-    """8 hex digits naming everything that changes the images (not where they are written)."""
-    payload = config.model_dump(exclude={"output", "cache"})
+    """8 hex digits naming everything that changes the images (not where they are written, nor where a ray run's
+    workers are: a config without execution.ray hashes as it did before the key existed)."""
+    payload = config.model_dump(exclude={"output": True, "cache": True, "execution": {"ray"}})
     payload["prompts"] = [p.__dict__ for p in prompts]
     payload.pop("prompts_file", None)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
