@@ -22,7 +22,12 @@ def prepare_environment(run: ResolvedRun) -> None:
 def generate(
     run: ResolvedRun, *, display: Display | None = None, skip_warmup: bool = False, resume_dir: Path | None = None
 ) -> dict:
-    """`tpugen generate`: the config's way of running, one chip or all chips of the VM."""
+    """`tpugen generate`: the config's way of running: one chip, all chips of the VM, or a Ray cluster."""
+    if run.config.execution.mode == "ray":
+        from tpugen.modes.cluster import run_cluster
+
+        prepare_environment(run)
+        return run_cluster(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)
     if run.config.output.dir.startswith("gs://"):
         raise InputError(
             "output.dir: gs:// destinations are written by tpugen pod-run's workers; give a local directory"
@@ -61,6 +66,15 @@ def plan(run: ResolvedRun) -> tuple[RunPlan, object, str, str | None]:
     )
     fit = config_fit(memory, execution, run.config.model.id) if memory else None
     return plan_run(run), memory, how_it_runs(execution), fit
+
+
+def cluster_plan(run: ResolvedRun) -> list[str]:
+    """`tpugen plan` of a ray run: the workers and resources it would ask the cluster for (connects to nothing)."""
+    if run.config.execution.mode != "ray":
+        return []
+    from tpugen.modes.cluster import plan_lines
+
+    return plan_lines(run)
 
 
 def pod_run(run: ResolvedRun, pod, **options) -> dict | None:

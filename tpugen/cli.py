@@ -107,6 +107,8 @@ def plan(
     run = load_config(config, overrides or [])
     run_plan, memory, how, fit = app.plan(run)
     _print_plan(run_plan)
+    for line in app.cluster_plan(run):
+        typer.echo(line)
     if memory is None:
         out.print(f"memory: {run.config.model.id} is neither on disk nor known to tpugen; no memory plan")
         return
@@ -167,9 +169,9 @@ class _RichDisplay:
         if self._bar is not None:
             self._bar.update(self.task, advance=1, last=f"last: {batch.shape} {seconds:.2f}s")
 
-    def progress(self, done: int, total: int) -> None:
+    def progress(self, done: int, total: int, across: str = "all ranks") -> None:
         if self._bar is not None:
-            self._bar.update(self.task, completed=done, total=total, unit="images", last="all ranks")
+            self._bar.update(self.task, completed=done, total=total, unit="images", last=across)
 
     def finished(self) -> None:
         if self._bar is not None:
@@ -190,6 +192,7 @@ def _print_summary(report: dict) -> None:
     for entry in report["warmup"]:
         compiles = "" if entry["compiles"] is None else f", {entry['compiles']} graphs"
         rank = f"rank {entry['rank']} " if "rank" in entry else ""
+        rank = f"worker {entry['worker']} " if "worker" in entry else rank
         table.add_row(f"{rank}warmup {entry['shape_key']} s", f"{entry['seconds']:.2f}{compiles}")
     show = lambda v, fmt: "n/a" if v is None else fmt.format(v)  # noqa: E731
     table.add_row("timed phase s", show(timed["wall_seconds"], "{:.2f}"))
@@ -224,8 +227,9 @@ def generate(
         str | None,
         typer.Option(
             "--mode",
-            help="single (one chip) or multi (one replica per chip of this VM: torch_xla.launch on xla, torchrun "
-            "on torch_tpu, cuda and cpu); execution.mode.",
+            help="single (one chip), multi (one replica per chip of this VM: torch_xla.launch on xla, torchrun "
+            "on torch_tpu, cuda and cpu) or ray (batches handed to the workers of a Ray cluster, execution.ray); "
+            "execution.mode.",
         ),
     ] = None,
 ) -> None:
@@ -241,6 +245,11 @@ def generate(
         from tpugen.plan import plan_run
 
         _print_plan(plan_run(run))
+        if run.config.execution.mode == "ray":
+            from tpugen.modes.cluster import plan_lines
+
+            for line in plan_lines(run):
+                typer.echo(line)
         return
     from tpugen import app
 
