@@ -332,6 +332,22 @@ def test_a_model_no_worker_can_load_leaves_no_run(ray_cluster, tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.xla
+def test_a_batch_that_fails_stops_the_run_and_says_how_to_resume(ray_cluster, tmp_path):
+    # No warmup under strict shapes: the first batch a worker makes compiles, which strict shapes refuses.
+    config = ray_config(tmp_path, ray_cluster["address"], workers=1)
+    config["execution"]["strict_shapes"] = True
+    proc, run_dir = start_driver(tmp_path, config, "--skip-warmup")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, err
+    lines = errors(err)
+    assert lines[0].startswith("error: worker 0: batch 0: strict shapes: batch 0 (64x64 b1 cfg) compiled"), err
+    assert lines[-1] == f"error: resume with: tpugen resume {run_dir}"
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["complete"] is False and report["error"].startswith("worker 0: batch 0: strict shapes")
+    assert 0 not in [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")]
+
+
 # ---------------------------------------------------------------- bad input: one line, nothing written
 
 

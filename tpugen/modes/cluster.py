@@ -342,9 +342,9 @@ class ClusterRun:
 
     # ---------------------------------------------------------------- workers
 
-    def launch(self, count: int, resources: dict) -> None:
+    def launch(self, count: int) -> None:
         actor = self.ray.remote(_RayHost).options(
-            **actor_options(resources, self.run.config.execution.ray.max_restarts)
+            **actor_options(self.resources, self.run.config.execution.ray.max_restarts)
         )
         warm = None if self.skip_warmup else warmup_plan(self.remaining)
         for index in range(count):
@@ -478,7 +478,7 @@ class ClusterRun:
             return
         message = _message(cause)
         if call.kind == "batch":
-            self._requeue(call.batch, worker)
+            self.queue.appendleft(call.batch)  # not made: a resume makes it
             self.failure = self.failure or f"worker {worker.index}: batch {call.batch.number}: {message}"
             self._event("failed", worker, batch=call.batch.number, error=message)
             return
@@ -731,7 +731,7 @@ def run_cluster(
         stopped_now = False
         with StopSignals(on_signal=stopping) as stop:
             try:
-                driver.launch(count, resources)
+                driver.launch(count)
                 driver.work(stop)
             except KeyboardInterrupt:
                 stopped_now = True
