@@ -110,6 +110,22 @@ def test_imports_point_down_the_layers():
     assert upward == []
 
 
+def _importers(top: tuple[str, ...]) -> set[str]:
+    found = set()
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.split(".")[0] in top for n in names):
+                found.add(module)
+    return found
+
+
+def test_only_the_cluster_mode_imports_ray():
+    # Ray is an extra: every other command (and tpugen.cli's own import) must work without it.
+    assert _importers(("ray",)) == {"tpugen.modes.cluster"}
+
+
 def test_only_the_backends_import_torch_xla_or_torch_tpu():
     importers = set()
     for module, path in modules().items():

@@ -34,7 +34,12 @@ def prepare_environment(run: ResolvedRun) -> None:
 def generate(
     run: ResolvedRun, *, display: Display | None = None, skip_warmup: bool = False, resume_dir: Path | None = None
 ) -> dict:
-    """`tpugen generate`: the config's way of running, one chip or all chips of the VM."""
+    """`tpugen generate`: the config's way of running: one chip, all chips of the VM, or a Ray cluster."""
+    if run.config.execution.mode == "ray":
+        from tpugen.modes.cluster import run_cluster
+
+        prepare_environment(run)
+        return run_cluster(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)
     if run.config.output.dir.startswith("gs://"):
         raise InputError(
             "output.dir: gs:// destinations are written by tpugen pod-run's workers; give a local directory"
@@ -120,6 +125,15 @@ def generate_on(run: ResolvedRun, url: str, *, api_key: str | None, display: Dis
     from tpugen.modes.serve.client import submit
 
     return submit(run, url, api_key=api_key, display=display)
+
+
+def cluster_plan(run: ResolvedRun) -> list[str]:
+    """`tpugen plan` of a ray run: the workers and resources it would ask the cluster for (connects to nothing)."""
+    if run.config.execution.mode != "ray":
+        return []
+    from tpugen.modes.cluster import plan_lines
+
+    return plan_lines(run)
 
 
 def pod_run(run: ResolvedRun, pod, **options) -> dict | None:

@@ -125,6 +125,8 @@ def plan(
         out.print(f"flash attention: off -- {flash.reason}", markup=False)  # reasons hold [brackets]
     if view.attention:
         out.print(view.attention["note"], markup=False)
+    for line in app.cluster_plan(run):
+        typer.echo(line)
     if memory is None:
         out.print(f"memory: {run.config.model.id} is neither on disk nor known to tpugen; no memory plan")
         return
@@ -185,9 +187,9 @@ class _RichDisplay:
         if self._bar is not None:
             self._bar.update(self.task, advance=1, last=f"last: {batch.shape} {seconds:.2f}s")
 
-    def progress(self, done: int, total: int) -> None:
+    def progress(self, done: int, total: int, across: str = "all ranks") -> None:
         if self._bar is not None:
-            self._bar.update(self.task, completed=done, total=total, unit="images", last="all ranks")
+            self._bar.update(self.task, completed=done, total=total, unit="images", last=across)
 
     def finished(self) -> None:
         if self._bar is not None:
@@ -208,6 +210,7 @@ def _print_summary(report: dict) -> None:
     for entry in report["warmup"]:
         compiles = "" if entry["compiles"] is None else f", {entry['compiles']} graphs"
         rank = f"rank {entry['rank']} " if "rank" in entry else ""
+        rank = f"worker {entry['worker']} " if "worker" in entry else rank
         again = " again, without flash attention" if entry.get("again_without_flash_attention") else ""
         table.add_row(f"{rank}warmup {entry['shape_key']}{again} s", f"{entry['seconds']:.2f}{compiles}")
     show = lambda v, fmt: "n/a" if v is None else fmt.format(v)  # noqa: E731
@@ -243,8 +246,9 @@ def generate(
         str | None,
         typer.Option(
             "--mode",
-            help="single (one chip) or multi (one replica per chip of this VM: torch_xla.launch on xla, torchrun "
-            "on torch_tpu, cuda and cpu); execution.mode.",
+            help="single (one chip), multi (one replica per chip of this VM: torch_xla.launch on xla, torchrun "
+            "on torch_tpu, cuda and cpu) or ray (batches handed to the workers of a Ray cluster, execution.ray); "
+            "execution.mode.",
         ),
     ] = None,
     server: Annotated[
@@ -269,6 +273,11 @@ def generate(
         from tpugen.plan import plan_run
 
         _print_plan(plan_run(run))
+        if run.config.execution.mode == "ray":
+            from tpugen.modes.cluster import plan_lines
+
+            for line in plan_lines(run):
+                typer.echo(line)
         return
     from tpugen import app
 

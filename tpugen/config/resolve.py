@@ -127,10 +127,14 @@ def _dir_problem(out_dir: Path) -> str | None:
 
 
 def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
-    """8 hex digits naming everything that changes the images (not where they are written)."""
-    payload = config.model_dump(exclude={"output", "cache", "serve"})
+    """8 hex digits naming everything that changes the images (not where they are written, nor the server's
+    settings, nor where a ray run's workers are: configs without them hash as they did before they existed)."""
+    payload = config.model_dump(exclude={"output": True, "cache": True, "serve": True, "execution": {"ray"}})
+    # Keys added since the first release, at their defaults, leave the hash as it was before they existed.
     if not payload["model"]["loras"]:
-        del payload["model"]["loras"]  # configs without LoRAs keep the hash they had before the key existed
+        del payload["model"]["loras"]
+    if payload["compile"]["flash_attention"] == "auto":
+        del payload["compile"]["flash_attention"]
     payload["prompts"] = [p.__dict__ for p in prompts]
     payload.pop("prompts_file", None)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

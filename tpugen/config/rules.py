@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tpugen.config.schema import MeshConfig, RunConfig
+from tpugen.config.schema import MeshConfig, RayConfig, RunConfig
 from tpugen.models import Family
 
 
@@ -42,6 +42,11 @@ def run_problems(config: RunConfig, family: Family) -> list[str]:
 
     if execution.placement != "none":
         problems.extend(_placement_problems(config))
+
+    if execution.mode == "ray":
+        problems.extend(_ray_problems(config))
+    elif execution.ray != RayConfig():
+        problems.append("execution.ray: is used only with execution.mode: ray")
 
     if config.model.custom_pipeline and not config.model.allow_remote_code:
         problems.append(
@@ -86,5 +91,23 @@ def _spmd_problems(config: RunConfig) -> list[str]:
         problems.append(
             f"execution.mesh: data {mesh.data} x model {mesh.model or '(the rest)'} does not cover "
             f"execution.cores: {cores} devices exactly"
+        )
+    return problems
+
+
+def _ray_problems(config: RunConfig) -> list[str]:
+    execution, problems = config.execution, []
+    pod = execution.pod
+    if pod.worker_index is not None or pod.num_workers is not None:
+        # One model over a whole multi-host slice (spmd over the pod) needs every host in one runtime; a Ray
+        # worker is one host that takes batches on its own.
+        problems.append(
+            "execution.pod: is for tpugen pod-run's workers (a fixed share per pod worker); execution.mode: ray "
+            "hands batches to Ray workers, one host each: leave execution.pod unset"
+        )
+    if execution.cores and execution.sharding == "none" and execution.placement == "none":
+        problems.append(
+            "execution.cores: with execution.mode: ray each worker runs one engine; cores applies to spmd or "
+            "placement over a worker's chips (for one replica per chip, give each worker {TPU: 1})"
         )
     return problems

@@ -134,11 +134,59 @@ class MeshConfig(_Section):
     model: int = Field(default=0, ge=0)
 
 
+# Where a ray run's driver finds its cluster: local (a throwaway cluster on this machine, for the run), auto
+# (the cluster `ray start` made, or RAY_ADDRESS), ray://HOST:PORT (Ray Client) or HOST:PORT (the GCS address).
+_RAY_ADDRESS = re.compile(r"(ray://)?[A-Za-z0-9][A-Za-z0-9.-]*:[0-9]{1,5}")
+
+
+def _check_ray_address(value: str) -> str:
+    if value in ("local", "auto") or _RAY_ADDRESS.fullmatch(value):
+        return value
+    raise ValueError(f"must be local, auto, ray://HOST:PORT or HOST:PORT, got {value!r}")
+
+
+def _check_workers(value: Any) -> Any:
+    if value == "auto" or (type(value) is int and value >= 1):
+        return value
+    shown = value if not isinstance(value, str) else repr(value)
+    raise ValueError(f"must be a number of workers (1 or more) or auto, got {shown}")
+
+
+def _check_resources(value: Any) -> Any:
+    if value is None:
+        return value
+    if (
+        isinstance(value, dict)
+        and value
+        and all(isinstance(k, str) and k for k in value)
+        and all(type(v) in (int, float) and 0 < v < float("inf") for v in value.values())
+    ):
+        return value
+    shown = "{" + ", ".join(f"{k}: {v!r}" for k, v in value.items()) + "}" if isinstance(value, dict) else repr(value)
+    raise ValueError(f"must be a mapping of Ray resource to a positive amount such as {{TPU: 4}}, got {shown}")
+
+
+class RayConfig(_Section):
+    address: Annotated[str, AfterValidator(_check_ray_address)] = "local"
+    # A number, or auto: one per TPU host of the cluster (as many as resources_per_worker fit on its TPU
+    # nodes), else one per node.
+    workers: Annotated[Any, AfterValidator(_check_workers)] = "auto"
+    # What each worker asks Ray for; default {TPU: chips per host} on a cluster with TPUs, else {CPU: 1}.
+    resources_per_worker: Annotated[Any, AfterValidator(_check_resources)] = None
+    # How often Ray starts a lost worker again (it opens and warms its engine again each time).
+    max_restarts: int = Field(default=3, ge=0)
+    # Passed to ray.init (pip, env_vars, working_dir, ...).
+    runtime_env: dict[str, Any] | None = None
+    # How long the address may take to answer.
+    connect_timeout_s: float = Field(default=30.0, gt=0)
+
+
 class ExecutionConfig(_Section):
     backend: Literal["xla", "cpu", "cuda", "torch_tpu"] = "xla"
     # single: one device; multi: one replica per device, through torch_xla.launch (xla) or torchrun, one
-    # process each (torch_tpu: process group tpu_dist, cuda: nccl, cpu: gloo, with cores processes).
-    mode: Literal["single", "multi"] = "single"
+    # process each (torch_tpu: process group tpu_dist, cuda: nccl, cpu: gloo, with cores processes); ray: batches
+    # handed out to the workers of a Ray cluster (execution.ray).
+    mode: Literal["single", "multi", "ray"] = "single"
     # multi and spmd: how many devices (0 = every local device; on XLA:CPU, CPU_NUM_DEVICES or 1).
     cores: int = Field(default=0, ge=0)
     strict_shapes: bool = False
@@ -156,6 +204,7 @@ class ExecutionConfig(_Section):
     # Overrides the chip's HBM in GB.
     chip_memory_gb: float | None = Field(default=None, gt=0)
     torch_tpu: TorchTpuConfig = TorchTpuConfig()
+    ray: RayConfig = RayConfig()
 
 
 class CacheConfig(_Section):

@@ -40,7 +40,8 @@ class Display:
 
     def batch_done(self, batch: Batch, seconds: float) -> None: ...
 
-    def progress(self, done: int, total: int) -> None: ...
+    def progress(self, done: int, total: int, across: str = "all ranks") -> None:
+        """Images done over every part of the run (`across`: all ranks, all workers), as its parent counts them."""
 
     def finished(self) -> None: ...
 

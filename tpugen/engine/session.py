@@ -31,8 +31,9 @@ from tpugen.outputs.report import (
 )
 from tpugen.plan import RunPlan, plan_run, plan_share
 
-# Keys that never change pixels: where files go, the compile cache, the recompile guard, the server's settings.
-_NOT_IMAGE_KEYS = {"output", "cache", "execution.strict_shapes", "prompts_file", "serve"}
+# Keys that never change pixels: where files go, the compile cache, the recompile guard, the server's settings,
+# and where a ray run's workers are (so a killed driver's run can be resumed from another address).
+_NOT_IMAGE_KEYS = {"output", "cache", "execution.strict_shapes", "prompts_file", "serve", "execution.ray"}
 RUN_RECORD = "run.json"  # what made the run: the resolved config and its prompts, as they were at the start
 MANIFEST = "manifest.jsonl"
 
@@ -84,20 +85,20 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
     }
 
 
-class BatchWriter:
-    """Writes each batch's images (atomically) and appends their manifest lines (fsynced) as they land."""
+class ImageWriter:
+    """Writes each batch's images (atomically) and returns their manifest records, appending them nowhere: a
+    ray worker's side of a run, whose driver appends the records once it has them."""
 
-    def __init__(self, session: RunSession, scheduler: str, model_label: str, manifest: str, extra: dict) -> None:
+    def __init__(self, session: RunSession, scheduler: str, model_label: str, extra: dict) -> None:
         self.session = session
         self.scheduler = scheduler
         self.model_label = model_label
         self.extra = extra  # manifest-only fields (the rank), never in the PNG
-        self.manifest = Manifest(session.run_dir / manifest)
 
-    def __call__(self, batch, pixels: list, seconds: float) -> list[str]:
+    def write(self, batch, pixels: list, seconds: float) -> list[dict]:
         session, run_dir = self.session, self.session.run_dir
         share = seconds / len(batch.items)
-        records, names = [], []
+        records = []
         for item, image in zip(batch.items, pixels, strict=True):
             if item.index in session.finished:  # resumed: this image is already on disk
                 continue
@@ -105,9 +106,20 @@ class BatchWriter:
             record = image_record(session.run, self.scheduler, self.model_label, item, batch.number, name)
             save_png(inside(run_dir, name), Image.fromarray(image), record)
             records.append({**record, "latency_seconds": share, **self.extra})
-            names.append(name)
+        return records
+
+
+class BatchWriter(ImageWriter):
+    """Writes each batch's images (atomically) and appends their manifest lines (fsynced) as they land."""
+
+    def __init__(self, session: RunSession, scheduler: str, model_label: str, manifest: str, extra: dict) -> None:
+        super().__init__(session, scheduler, model_label, extra)
+        self.manifest = Manifest(session.run_dir / manifest)
+
+    def __call__(self, batch, pixels: list, seconds: float) -> list[str]:
+        records = self.write(batch, pixels, seconds)
         self.manifest.append(records)
-        return names
+        return [r["file"] for r in records]
 
     def close(self) -> None:
         self.manifest.close()
@@ -174,6 +186,16 @@ class RunSession:
         if manifest == MANIFEST and self.resumed:
             rewrite_manifest(self.run_dir, self.finished)  # drop a torn last line before appending to it
         return BatchWriter(self, engine.scheduler_name, engine.model_label, manifest, extra or {})
+
+    def open_manifest(self) -> Manifest:
+        """manifest.jsonl for appending records that others wrote the images of (a ray run's driver)."""
+        if self.resumed:
+            rewrite_manifest(self.run_dir, self.finished)  # drop a torn last line before appending to it
+        return Manifest(self.run_dir / MANIFEST)
+
+    def image_writer(self, engine, extra: dict | None = None) -> ImageWriter:
+        """Images only: the records come back to whoever owns the manifest (a ray run's driver)."""
+        return ImageWriter(self, engine.scheduler_name, engine.model_label, extra or {})
 
     def records(self) -> dict[int, dict]:
         """Every image record in the manifest and in per-rank manifests not merged yet, by index."""

@@ -386,6 +386,59 @@ def _worker_lines(report: dict) -> list[str]:
     return lines
 
 
+def _ray_event(event: dict) -> str:
+    at, who = f"{event['seconds']:.1f} s", f"worker {event['worker']}"
+    kind = event["event"]
+    if kind == "lost":
+        batches = event.get("batches") or []
+        back = f"; batches {', '.join(map(str, batches))} went back to the queue" if batches else "; no batch in flight"
+        return f"- {at}: {who} lost (pid {event.get('pid')}, {event.get('reason')}){back}"
+    if kind == "restarted":
+        return f"- {at}: {who} restarted by Ray (pid {event.get('pid')}), warming up again"
+    if kind == "retried":
+        return f"- {at}: batch {event['batch']} retried on {who}"
+    if kind == "gone":
+        return f"- {at}: {who} gone: {event.get('reason')}"
+    if kind == "failed":
+        where = f" batch {event['batch']}" if "batch" in event else " to start"
+        return f"- {at}: {who} failed{where}: {event.get('error')}"
+    if kind == "back":
+        return f"- {at}: {who} answered again (pid {event.get('pid')}, never died)"
+    return f"- {at}: {who} {kind}"
+
+
+def _ray_lines(report: dict) -> list[str]:
+    ray = report.get("ray")
+    if not ray:
+        return []
+    resources = ", ".join(f"{k}: {v:g}" for k, v in sorted(ray["resources_per_worker"].items()))
+    lines = [
+        "",
+        f"## Ray workers ({ray['workers']})",
+        "",
+        f"Address {ray['address']}; each worker asked for {{{resources}}}; max_restarts {ray['max_restarts']}; "
+        f"{ray['in_flight_per_worker']} batches in flight per worker. Timed phase wall: {ray['timed_wall']}. "
+        f"Lost workers: {', '.join(f'worker {i}' for i in ray['lost_workers']) or 'none'}; restarts: {ray['restarts']}; "
+        f"retried batches: {', '.join(map(str, ray['retried_batches'])) or 'none'}.",
+        "",
+        "| worker | node | pids | state | batches | images | warmup s | s per image | restarts | batches lost "
+        "| compiles after warmup | error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for w in ray["per_worker"]:
+        node = (w["node"] or "n/a")[:12]
+        lost = ", ".join(map(str, sorted(w["lost_batches"])))
+        lines.append(
+            f"| {w['index']} | {node} | {', '.join(map(str, w['pids'])) or 'n/a'} | {w['state']} | {w['batches_done']} "
+            f"| {w['images']} | {_fmt(w['warmup_seconds'], 2)} | {_fmt(w['per_image_seconds'])} | {w['restarts']} "
+            f"| {lost} | {_fmt(w['compiles_after_warmup'])} | {w['error'] or ''} |"
+        )
+    faults = [_ray_event(e) for e in ray["events"] if e["event"] != "warm"]
+    if faults:
+        lines += ["", "Faults and restarts:", "", *faults]
+    return lines
+
+
 def render_markdown(report: dict) -> str:
     """report.md: the same facts as report.json, laid out for a person."""
     timed = report["timed_phase"]
@@ -397,14 +450,18 @@ def render_markdown(report: dict) -> str:
     if pod and not report["complete"]:
         status += f" (failed workers: {report['failed_workers']})"
     lines = [
-        f"# tpugen {'pod run' if pod else 'run'} {report['run_id']}",
+        f"# tpugen {'pod run' if pod else 'ray run' if report.get('ray') else 'run'} {report['run_id']}",
         "",
         f"- status: {status}",
         *_pod_lines(report),
         f"- model: {report['model']['id']} ({report['model']['dtype']}, scheduler {report['model']['scheduler']})",
         *_lora_lines(report["model"].get("loras")),
         f"- backend: {device.get('backend', 'n/a')} on {device.get('device_kind', 'n/a')} "
-        f"(world size {topology.get('world_size', 1)}"
+        + (
+            f"({report['ray']['workers']} Ray workers"
+            if report.get("ray")
+            else f"(world size {topology.get('world_size', 1)}"
+        )
         + (
             f"; worker {topology['worker_index']} of {topology['num_workers']}"
             if topology.get("num_workers", 1) > 1 and not pod
@@ -512,6 +569,7 @@ def render_markdown(report: dict) -> str:
                 f"| {session.get('error') or 'complete'} |"
             )
     lines.extend(_worker_lines(report))
+    lines.extend(_ray_lines(report))
     lines += ["", "| batch | shape key | images | seconds | compiles |", "| --- | --- | --- | --- | --- |"]
     for b in timed["batches"]:
         where = ".".join(str(b[k]) for k in ("worker", "rank", "batch") if k in b)

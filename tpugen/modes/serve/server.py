@@ -38,6 +38,8 @@ def check_start(run: ResolvedRun, host: str, api_key: str | None) -> None:
             f"tpugen serve needs the web stack ({exc.name} is missing): pip install 'tpugen[serve]'"
         ) from None
     execution = run.config.execution
+    if execution.mode == "ray":
+        raise InputError("execution.mode: ray spreads one run over a cluster; tpugen serve runs on this machine")
     if execution.mode == "multi" and execution.backend != "xla":
         raise InputError(
             f"execution.mode: multi under tpugen serve runs one engine per device on xla; backend {execution.backend} "

@@ -1,0 +1,782 @@
+"""execution.mode: ray: one run over a Ray cluster, batches handed to host workers (actors) as they finish them.
+
+The driver (`tpugen generate`) owns the run session: it connects, checks what the cluster has, starts one
+worker per host, hands out batches from one queue, appends each batch's records to the manifest once its
+worker returns them, and puts the batches of a lost worker back in the queue. The only module that imports
+ray, and only inside functions, so that nothing else (tpugen.cli above all) pays for it."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from tpugen.backends import Counters, backend_environment
+from tpugen.config import ResolvedRun
+from tpugen.engine import Display, RunSession, StopSignals
+from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
+from tpugen.modes.host import HostWorker, NotStarted, warmup_plan
+from tpugen.outputs.files import write_json
+from tpugen.outputs.report import build_report, merge_phases, persistent_cache_summary
+from tpugen.plan import Batch, RunPlan, plan_run
+
+RAY_EXTRA = "pip install 'tpugen[ray]'"
+WORKERS_FILE = "workers.json"
+# Batches queued on each worker: one running and one waiting, so a worker never idles while the driver hears of
+# its last batch and sends the next. A lost worker costs at most these.
+IN_FLIGHT = 2
+# A throwaway local cluster's object store: only batches and records travel through it, never pixels.
+LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
+ALIVE = ("starting", "warming", "ready", "restarting")  # states in which a worker may still take batches
+
+
+def import_ray():
+    """ray, or the one line that says how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise InputError(f"execution.mode: ray needs Ray, which is not installed: {RAY_EXTRA}") from None
+    return ray
+
+
+# ---------------------------------------------------------------- what to ask the cluster for (pure)
+
+
+@dataclass(frozen=True)
+class Node:
+    """A live node of the cluster, as Ray lists it."""
+
+    node_id: str
+    address: str
+    resources: dict
+
+
+def show_resources(resources: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
+
+
+def _shown_nodes(nodes: list[Node], keys) -> str:
+    shown = [show_resources({k: v for k, v in n.resources.items() if k in keys}) for n in nodes]
+    counted = {s: shown.count(s) for s in shown}
+    return ", ".join(f"{count} x {s}" if count > 1 else s for s, count in counted.items()) or "none"
+
+
+def worker_resources(settings, nodes: list[Node]) -> dict:
+    """execution.ray.resources_per_worker, or the default: every chip of a TPU host on a cluster with TPUs,
+    else one CPU."""
+    if settings.resources_per_worker:
+        return dict(settings.resources_per_worker)
+    chips = sorted({n.resources["TPU"] for n in nodes if n.resources.get("TPU", 0) > 0})
+    if not chips:
+        return {"CPU": 1}
+    if len(chips) > 1:
+        raise InputError(
+            "execution.ray.resources_per_worker: the cluster's TPU hosts have "
+            + " and ".join(f"{c:g}" for c in chips)
+            + " chips; set it (e.g. {TPU: "
+            + f"{chips[0]:g}"
+            + "}) to say what one worker takes"
+        )
+    return {"TPU": chips[0]}
+
+
+def room(node: Node, resources: dict) -> int:
+    """How many workers asking for `resources` fit on `node` (as it is, not counting what others use now)."""
+    return min(math.floor(node.resources.get(key, 0) / amount + 1e-9) for key, amount in resources.items())
+
+
+def worker_count(settings, nodes: list[Node], resources: dict) -> int:
+    """execution.ray.workers, checked against the nodes; auto: one per TPU host (as many as fit on the TPU
+    nodes, so {TPU: 1} gives one per chip), else one per node."""
+    keys = {"CPU", "GPU", "TPU", *resources}
+    fits = [room(n, resources) for n in nodes]
+    if not any(fits):
+        raise InputError(
+            f"execution.ray.resources_per_worker: no node of the cluster has {show_resources(resources)} "
+            f"(its nodes: {_shown_nodes(nodes, keys)})"
+        )
+    if settings.workers == "auto":
+        return sum(fits) if "TPU" in resources else sum(1 for f in fits if f)
+    if settings.workers > sum(fits):
+        raise InputError(
+            f"execution.ray.workers: {settings.workers} workers of {show_resources(resources)} asked for, and the "
+            f"cluster has room for {sum(fits)} (its nodes: {_shown_nodes(nodes, keys)})"
+        )
+    return settings.workers
+
+
+def actor_options(resources: dict, max_restarts: int) -> dict:
+    """Ray's actor options: CPU and GPU go by their own keywords, every other resource (TPU too) by name.
+    Tasks are never retried by Ray: the driver puts a lost batch back in its queue itself."""
+    options = {"max_restarts": max_restarts, "max_task_retries": 0}
+    rest = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    if "CPU" in resources:
+        options["num_cpus"] = resources["CPU"]
+    if "GPU" in resources:
+        options["num_gpus"] = resources["GPU"]
+    if rest:
+        options["resources"] = rest
+    return options
+
+
+def plan_lines(run: ResolvedRun) -> list[str]:
+    """What `tpugen plan` says a ray run would ask for, without connecting to anything."""
+    settings = run.config.execution.ray
+    workers = (
+        "auto (one per TPU host the cluster has, else one per node)"
+        if settings.workers == "auto"
+        else str(settings.workers)
+    )
+    resources = (
+        show_resources(settings.resources_per_worker)
+        if settings.resources_per_worker
+        else "{TPU: chips per host} on a cluster with TPUs, else {CPU: 1}"
+    )
+    return [
+        f"ray: address {settings.address}; workers: {workers}; each worker asks for {resources}",
+        f"ray: every worker warms up every shape key, then takes batches as it finishes them ({IN_FLIGHT} in "
+        f"flight each); a lost worker's batches go back to the queue; Ray restarts it up to {settings.max_restarts} "
+        "times",
+    ]
+
+
+# ---------------------------------------------------------------- joining the cluster
+
+
+def _probe(host: str, port: int, timeout: float) -> str | None:
+    """Why nothing answers at host:port within `timeout`, or None: ray.init itself retries a dead address
+    forever."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def _target(ray, address: str) -> str:
+    """The address ray.init is given: auto is resolved here (RAY_ADDRESS, else the cluster `ray start` made on
+    this machine), so that it can be probed first."""
+    if address != "auto":
+        return address
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    try:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+
+        return canonicalize_bootstrap_address_or_die("auto")
+    except ConnectionError:
+        raise InputError(
+            "execution.ray.address: auto: no Ray cluster was started on this machine (`ray start --head` makes "
+            "one) and RAY_ADDRESS is not set"
+        ) from None
+
+
+class Cluster:
+    """The connection to the cluster, for one run: joined (or, for address local, started) on entry, left (or
+    stopped) on exit."""
+
+    def __init__(self, run: ResolvedRun) -> None:
+        self.settings = run.config.execution.ray
+        self.debug = os.environ.get("TPUGEN_DEBUG") == "1"
+        env = {**backend_environment(run.config.execution)}
+        runtime_env = dict(self.settings.runtime_env or {})
+        if env:
+            runtime_env["env_vars"] = {**env, **(runtime_env.get("env_vars") or {})}
+        self.runtime_env = runtime_env or None
+        self.ray = None
+        self.address = self.settings.address
+
+    def __enter__(self) -> Cluster:
+        ray = self.ray = import_ray()
+        common = {"namespace": "tpugen", "runtime_env": self.runtime_env, "logging_level": logging.WARNING}
+        if self.address == "local":
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                log_to_driver=self.debug,
+                **common,
+            )
+            return self
+        target = _target(ray, self.address)
+        host, _, port = target.removeprefix("ray://").rpartition(":")
+        why = _probe(host, int(port), self.settings.connect_timeout_s) if port.isdigit() else "not HOST:PORT"
+        if why:
+            raise InputError(f"execution.ray.address: {self.address} ({target}) does not answer: {why}")
+        client = target.startswith("ray://")  # Ray Client takes fewer options
+        try:
+            ray.init(address=target, **common, **({} if client else {"log_to_driver": self.debug}))
+        except Exception as exc:  # a version mismatch, an auth token, a port that is not Ray's
+            if ray.is_initialized():
+                ray.shutdown()
+            raise InputError(
+                f"execution.ray.address: cannot join the Ray cluster at {target}: {one_line(exc)}"
+            ) from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.ray is not None and self.ray.is_initialized():
+            self.ray.shutdown()  # for address local, this also stops the cluster it started
+
+    def nodes(self) -> list[Node]:
+        return [
+            Node(n["NodeID"], n.get("NodeManagerAddress", ""), dict(n.get("Resources") or {}))
+            for n in self.ray.nodes()
+            if n.get("Alive")
+        ]
+
+
+class _RayHost(HostWorker):
+    """The worker as Ray runs it: the same, plus the Ray node it runs on."""
+
+    def hello(self) -> dict:
+        import ray
+
+        return {**super().hello(), "node": ray.get_runtime_context().get_node_id()}
+
+
+# ---------------------------------------------------------------- the driver
+
+
+@dataclass
+class Worker:
+    """The driver's view of one worker: everything workers.json and the report say about it."""
+
+    index: int
+    handle: object = None
+    state: str = "starting"
+    node: str | None = None
+    host: str | None = None
+    pid: int | None = None
+    pids: list[int] = field(default_factory=list)
+    incarnation: str | None = None
+    epoch: int = 0  # bumped at each loss, so the failures of one loss are counted once
+    restarts: int = 0
+    losses: int = 0
+    batches_done: int = 0
+    images: int = 0
+    load_seconds: list[float] = field(default_factory=list)
+    warmup: list[dict] = field(default_factory=list)
+    warmup_seconds: float = 0.0
+    in_flight: dict = field(default_factory=dict)  # future -> batch
+    lost_batches: list[int] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+    recompiles: list[dict] = field(default_factory=list)
+    written: list[str] = field(default_factory=list)
+    counters: Counters | None = None
+    counted: bool = True  # every batch brought counters
+    generate_seconds: float = 0.0
+    write_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    started: dict | None = None
+    error: str | None = None
+    cause: BaseException | None = None  # why it could not start
+
+    def as_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "node": self.node,
+            "host": self.host,
+            "pid": self.pid,
+            "pids": self.pids,
+            "state": self.state,
+            "batches_done": self.batches_done,
+            "images": self.images,
+            "in_flight": sorted(b.number for b in self.in_flight.values()),
+            "warmup_seconds": self.warmup_seconds,
+            "restarts": self.restarts,
+            "losses": self.losses,
+            "lost_batches": self.lost_batches,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class Call:
+    kind: str  # hello, start or batch
+    worker: Worker
+    epoch: int
+    batch: Batch | None = None
+
+
+class ClusterRun:
+    """One session of a ray run: the queue, the workers, and the one place where their results and their faults
+    are handled (`_settle`)."""
+
+    def __init__(
+        self, cluster: Cluster, run: ResolvedRun, session, plan: RunPlan, resources: dict, display: Display, skip_warmup
+    ) -> None:
+        self.cluster, self.ray, self.run = cluster, cluster.ray, run
+        self.resources = resources
+        self.session = session  # None until the first worker has its engine open (a new run)
+        self.plan = plan  # the whole run
+        self.display = display
+        self.skip_warmup = skip_warmup
+        finished = frozenset(session.finished) if session else frozenset()
+        self.remaining = RunPlan(
+            plan.items, tuple(b for b in plan.batches if any(i.index not in finished for i in b.items))
+        )
+        self.queue: deque[Batch] = deque(self.remaining.batches)
+        self.confirmed: dict[int, dict] = {}  # index -> record, this session
+        self.futures: dict = {}  # future -> Call
+        self.workers: list[Worker] = []
+        self.events: list[dict] = []
+        self.lost_from: dict[int, list[int]] = {}  # batch number -> workers it was lost with
+        self.failure: str | None = None
+        self.manifest = None
+        self.begin = time.perf_counter()
+        self.timed_start: float | None = None
+        self.timed_end: float | None = None
+
+    @property
+    def finished(self) -> dict:
+        return self.session.finished if self.session else {}
+
+    # ---------------------------------------------------------------- workers
+
+    def launch(self, count: int) -> None:
+        actor = self.ray.remote(_RayHost).options(
+            **actor_options(self.resources, self.run.config.execution.ray.max_restarts)
+        )
+        warm = None if self.skip_warmup else warmup_plan(self.remaining)
+        for index in range(count):
+            worker = Worker(index, actor.remote(self.run, index, warm))
+            self.workers.append(worker)
+            self._greet(worker)
+
+    def _greet(self, worker: Worker) -> None:
+        """hello then start: Ray runs a worker's calls in order, so the pid is known before the engine opens."""
+        self.futures[worker.handle.hello.remote()] = Call("hello", worker, worker.epoch)
+        self.futures[worker.handle.start.remote()] = Call("start", worker, worker.epoch)
+
+    def _event(self, what: str, worker: Worker | None = None, **fields) -> None:
+        at = time.perf_counter() - self.begin
+        self.events.append({"seconds": round(at, 3), "event": what, "worker": worker and worker.index, **fields})
+
+    def _alive(self) -> list[Worker]:
+        return [w for w in self.workers if w.state in ALIVE]
+
+    # ---------------------------------------------------------------- the loop
+
+    def work(self, stop: StopSignals) -> None:
+        """Hand out batches and settle results until every batch is confirmed, or nothing can go on."""
+        ray = self.ray
+        total = len(self.plan.items)
+        self.display.batches_started(total)
+        while True:
+            handing = self.failure is None and not stop.requested
+            if handing:
+                self._hand_out()
+            if not any(c.kind == "batch" for c in self.futures.values()):
+                # Nothing in flight: done, stopping, or no worker left to take what is left. A worker that Ray
+                # is still restarting is not waited for once every batch is confirmed.
+                if not self._left() or not handing or not self._alive() or not self.futures:
+                    return
+            ready, _ = ray.wait(list(self.futures), num_returns=1, timeout=1.0)
+            for future in ready:
+                self._settle(future)
+            self.display.progress(len(self.finished) + len(self.confirmed), total, "all workers")
+
+    def _left(self) -> list[Batch]:
+        done = set(self.finished) | set(self.confirmed)
+        return [b for b in self.queue if any(i.index not in done for i in b.items)]
+
+    def _hand_out(self) -> None:
+        """One batch at a time to each ready worker with room, fewest in flight first, until the queue is empty."""
+        done = set(self.finished) | set(self.confirmed)
+        while self.queue:
+            ready = [w for w in self.workers if w.state == "ready" and len(w.in_flight) < IN_FLIGHT]
+            if not ready:
+                return
+            worker = min(ready, key=lambda w: (len(w.in_flight), w.index))
+            batch = self.queue.popleft()
+            if all(i.index in done for i in batch.items):
+                continue  # confirmed meanwhile (a worker thought lost came back with it)
+            if self.timed_start is None:
+                self.timed_start = time.perf_counter()
+            skip = frozenset(i.index for i in batch.items if i.index in self.finished)
+            future = worker.handle.run_batch.remote(batch, str(self.session.run_dir), skip)
+            self.futures[future] = Call("batch", worker, worker.epoch, batch)
+            worker.in_flight[future] = batch
+            if batch.number in self.lost_from:
+                self._event("retried", worker, batch=batch.number)
+            self._write_workers()
+
+    def _settle(self, future) -> None:
+        """A finished call: its result, or the fault it brings back, handled here and nowhere else."""
+        ray = self.ray
+        call = self.futures.pop(future)
+        worker = call.worker
+        if call.kind == "batch":
+            worker.in_flight.pop(future, None)
+        try:
+            value = ray.get(future)
+        except ray.exceptions.RayActorError as exc:  # the process died, its node was lost, or it is unreachable
+            self._lost(call, exc)
+        except ray.exceptions.RayTaskError as exc:  # the worker's own code raised
+            self._raised(call, exc.cause if exc.cause is not None else exc, exc)
+        except ray.exceptions.RayError as exc:  # a runtime env that cannot be set up, an actor Ray cannot place
+            self._raised(call, exc, exc)
+        else:
+            {"hello": self._hello, "start": self._started, "batch": self._batch_done}[call.kind](call, value)
+        self._write_workers()
+
+    def _lost(self, call: Call, exc) -> None:
+        worker = call.worker
+        if call.batch is not None:
+            self._requeue(call.batch, worker)
+        # Asked after a loss (hello or start), ActorDiedError is Ray saying there will be no restart
+        # (max_restarts used up); the batches in flight at a death come back as ActorUnavailableError.
+        final = isinstance(exc, self.ray.exceptions.ActorDiedError) and call.kind != "batch"
+        current = call.epoch == worker.epoch and worker.state not in ("lost", "failed")
+        if final:
+            if current and worker.state != "restarting":
+                self._count_loss(worker, call, exc)
+            if worker.state not in ("lost", "failed"):
+                worker.state = "lost"
+                self._event("gone", worker, reason="Ray will not restart it (max_restarts used up)")
+                self.display.warning(f"worker {worker.index} is gone: Ray will not restart it")
+            return
+        if not current:
+            return  # another failure of a loss already counted
+        self._count_loss(worker, call, exc)
+        worker.state = "restarting"
+        self._greet(worker)  # answered by the restarted process, or by Ray saying there is none
+
+    def _count_loss(self, worker: Worker, call: Call, exc) -> None:
+        worker.losses += 1
+        worker.epoch += 1
+        lost = sorted({call.batch.number} if call.batch else set()) + sorted(
+            b.number for b in worker.in_flight.values()
+        )
+        reason = type(exc).__name__
+        self._event("lost", worker, pid=worker.pid, node=worker.node, batches=lost, reason=reason)
+        self.display.warning(
+            f"worker {worker.index} (pid {worker.pid}) lost ({reason})"
+            + (f"; batches {', '.join(map(str, lost))} go back to the queue" if lost else "")
+        )
+
+    def _requeue(self, batch: Batch, worker: Worker) -> None:
+        self.queue.appendleft(batch)  # redone first, so a retried batch does not wait for the whole queue
+        worker.lost_batches.append(batch.number)
+        self.lost_from.setdefault(batch.number, []).append(worker.index)
+
+    def _raised(self, call: Call, cause: BaseException, exc) -> None:
+        worker = call.worker
+        if os.environ.get("TPUGEN_DEBUG") == "1":
+            print(f"worker {worker.index}: {exc}", flush=True)
+        if isinstance(cause, NotStarted):  # restarted between batches, unseen: start it again
+            self._lost(call, cause)
+            return
+        message = _message(cause)
+        if call.kind == "batch":
+            self.queue.appendleft(call.batch)  # not made: a resume makes it
+            self.failure = self.failure or f"worker {worker.index}: batch {call.batch.number}: {message}"
+            self._event("failed", worker, batch=call.batch.number, error=message)
+            return
+        if call.epoch != worker.epoch:
+            return
+        worker.state, worker.error, worker.cause = "failed", message, cause
+        self._event("failed", worker, error=message)
+        self.display.warning(f"worker {worker.index} could not start: {message}")
+
+    def _hello(self, call: Call, value: dict) -> None:
+        worker = call.worker
+        if call.epoch != worker.epoch:
+            return
+        if worker.incarnation is not None and value["incarnation"] != worker.incarnation:
+            worker.restarts += 1
+            self._event("restarted", worker, pid=value["pid"], node=value["node"])
+            self.display.phase(f"worker {worker.index} restarted by Ray (pid {value['pid']}): warming up again")
+        elif worker.incarnation is not None:
+            self._event("back", worker, pid=value["pid"])  # unreachable for a moment, never died
+        worker.incarnation = value["incarnation"]
+        worker.pid, worker.node, worker.host = value["pid"], value["node"], value["host"]
+        if value["pid"] not in worker.pids:
+            worker.pids.append(value["pid"])
+        worker.state = "warming"
+
+    def _started(self, call: Call, value: dict) -> None:
+        worker = call.worker
+        if call.epoch != worker.epoch:
+            return
+        if value["fresh"]:
+            worker.load_seconds.append(value["load_seconds"])
+            number = len(worker.load_seconds)
+            worker.warmup.extend({**w, "worker": worker.index, "start": number} for w in value["warmup"])
+            worker.warmup_seconds += sum(w["seconds"] for w in value["warmup"])
+            worker.started = value
+            self._event("warm", worker, pid=value["pid"], seconds=round(value["start_seconds"], 3))
+        if self.session is None:  # the first engine open: the model loads, so now there is a run
+            self.session = RunSession.create(self.run)
+        if self.manifest is None:
+            self.manifest = self.session.open_manifest()
+            self.display.phase(f"run directory {self.session.run_dir}")
+        worker.state = "ready"
+
+    def _batch_done(self, call: Call, value: dict) -> None:
+        worker = call.worker
+        fresh = [
+            r for r in value["records"] if r["index"] not in self.confirmed and r["index"] not in self.finished
+        ]  # a batch redone after its worker came back is appended once
+        self.manifest.append(fresh)
+        for record in fresh:
+            self.confirmed[record["index"]] = record
+        worker.batches_done += 1
+        worker.images += len(fresh)
+        worker.written.extend(r["file"] for r in fresh)
+        worker.rows.append(value["row"])
+        worker.recompiles.extend(value["recompiles"])
+        worker.generate_seconds += value["generate_seconds"]
+        worker.write_seconds += value["write_seconds"]
+        worker.busy_seconds += value["wall_seconds"]
+        if value["counters"] is None:
+            worker.counted = False
+        else:
+            counters = Counters(**value["counters"])
+            worker.counters = counters if worker.counters is None else worker.counters + counters
+        self.timed_end = time.perf_counter()
+
+    # ---------------------------------------------------------------- files
+
+    def _write_workers(self) -> None:
+        """workers.json, rewritten (atomically) at every change, once the run directory exists."""
+        if self.session is None:
+            return
+        write_json(
+            self.session.run_dir / WORKERS_FILE,
+            {
+                "run_id": self.session.run_id,
+                "updated_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "address": self.cluster.address,
+                "images_done": len(self.finished) + len(self.confirmed),
+                "images_planned": len(self.plan.items),
+                "workers": [w.as_dict() for w in self.workers],
+            },
+        )
+
+    def release(self) -> None:
+        """Stop every worker now (their engines go with them); a worker Ray already gave up on is skipped."""
+        for worker in self.workers:
+            try:
+                self.ray.kill(worker.handle, no_restart=True)
+            except Exception:  # already dead, or the cluster is gone: nothing left to stop
+                pass
+        finished = not self._left() and not self.failure
+        for worker in self.workers:
+            if worker.state == "ready":
+                worker.state = "done" if finished else "stopped"
+            elif worker.state in ALIVE:  # the run ended while it was still starting (or restarting)
+                worker.state = f"stopped while {worker.state}"
+        self._write_workers()
+
+    def report(self, error: str | None) -> dict:
+        """The one report: build_report over the workers' batches, plus the per-worker table and the faults."""
+        workers = self.workers
+        parts = [
+            {
+                "worker": w.index,
+                "timed_phase": {
+                    "batches": w.rows,
+                    "generate_seconds": w.generate_seconds,
+                    "write_seconds": w.write_seconds,
+                    "wall_seconds": w.busy_seconds,
+                },
+                "recompiles": w.recompiles,
+                "written": w.written,
+            }
+            for w in workers
+        ]
+        phase = merge_phases(parts, "worker")
+        # Throughput over the driver's window, from the first batch handed out to the last one confirmed: the
+        # workers overlap, and a worker's own sum would leave out the time its lost batches cost.
+        phase.wall_seconds = (self.timed_end - self.timed_start) if self.timed_start and self.timed_end else 0.0
+        counted = [w.counters for w in workers if w.rows]
+        if counted and all(w.counted for w in workers if w.rows):
+            phase.counters = sum(counted[1:], counted[0]).as_dict()
+        warmup = [entry for w in workers for entry in w.warmup]
+        first = next((w.started for w in workers if w.started), None) or {}
+        from tpugen.backends import versions
+
+        report = build_report(
+            run=self.run,
+            run_id=self.session.run_id,
+            run_dir=self.session.run_dir,
+            images_planned=len(self.plan.items),
+            batches_planned=len(self.plan.batches),
+            padding_rows=self.plan.padding_rows,
+            shape_keys=[str(k) for k in self.plan.shape_keys],
+            device=first.get("device", {"backend": self.run.config.execution.backend, "device_kind": "unknown"}),
+            versions=first.get("versions") or versions(),
+            scheduler=first.get("scheduler", "unknown"),
+            load_seconds=max((s for w in workers for s in w.load_seconds), default=None),
+            warmup=warmup,
+            persistent_cache=persistent_cache_summary(
+                first.get("cache", {"enabled": False, "note": "no worker started"}), warmup
+            ),
+            phase=phase,
+            topology={
+                "worker_index": 0,
+                "num_workers": 1,
+                "rank": 0,
+                "ranks_per_worker": 1,
+                "world_size": len(workers),
+            },
+            images_reused=len(self.finished),
+            error=error,
+            memory=first.get("memory"),
+            earlier_sessions=self.session.earlier_sessions,
+            counters_scope="one process per Ray worker: each count is a worker's own, summed over the workers",
+        )
+        settings = self.run.config.execution.ray
+        lost = [e for e in self.events if e["event"] == "lost"]
+        report["mode"] = "ray"
+        report["ray"] = {
+            "address": settings.address,
+            "workers": len(workers),
+            "resources_per_worker": self.resources,
+            "max_restarts": settings.max_restarts,
+            "in_flight_per_worker": IN_FLIGHT,
+            "timed_wall": "the driver's window, from the first batch handed out to the last one confirmed",
+            "per_worker": [
+                {
+                    **w.as_dict(),
+                    "load_seconds": w.load_seconds,
+                    "timed_busy_seconds": w.busy_seconds,
+                    "per_image_seconds": (sum(r["seconds"] for r in w.rows) / w.images) if w.images else None,
+                    "compiles_after_warmup": w.counters.compiles if w.counters and w.counted else None,
+                }
+                for w in workers
+            ],
+            "events": self.events,
+            "lost_workers": sorted({e["worker"] for e in lost}),
+            "restarts": sum(w.restarts for w in workers),
+            "retried_batches": sorted(self.lost_from),
+        }
+        return report
+
+
+def _message(cause: BaseException) -> str:
+    """A worker's exception in one line; tpugen's own errors come back across the process as their first line."""
+    if isinstance(cause, TpugenError):
+        return (str(cause).split("\n") or [type(cause).__name__])[0]
+    return one_line(cause)
+
+
+def _gone_line(workers: list[Worker], max_restarts: int) -> str:
+    parts = []
+    for w in workers:
+        if w.state == "failed":
+            parts.append(f"worker {w.index} could not start ({w.error})")
+        else:
+            times = f" {w.losses} times" if w.losses > 1 else ""
+            parts.append(f"worker {w.index} lost{times}" + (f", restarted {w.restarts} times" if w.restarts else ""))
+    return f"every Ray worker is gone ({'; '.join(parts)}; max_restarts: {max_restarts})"
+
+
+def gs_refusal() -> str:
+    try:
+        import google.cloud.storage  # noqa: F401
+    except ImportError:
+        return (
+            "output.dir: a gs:// run directory for execution.mode: ray is written with google-cloud-storage, which is "
+            "not installed; give a path every worker sees (NFS, Filestore, a GCS FUSE mount)"
+        )
+    return (
+        "output.dir: gs:// run directories are not written by execution.mode: ray yet; give a path every worker "
+        "sees (NFS, Filestore, a GCS FUSE mount)"
+    )
+
+
+def run_cluster(
+    run: ResolvedRun, *, display: Display | None = None, skip_warmup: bool = False, resume_dir=None
+) -> dict:
+    """`tpugen generate` with execution.mode: ray: returns the report, also written to the run directory.
+
+    Nothing is written until a worker has its engine open, so bad input, a cluster that does not answer or lacks
+    the resources, and a model no worker can load leave no run behind. A resume connects only if work is left.
+    """
+    display = display or Display()
+    if run.config.output.dir.startswith("gs://"):
+        raise InputError(gs_refusal())
+    plan = plan_run(run)
+    session = None
+    if resume_dir is not None:
+        session = RunSession.resume(run, resume_dir)
+        for problem in session.problems:
+            display.warning(problem)
+        done = session.already_complete(len(plan.items))
+        if done is not None:
+            return done
+
+    def stopping(signum: int) -> None:
+        display.phase(f"{signal.Signals(signum).name}: stopping after the batches in flight (again: stop now)")
+
+    with Cluster(run) as cluster:
+        nodes = cluster.nodes()
+        resources = worker_resources(cluster.settings, nodes)
+        count = worker_count(cluster.settings, nodes, resources)
+        display.phase(
+            f"starting {count} Ray workers of {show_resources(resources)} at {cluster.address} ({len(nodes)} nodes)"
+        )
+        driver = ClusterRun(cluster, run, session, plan, resources, display, skip_warmup)
+        stopped_now = False
+        with StopSignals(on_signal=stopping) as stop:
+            try:
+                driver.launch(count)
+                driver.work(stop)
+            except KeyboardInterrupt:
+                stopped_now = True
+            except Exception as exc:  # the driver's own failure (a full disk, say): what was made is kept
+                if driver.session is None:
+                    raise
+                driver.failure = driver.failure or f"the driver failed: {one_line(exc)}"
+            finally:
+                display.finished()
+                driver.release()
+        return _finish(driver, stop, stopped_now)
+
+
+def _finish(driver: ClusterRun, stop: StopSignals, stopped_now: bool) -> dict:
+    session = driver.session
+    if session is None:  # no worker ever had its engine open: no run to resume, none left
+        failed = [w for w in driver.workers if w.state == "failed"]
+        causes = [w.cause for w in failed]
+        if stopped_now or stop.requested:
+            raise Interrupted(stop.signum or signal.SIGINT, "interrupted before any worker started; nothing written")
+        if failed and all(isinstance(c, TpugenError) for c in causes) and len({_message(c) for c in causes}) == 1:
+            raise type(causes[0])(_message(causes[0]))  # the same for every worker: a model that cannot load
+        raise RunError(_gone_line(driver.workers, driver.run.config.execution.ray.max_restarts) + "; nothing written")
+    if driver.manifest is not None:
+        driver.manifest.close()
+    run_dir = session.run_dir
+    left = driver._left()
+    if stopped_now or stop.requested:
+        name = signal.Signals(stop.signum or signal.SIGINT).name
+        error = f"interrupted by {name}"
+    elif driver.failure:
+        error = driver.failure
+    elif left:
+        error = _gone_line(driver.workers, driver.run.config.execution.ray.max_restarts)
+    else:
+        error = None
+    report = driver.report(error)
+    session.finish(report)
+    if error is None:
+        return report
+    kept = f"{report['images']} of {report['images_planned']} images, the manifest and report.json are in {run_dir}"
+    resume = f"resume with: tpugen resume {run_dir}"
+    if stopped_now or stop.requested:
+        when = "at once" if stopped_now else "after the batches in flight"
+        raise Interrupted(stop.signum or signal.SIGINT, f"{error}, stopped {when}; {kept}", resume)
+    if driver.failure:
+        raise RunError(driver.failure, kept, resume)
+    raise RunError(f"{error}: the run stopped; {kept}", resume)
