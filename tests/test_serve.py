@@ -17,7 +17,17 @@ import httpx
 import numpy as np
 import pytest
 import yaml
-from conftest import OTHER_DEVICE_COUNT, OTHER_GRAPH, PROMPTS, TPUGEN, run_cli, tiny_config, write_config
+from conftest import (
+    OTHER_DEVICE_COUNT,
+    OTHER_GRAPH,
+    PROMPTS,
+    TPUGEN,
+    generate,
+    make_lora,
+    run_cli,
+    tiny_config,
+    write_config,
+)
 from PIL import Image
 
 from tpugen.outputs.manifest import read_manifest
@@ -68,7 +78,10 @@ def server(tmp_path_factory):
     from tpugen.modes.serve.service import Service
 
     tmp = tmp_path_factory.mktemp("serve")
-    run = load_config(serve_config(tmp, max_images_per_request=8), prompts_required=False)
+    (tmp / "loras").mkdir()
+    make_lora(tmp / "loras" / "style.safetensors", "kohya", seed=1)
+    make_lora(tmp / "loras" / "subject.safetensors", "peft", seed=2)
+    run = load_config(serve_config(tmp, max_images_per_request=8, lora_dir="loras"), prompts_required=False)
     check_start(run, "127.0.0.1", KEY)
     service = Service(run, open_engines(run, Display()), output_root=tmp / "runs", display=Display())
     port = free_port()
@@ -386,6 +399,67 @@ def test_generate_on_a_server_copies_the_run_here_and_imports_no_torch(server, x
         assert int(np.abs(pixels(Image.open(local / name)) - pixels(Image.open(xla_run / name))).max()) <= OTHER_GRAPH
     report = json.loads((local / "report.json").read_text())
     assert report["complete"] is True and report["images"] == 3
+
+
+def test_a_lora_named_in_the_prompt_is_fused_for_that_request_only(client, server, tmp_path):
+    with_lora = txt2img(client, prompt="a cat, <lora:style:0.7>", seed=3)
+    image = decode(with_lora["images"][0])
+    info = json.loads(with_lora["info"])
+    assert info["prompt"] == "a cat"  # the tag is taken out of the prompt, as the web UI does
+    lora_dir = server[1].output_root.parent / "loras"
+    from tpugen.config.loras import file_hashes
+
+    short = file_hashes(lora_dir / "style.safetensors")[1]
+    assert f'Lora hashes: "style: {short}"' in image.text["parameters"]
+    # The same LoRA through a run config: the same pixels.
+    run_dir = generate(
+        tmp_path,
+        prompts=["a cat"],
+        seed=3,
+        model={"id": "tiny-sd", "loras": [{"id": str(lora_dir / "style.safetensors"), "scale": 0.7}]},
+    )
+    (made,) = run_dir.glob("[0-9]*.png")
+    assert int(np.abs(pixels(image) - pixels(Image.open(made))).max()) <= OTHER_GRAPH
+    # Without the tag, the base model's image, bit for bit whatever was fused before.
+    base = [pixels(decode(txt2img(client, prompt="a cat", seed=3)["images"][0])) for _ in range(2)]
+    assert np.array_equal(base[0], base[1]) and not np.array_equal(base[0], pixels(image))
+    txt2img(client, prompt="<lora:subject:1> a cat", seed=3)
+    assert np.array_equal(pixels(decode(txt2img(client, prompt="a cat", seed=3)["images"][0])), base[0])
+    assert [lora["name"] for lora in client.get("/sdapi/v1/loras").json()] == ["style", "subject"]
+    unknown = client.post("/sdapi/v1/txt2img", json={**BASE, "prompt": "<lora:nope:1> a cat"})
+    assert (unknown.status_code, unknown.json()["detail"]) == (
+        422,
+        ["prompt: no LoRA 'nope' in serve.lora_dir (it has: style, subject)"],
+    )
+
+
+def test_requests_with_other_lora_sets_are_never_batched_together(client):
+    before = batches(client)
+    threads = [
+        threading.Thread(target=txt2img, args=(client,), kwargs={"prompt": prompt, "seed": 4})
+        for prompt in ("an owl <lora:style:0.5>", "an owl")
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert batches(client) - before == 2  # one image each, within one batch window, but other weights
+
+
+def test_a_run_sent_to_the_server_may_name_loras_of_its_lora_dir(client, server):
+    body = run_body("with-lora", prompts=["a cat"], model={"id": "tiny-sd", "loras": [{"id": "style", "scale": 0.7}]})
+    assert client.post("/v1/runs", content=body).status_code == 201
+    status = wait_run(client, "with-lora")
+    assert status["status"] == "complete", status
+    assert [(lora["name"], lora["scale"]) for lora in status["report"]["model"]["loras"]] == [("style", 0.7)]
+    outside = run_body("outside", prompts=["a cat"], model={"loras": [{"id": "../serve.yaml"}]})
+    response = client.post("/v1/runs", content=outside)
+    assert (response.status_code, response.json()["detail"]) == (
+        422,
+        [
+            "model.loras[0].id: '../serve.yaml': a run sent to the server names a LoRA of serve.lora_dir by its file stem"
+        ],
+    )
 
 
 def test_metrics_count_requests_images_batches_and_padding(client):

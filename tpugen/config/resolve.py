@@ -95,6 +95,13 @@ def resolve(
     elif not re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,220}(/[^\s'\"]*)?$", config.output.dir):
         problems.append(f"output.dir: {config.output.dir!r} is not a gs://bucket/prefix address")
 
+    if config.serve.lora_dir is not None:
+        folder = Path(config.serve.lora_dir).expanduser()
+        folder = folder if folder.is_absolute() else base_dir / folder
+        if not folder.is_dir():
+            problems.append(f"serve.lora_dir: {str(folder)!r} is not a folder")
+        config.serve.lora_dir = str(folder.resolve())
+
     if config.cache.dir is not None:
         config.cache.dir = _local_dir("cache.dir", config.cache.dir, problems)
 

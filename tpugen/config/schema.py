@@ -283,6 +283,9 @@ class ServeConfig(_Section):
     max_images_per_request: int = Field(default=16, ge=1)
     # A request still waiting after this long gets 504 and its images are dropped from the queue.
     request_timeout_s: float = Field(default=600.0, gt=0)
+    # A folder of LoRA .safetensors files that requests name by file stem (A1111's <lora:NAME:SCALE>, and
+    # model.loras of runs sent to /v1/runs); relative to the config file.
+    lora_dir: str | None = None
 
     @field_validator("schedulers")
     @classmethod

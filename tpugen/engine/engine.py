@@ -422,9 +422,12 @@ class Engine:
             phase.counters = counters.as_dict() if counters else None
         return phase
 
-    def generate(self, batch: Batch, scheduler: str | None = None) -> list:
-        """One batch's pixels, outside any run (a server's requests): uint8 HxWx3 arrays of its real rows."""
+    def generate(self, batch: Batch, scheduler: str | None = None, loras: Sequence[Lora] | None = None) -> list:
+        """One batch's pixels, outside any run (a server's requests): uint8 HxWx3 arrays of its real rows, with
+        `scheduler` (None: the loaded one) and `loras` fused (None: whatever is fused now)."""
         with self.lock:
+            if loras is not None:
+                self.use_loras(loras)
             self.loaded.use_scheduler(scheduler)
             try:
                 pixels = self._call(batch, Display())

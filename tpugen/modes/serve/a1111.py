@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from typing import Any
 
@@ -11,6 +12,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
+from tpugen.config.loras import safetensors_header
 from tpugen.errors import InputError
 from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse
 from tpugen.modes.serve.service import ImageSpec, Service
@@ -124,16 +126,37 @@ def sampler_for(service: Service, sampler_name: str | None, scheduler: str | Non
     return None if choice.name == service.engines[0].loaded.default_scheduler else choice.name
 
 
+# The web UI's extra-network syntax for a LoRA in the prompt: <lora:NAME> or <lora:NAME:SCALE> (scale 1 if unset).
+LORA_TAG = re.compile(r"<lora:([^:>]+)(?::([^:>]*))?[^>]*>")
+
+
+def take_loras(service: Service, prompt: str) -> tuple[str, tuple]:
+    """(the prompt without its <lora:...> tags, the LoRAs they name), as the web UI reads them."""
+    loras = []
+    for match in LORA_TAG.finditer(prompt):
+        name, scale = match.group(1).strip(), (match.group(2) or "1").strip()
+        try:
+            value = float(scale)
+        except ValueError:
+            raise InputError(f"prompt: <lora:{name}:{scale}>: the scale is not a number") from None
+        loras.append(service.lora_named(name, value))
+    if len({lora.sha256 for lora in loras}) < len(loras):
+        raise InputError("prompt: the same LoRA is named twice")
+    text = re.sub(r"\s+", " ", LORA_TAG.sub("", prompt)).strip().strip(",").strip()
+    return text, tuple(loras)
+
+
 def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
     config = service.run.config
     height, width = service.sizes[0]
+    prompt, loras = take_loras(service, body.prompt)
     seed = body.seed if body.seed >= 0 else random.randrange(RANDOM_SEEDS)
     scheduler = sampler_for(service, body.sampler_name or body.sampler_index, body.scheduler)
     if body.batch_size < 1 or body.n_iter < 1:
         raise InputError(f"batch_size and n_iter: must be at least 1, got {body.batch_size} and {body.n_iter}")
     return [
         ImageSpec(
-            prompt=body.prompt,
+            prompt=prompt,
             negative_prompt=body.negative_prompt,
             seed=seed + i,  # the web UI's rule: image i of a request gets seed + i
             steps=body.steps if body.steps is not None else config.steps,
@@ -141,6 +164,7 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
             height=body.height or height,
             width=body.width or width,
             scheduler=scheduler,
+            loras=loras,
         )
         for i in range(body.batch_size * body.n_iter)
     ]
@@ -240,6 +264,19 @@ def progress(request: Request) -> dict:
         "current_image": None,
         "textinfo": f"{made} of {asked} images" if asked else None,
     }
+
+
+@router.get("/loras")
+def loras(request: Request) -> list[dict]:
+    """The LoRAs in serve.lora_dir, by the names <lora:NAME:SCALE> takes."""
+    service: Service = request.app.state.service
+    found = []
+    for path in service.lora_files():
+        header = safetensors_header(path) or {}
+        found.append(
+            {"name": path.stem, "alias": path.stem, "path": str(path), "metadata": header.get("__metadata__", {})}
+        )
+    return found
 
 
 @router.get("/scripts")

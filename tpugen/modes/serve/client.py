@@ -5,6 +5,7 @@ This side imports no torch and no model code: only the config, HTTP (the standar
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.parse
@@ -17,6 +18,7 @@ from tpugen.errors import InputError, Interrupted, RunError
 from tpugen.outputs.files import atomic_write_bytes
 
 POLL_SECONDS = 0.5
+HUB_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def run_payload(run: ResolvedRun, run_id: str) -> dict:
@@ -39,6 +41,11 @@ def run_payload(run: ResolvedRun, run_id: str) -> dict:
             entry["height"], entry["width"] = spec.sizes[0]
         entries.append(entry if len(entry) > 1 else spec.prompt)
     data["prompts"] = entries
+    # A LoRA file here is named on the server by its file stem (in its serve.lora_dir); its sha256 pins it.
+    files = {lora.sha256: Path(lora.path) for lora in run.loras}
+    for lora in data["model"].get("loras") or []:
+        if not HUB_REPO.fullmatch(lora["id"]) and lora.get("sha256") in files:
+            lora["id"], lora["weight_name"] = files[lora["sha256"]].stem, None
     data["output"] = {"run_id": run_id}
     return data
 

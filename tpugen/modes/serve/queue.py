@@ -26,6 +26,7 @@ class BatchKey:
     steps: int
     guidance_scale: float
     scheduler: str | None  # None: the model's own
+    loras: tuple = ()  # tpugen.config.loras.loras_key of the LoRAs fused for it: other sets never share a batch
 
 
 @dataclass
@@ -38,6 +39,7 @@ class ImageJob:
     negative_prompt: str
     seed: int
     key: BatchKey
+    loras: tuple = ()  # the Lora objects the key names
 
 
 @dataclass

@@ -40,6 +40,7 @@ def image_record(service: Service, image) -> dict:
     """What made a server's image, as a run's PNG records it (there is no run file or batch here)."""
     engine = service.engines[0]
     model = service.run.config.model
+    loras = {"loras": [lora.record() for lora in image.loras]} if getattr(image, "loras", ()) else {}
     return {
         "prompt": image.prompt,
         "negative_prompt": image.negative_prompt,
@@ -52,6 +53,7 @@ def image_record(service: Service, image) -> dict:
         "model": engine.model_label,
         "model_id": model.id,
         "dtype": model.dtype,
+        **loras,
         "tpugen_version": __version__,
     }
 

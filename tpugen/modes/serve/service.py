@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpugen.config import ResolvedRun, resolve, run_sizes
+from tpugen.config.loras import Lora, loras_key, resolve_lora
+from tpugen.config.schema import LORA_SCALE_MAX, LoraConfig
 from tpugen.engine import Display, Engine, StopSignals, Topology
 from tpugen.engine.session import run_id_for
 from tpugen.errors import InputError, Interrupted, TpugenError, one_line
@@ -20,6 +23,8 @@ from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, plan_run
 from tpugen.schedulers import find_scheduler
 
 MAX_PROMPT_CHARACTERS = 10_000
+LORA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._ -]{0,127}")  # a file stem in serve.lora_dir, no path
+HUB_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class NotReady(TpugenError):
@@ -50,6 +55,7 @@ class ImageSpec:
     height: int
     width: int
     scheduler: str | None = None  # a name find_scheduler knows; None: the model's own
+    loras: tuple = ()  # tpugen.config.loras.Lora, fused for this image (a request's <lora:NAME:SCALE>)
 
 
 @dataclass
@@ -164,7 +170,9 @@ class Service:
 
     def key_for(self, image: ImageSpec) -> BatchKey:
         cfg = self.family.cfg and image.guidance_scale > 1.0
-        return BatchKey(image.height, image.width, cfg, image.steps, image.guidance_scale, image.scheduler)
+        return BatchKey(
+            image.height, image.width, cfg, image.steps, image.guidance_scale, image.scheduler, loras_key(image.loras)
+        )
 
     def check(self, images: list[ImageSpec]) -> list[str]:
         """Every problem with a request's images, one line each, in tpugen's words (422)."""
@@ -219,7 +227,7 @@ class Service:
             raise (NotWarm if any("is not warm" in p for p in problems) else InputError)(*problems)
         request = Request(len(images))
         jobs = [
-            ImageJob(request, i, image.prompt, image.negative_prompt, image.seed, self.key_for(image))
+            ImageJob(request, i, image.prompt, image.negative_prompt, image.seed, self.key_for(image), image.loras)
             for i, image in enumerate(images)
         ]
         self.queue.submit(request, jobs)
@@ -290,7 +298,7 @@ class Service:
                 print(f"tpugen serve: compiling {batch.shape} for a request (serve.new_shapes: compile)", flush=True)
                 engine.warm_scheduler(RunPlan(items, (batch,)), key.scheduler)
             start = time.perf_counter()
-            pixels = engine.generate(batch, scheduler=key.scheduler)
+            pixels = engine.generate(batch, scheduler=key.scheduler, loras=jobs[0].loras)
             seconds = time.perf_counter() - start
             after = engine.backend.counters()
         except BaseException as exc:  # a request's failure never stops the loop
@@ -349,6 +357,8 @@ class Service:
                 problems.append(f"{section}: must be a mapping, or left out (the server's is used)")
                 continue
             for key, value in sorted(given.items()):
+                if section == "model" and key == "loras":
+                    continue  # allowed: LoRAs are switched on the warm engine (names in serve.lora_dir)
                 if section == "model" and key == "allow_remote_code" and value:
                     problems.append("model.allow_remote_code: a run sent to the server cannot run a model's code")
                 elif key not in ours or ours[key] != value:
@@ -362,9 +372,59 @@ class Service:
         merged = {key: value for key, value in data.items() if key not in ("output", "serve")}
         for section in ("model", "execution", "compile", "cache"):
             merged[section] = getattr(served, section).model_dump()
+        merged["model"]["loras"] = self._run_loras((data.get("model") or {}).get("loras") or [])
         # A client's output.dir means nothing here: the server writes under its own root, by run id.
         merged["output"] = {"dir": str(self.output_root), "run_id": (data.get("output") or {}).get("run_id")}
-        return resolve(merged, base_dir=self.output_root)
+        return resolve(merged, base_dir=Path(self.serve.lora_dir or self.output_root))
+
+    def _run_loras(self, loras) -> list:
+        """model.loras of a run sent here: each id a LoRA's name in serve.lora_dir, or a hub repo (org/name)."""
+        if not isinstance(loras, list):
+            raise InputError("model.loras: must be a list of {id, scale}")
+        converted, problems = [], []
+        for number, lora in enumerate(loras):
+            where = f"model.loras[{number}].id"
+            lora_id = lora.get("id") if isinstance(lora, dict) else None
+            if not isinstance(lora_id, str):
+                problems.append(f"{where}: a LoRA's name in serve.lora_dir, or a hub repo org/name")
+            elif HUB_REPO.fullmatch(lora_id):
+                converted.append(lora)
+            elif not LORA_NAME.fullmatch(lora_id.removesuffix(".safetensors")):
+                problems.append(
+                    f"{where}: {lora_id!r}: a run sent to the server names a LoRA of serve.lora_dir by its file stem"
+                )
+            elif self.serve.lora_dir is None:
+                problems.append(f"{where}: {lora_id!r} needs serve.lora_dir, which this server has not set")
+            else:
+                converted.append({**lora, "id": lora_id.removesuffix(".safetensors") + ".safetensors"})
+        if problems:
+            raise InputError(*problems)
+        return converted
+
+    def lora_named(self, name: str, scale: float, where: str = "prompt") -> Lora:
+        """The LoRA a request names (<lora:NAME:SCALE>): NAME.safetensors in serve.lora_dir, checked for this
+        model's family; InputError (422) in one line otherwise."""
+        from pydantic import ValidationError
+
+        if self.serve.lora_dir is None:
+            raise InputError(f"{where}: <lora:{name}> needs serve.lora_dir, which this server has not set")
+        folder = Path(self.serve.lora_dir)
+        path = folder / f"{name}.safetensors"
+        if not LORA_NAME.fullmatch(name) or not path.is_file():
+            known = ", ".join(p.stem for p in self.lora_files()) or "none"
+            raise InputError(f"{where}: no LoRA {name!r} in serve.lora_dir (it has: {known})")
+        try:
+            config = LoraConfig(id=str(path), scale=scale)
+        except ValidationError:
+            raise InputError(
+                f"{where}: <lora:{name}:{scale:g}>: the scale must be from 0 to {LORA_SCALE_MAX:g}"
+            ) from None
+        return resolve_lora(config, folder, family=self.run.family, model=self.run.config.model.id, where=where)
+
+    def lora_files(self) -> list[Path]:
+        if self.serve.lora_dir is None:
+            return []
+        return sorted(Path(self.serve.lora_dir).glob("*.safetensors"))
 
     def _execute_run(self, handle: RunHandle) -> None:
         from tpugen.modes.single import run_single
