@@ -282,18 +282,11 @@ def test_the_web_uis_other_endpoints(client):
 
 
 def run_body(run_id: str, **changes) -> str:
-    config = {
-        "prompts": list(PROMPTS),
-        "negative_prompt": "blurry",
-        "height": 64,
-        "width": 64,
-        "steps": 3,
-        "guidance_scale": 7.5,
-        "seed": 7,
-        "batch_size": 2,
-        "output": {"dir": "/nowhere/on/the/server", "run_id": run_id},
-        **changes,
-    }
+    """The reference run's config as a client sends it: no model or execution (the server's are used)."""
+    config = tiny_config(Path("/nowhere/on/the/server"), output={"run_id": run_id}, **changes)
+    if "model" not in changes:
+        del config["model"]
+    del config["execution"]
     return yaml.safe_dump(config)
 
 

@@ -23,7 +23,7 @@ from tpugen.engine import Display, RunSession, StopSignals
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
 from tpugen.modes.host import HostWorker, NotStarted, warmup_plan
 from tpugen.outputs.files import write_json
-from tpugen.outputs.report import build_report, merge_phases, persistent_cache_summary
+from tpugen.outputs.report import build_report, merge_phases, persistent_cache_summary, plan_counts
 from tpugen.plan import Batch, RunPlan, plan_run
 
 RAY_EXTRA = "pip install 'tpugen[ray]'"
@@ -610,10 +610,7 @@ class ClusterRun:
             run=self.run,
             run_id=self.session.run_id,
             run_dir=self.session.run_dir,
-            images_planned=len(self.plan.items),
-            batches_planned=len(self.plan.batches),
-            padding_rows=self.plan.padding_rows,
-            shape_keys=[str(k) for k in self.plan.shape_keys],
+            **plan_counts(self.plan),
             device=first.get("device", {"backend": self.run.config.execution.backend, "device_kind": "unknown"}),
             versions=first.get("versions") or versions(),
             scheduler=first.get("scheduler", "unknown"),

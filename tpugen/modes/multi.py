@@ -22,7 +22,7 @@ from tpugen.errors import InputError, Interrupted, RunError, first_line
 from tpugen.modes.rank import DIST_BACKENDS, LAUNCH_FILE, RANK_PROCESS_ENV, rank_main
 from tpugen.modes.single import host_index_for
 from tpugen.outputs.files import write_json
-from tpugen.outputs.report import build_report, merge_phases, persistent_cache_summary
+from tpugen.outputs.report import build_report, merge_phases, persistent_cache_summary, plan_counts
 
 LOG_FILE = "torchrun.log"  # torchrun's and the ranks' output; kept only when torchrun itself failed
 
@@ -337,10 +337,7 @@ def merged_report(session: RunSession, plan, results: list[dict], worker: Topolo
         run=session.run,
         run_id=session.run_id,
         run_dir=session.run_dir,
-        images_planned=len(plan.items),
-        batches_planned=len(plan.batches),
-        padding_rows=plan.padding_rows,
-        shape_keys=[str(k) for k in plan.shape_keys],
+        **plan_counts(plan),
         device=first.get("device", {"backend": session.run.config.execution.backend, "device_kind": "unknown"}),
         versions=versions(),
         scheduler=first.get("scheduler", "unknown"),

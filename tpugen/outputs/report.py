@@ -73,6 +73,16 @@ def total(values) -> float | None:
     return None if any(v is None for v in values) else sum(values)
 
 
+def plan_counts(plan) -> dict:
+    """What build_report takes from a run's plan (tpugen.plan.RunPlan)."""
+    return {
+        "images_planned": len(plan.items),
+        "batches_planned": len(plan.batches),
+        "padding_rows": plan.padding_rows,
+        "shape_keys": [str(k) for k in plan.shape_keys],
+    }
+
+
 def build_report(
     *,
     run,
