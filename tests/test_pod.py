@@ -247,7 +247,7 @@ def test_bucket_output_is_uploaded_by_the_workers_with_the_pod_report(tmp_path, 
     dry = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--dry-run")
     assert dry.exit_code == 0, dry.output
     assert dry.stdout.splitlines()[-1].endswith(
-        f"gs://my-bucket/runs/podrun/worker-1 {scratch}/tpugen-pod-XXXXXXXX/podrun/"
+        f"gs://my-bucket/runs/podrun/worker-1 {scratch}/tpugen-pod-RANDOM/podrun/"
     )
     assert not list(scratch.iterdir()) and not (tmp_path / "gcloud.log").exists()
 

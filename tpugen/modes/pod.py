@@ -413,7 +413,7 @@ def run_pod(
     # run shows the folder tempfile.mkdtemp would name, and makes none.
     scratch = None
     if bucket and dry_run:
-        scratch = Path(tempfile.gettempdir(), "tpugen-pod-XXXXXXXX")
+        scratch = Path(tempfile.gettempdir(), "tpugen-pod-RANDOM")
     elif bucket:
         scratch = Path(tempfile.mkdtemp(prefix="tpugen-pod-"))
     local_run = (scratch or Path(output_dir)) / run_id
