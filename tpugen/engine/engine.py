@@ -29,6 +29,7 @@ from tpugen.memory import (
 from tpugen.models import ModelSource
 from tpugen.outputs.report import TimedPhase
 from tpugen.plan import Batch, RunPlan
+from tpugen.schedulers import find_scheduler
 
 
 class Display:
@@ -166,7 +167,8 @@ class Engine:
 
     @property
     def scheduler_name(self) -> str:
-        return self.loaded.scheduler_name
+        """The scheduler runs use: the one loaded (a server's request may switch another in for its own batch)."""
+        return self.loaded.default_scheduler
 
     @property
     def model_label(self) -> str:
@@ -258,55 +260,68 @@ class Engine:
         "host_copy_bytes"}. A LoRA that does not fit the model is refused (InputError) and nothing changes.
         """
         loras = tuple(loras)
-        if loras_key(loras) == self.loras_key:
-            self._loras = loras  # the same weights; names and ids as now given
-            return {"seconds": 0.0, "tensors": 0, "host_copy_bytes": self._host_copy_bytes()}
-        if self._weights is None:
-            raise InputError(f"model.loras: {type(self.loaded.pipe).__name__} has no LoRA loader in diffusers")
-        if self.spec.compile.scan_blocks:
-            raise InputError(
-                "model.loras: compile.scan_blocks stacks the blocks' weights, so LoRAs cannot be switched on this "
-                "engine; open one with the LoRAs in model.loras"
-            )
-        _check_loras(self.spec, loras, type(self.loaded.pipe), self._weights.shapes(), self._weights.twins.get("unet"))
-        start = time.perf_counter()
-        try:
-            with self.lock:  # never while a batch runs on these weights (a server's device loop)
-                moved = self._weights.switch(loras, self.backend.put_weight)
+        with self.lock:  # never while a batch runs on these weights (a server's device loop), nor two at once
+            if loras_key(loras) == self.loras_key:
+                self._loras = loras  # the same weights; names and ids as now given
+                return {"seconds": 0.0, "tensors": 0, "host_copy_bytes": self._host_copy_bytes()}
+            if self._weights is None:
+                raise InputError(f"model.loras: {type(self.loaded.pipe).__name__} has no LoRA loader in diffusers")
+            if self.spec.compile.scan_blocks:
+                raise InputError(
+                    "model.loras: compile.scan_blocks stacks the blocks' weights, so LoRAs cannot be switched on "
+                    "this engine; open one with the LoRAs in model.loras"
+                )
+            weights = self._weights
+            _check_loras(self.spec, loras, type(self.loaded.pipe), weights.shapes(), weights.twins.get("unet"))
+            start = time.perf_counter()
+            try:
+                moved = weights.switch(loras, self.backend.put_weight)
                 self.backend.wait()
-        except InputError:  # refused while fusing on the host: the live weights were not touched
-            raise
-        except BaseException:
-            # Weights may be left between two sets: a key no set has, so the next use_loras puts them all again.
-            self._key = ("weights between two LoRA sets",)
-            raise
-        self._loras, self._key = loras, loras_key(loras)
-        return {"seconds": time.perf_counter() - start, "tensors": moved, "host_copy_bytes": self._host_copy_bytes()}
+            except InputError:  # refused while fusing on the host: the live weights were not touched
+                raise
+            except BaseException:
+                # Weights may be left between two sets: a key no set has, so the next use_loras puts them all again.
+                self._key = ("weights between two LoRA sets",)
+                raise
+            self._loras, self._key = loras, loras_key(loras)
+            return {
+                "seconds": time.perf_counter() - start,
+                "tensors": moved,
+                "host_copy_bytes": self._host_copy_bytes(),
+            }
 
     def _host_copy_bytes(self) -> int:
         return self._weights.host_copy_bytes() if self._weights is not None else 0
 
     # ---------------------------------------------------------------- compiling
 
-    def warmup(self, plan: RunPlan, display: Display | None = None, checkpoint: Checkpoint = _no_checkpoint):
-        """One full pipeline call per shape key this engine has not compiled yet, at the plan's step count:
-        its wall time is the compile time. Keys already warm are listed as such and cost nothing. If flash
-        attention falls back at a later key, the keys warmed before it are warmed again without it (listed twice)."""
+    def warmup(
+        self,
+        plan: RunPlan,
+        display: Display | None = None,
+        checkpoint: Checkpoint = _no_checkpoint,
+        scheduler: str | None = None,
+    ):
+        """One full pipeline call per shape key this engine has not compiled yet, at the plan's step count,
+        with `scheduler` (None: the loaded one): its wall time is the compile time. Keys already warm are listed
+        as such and cost nothing. If flash attention falls back at a later key, the keys warmed before it are
+        warmed again without it (listed twice)."""
         display = display or Display()
         flash_on = self.flash_attention.on
-        results = self._warm_keys(plan, display, checkpoint)
+        results = self._warm_keys(plan, display, checkpoint, scheduler)
         if flash_on and not self.flash_attention.on:
-            again = [e for e in self._warm_keys(plan, display, checkpoint) if not e.get("already_warm")]
+            again = [e for e in self._warm_keys(plan, display, checkpoint, scheduler) if not e.get("already_warm")]
             results += [{**e, "again_without_flash_attention": True} for e in again]
         return results
 
-    def _warm_keys(self, plan: RunPlan, display: Display, checkpoint: Checkpoint) -> list[dict]:
+    def _warm_keys(self, plan: RunPlan, display: Display, checkpoint: Checkpoint, scheduler: str | None) -> list[dict]:
         first_batch: dict = {}
         for batch in plan.batches:
             first_batch.setdefault(batch.shape, batch)
+        choice = find_scheduler(scheduler).name if scheduler else self.loaded.default_scheduler
         results = []
         for shape, batch in first_batch.items():
-            key = (str(shape), self.scheduler_name)
+            key = (str(shape), choice)
             if key in self.warm:
                 results.append(
                     {
@@ -327,12 +342,16 @@ class Engine:
             checkpoint()
             display.phase(f"warmup: compiling {shape} (on a TPU the first compile can take many minutes)")
             with self.lock:
-                before = self.backend.counters()
-                start = time.perf_counter()
-                _, census = self._call(batch, display, census=True)
-                self.backend.wait()
-                seconds = time.perf_counter() - start
-                delta = _delta(self.backend, before)
+                self.loaded.use_scheduler(scheduler)
+                try:
+                    before = self.backend.counters()
+                    start = time.perf_counter()
+                    _, census = self._call(batch, display, census=True)
+                    self.backend.wait()
+                    seconds = time.perf_counter() - start
+                    delta = _delta(self.backend, before)
+                finally:
+                    self.loaded.use_scheduler(None)  # at rest, an engine has the scheduler it was loaded with
             entry = {
                 **_shape_fields(shape),
                 "seconds": seconds,
@@ -438,16 +457,8 @@ class Engine:
 
     def is_warm(self, shape, scheduler: str | None = None) -> bool:
         """Whether a call of this shape key and scheduler (None: the loaded one) would compile nothing."""
-        return (str(shape), scheduler or self.loaded.default_scheduler) in self.warm
-
-    def warm_scheduler(self, plan: RunPlan, scheduler: str | None, display: Display | None = None) -> list[dict]:
-        """warmup with another scheduler (None: the loaded one); the engine keeps using the loaded one after."""
-        with self.lock:
-            self.loaded.use_scheduler(scheduler)
-            try:
-                return self.warmup(plan, display)
-            finally:
-                self.loaded.use_scheduler(None)
+        choice = find_scheduler(scheduler).name if scheduler else self.loaded.default_scheduler
+        return (str(shape), choice) in self.warm
 
 
 def _check_loras(spec: EngineSpec, loras, pipeline_class, shapes, unet) -> None:
