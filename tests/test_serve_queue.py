@@ -13,8 +13,8 @@ KEY = BatchKey(64, 64, True, 3, 7.5, None)
 OTHER = BatchKey(64, 64, True, 5, 7.5, None)  # another step count: never batched with KEY
 
 
-def ask(queue: BatchQueue, images: int, key: BatchKey = KEY) -> Request:
-    request = Request(images)
+def ask(queue: BatchQueue, images: int, key: BatchKey = KEY, interruptible: bool = False) -> Request:
+    request = Request(images, interruptible)
     queue.submit(request, [ImageJob(request, i, f"p{i}", "", i, key) for i in range(images)])
     return request
 
@@ -51,8 +51,26 @@ def test_a_full_queue_refuses_and_a_settled_request_frees_its_slot():
     with pytest.raises(QueueFull):
         ask(queue, 1)
     queue.settle(first)  # answered or timed out: its images still waiting are dropped
-    assert queue.depth() == 1 and first.cancelled
+    assert queue.depth() == 1 and first not in queue.open_requests()
     ask(queue, 1)
+
+
+def test_a_busy_key_does_not_starve_an_older_partial_batch():
+    queue = BatchQueue(batch_size=2, window_seconds=0.05, max_requests=8)
+    first, quiet, later = ask(queue, 2, KEY), ask(queue, 1, OTHER), ask(queue, 2, KEY)
+    time.sleep(0.06)  # all due; KEY still has a full batch after the first is taken
+    assert [queue.take(timeout=1)[1][0].request for _ in range(3)] == [first, quiet, later]
+
+
+def test_an_interrupt_finishes_only_interruptible_requests_with_what_they_have():
+    queue = BatchQueue(batch_size=1, window_seconds=0.0, max_requests=8)
+    web_ui, openai = ask(queue, 3, interruptible=True), ask(queue, 2)
+    _, (job,) = queue.take(timeout=1)
+    web_ui.deliver(job.position, "pixels")
+    assert queue.interrupt() == 1
+    assert web_ui.done and web_ui.pixels == {0: "pixels"} and not openai.done
+    queue.settle(web_ui)  # its images not started are dropped; the other request's stay
+    assert queue.depth() == 2 and queue.interrupt() == 0
 
 
 def test_delivery_completes_a_request_and_closing_releases_the_loops():

@@ -44,13 +44,14 @@ class ImageJob:
 
 @dataclass
 class Request:
-    """A request's images: done when every one has its pixels, or failed/cancelled as a whole."""
+    """A request's images: done when every one has its pixels, when it fails as a whole, or (an interruptible
+    one) when a client interrupts it."""
 
     images: int
+    interruptible: bool = False  # the web UI's requests: /sdapi/v1/interrupt answers them with what they have
     created: float = field(default_factory=time.monotonic)
     pixels: dict[int, object] = field(default_factory=dict)
     error: BaseException | None = None
-    cancelled: bool = False
     _done: threading.Event = field(default_factory=threading.Event)
 
     def deliver(self, position: int, pixels) -> None:
@@ -101,7 +102,6 @@ class BatchQueue:
     def settle(self, request: Request) -> None:
         """The request has its answer (or gave up): its images still waiting are dropped, its slot freed."""
         with self._changed:
-            request.cancelled = request.cancelled or not request.done
             for key in list(self._waiting):
                 kept = deque(job for job in self._waiting[key] if job.request is not request)
                 if kept:
@@ -121,6 +121,15 @@ class BatchQueue:
         with self._changed:
             return list(self._requests.values())
 
+    def interrupt(self) -> int:
+        """Every open interruptible request is done with the images it has (those not started are dropped when
+        it settles); returns how many there were."""
+        with self._changed:
+            requests = [r for r in self._requests.values() if r.interruptible and not r.done]
+        for request in requests:
+            request.finish()
+        return len(requests)
+
     def close(self) -> None:
         """No more batches: device loops waiting in take() return None."""
         with self._changed:
@@ -128,21 +137,28 @@ class BatchQueue:
             self._changed.notify_all()
 
     def take(self, timeout: float) -> tuple[BatchKey, list[ImageJob]] | None:
-        """The next batch: from the first key (oldest first) that has a full batch or whose first image has
-        waited the batch window; None if nothing is ready within `timeout`, or the queue is closed."""
+        """The next batch: of the keys that have a full batch or whose first image has waited the batch window,
+        the one whose first image is oldest (so a busy key never starves a quiet one); None if nothing is ready
+        within `timeout`, or the queue is closed."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while not self.closed:
                 now = time.monotonic()
                 wake = deadline
+                ready = []
                 for key, jobs in self._waiting.items():
                     due = jobs[0].request.created + self.window
                     if len(jobs) >= self.batch_size or now >= due:
-                        taken = [jobs.popleft() for _ in range(min(self.batch_size, len(jobs)))]
-                        if not jobs:
-                            del self._waiting[key]
-                        return key, taken
-                    wake = min(wake, due)
+                        ready.append((jobs[0].request.created, key))
+                    else:
+                        wake = min(wake, due)
+                if ready:
+                    key = min(ready, key=lambda entry: entry[0])[1]
+                    jobs = self._waiting[key]
+                    taken = [jobs.popleft() for _ in range(min(self.batch_size, len(jobs)))]
+                    if not jobs:
+                        del self._waiting[key]
+                    return key, taken
                 if now >= deadline:
                     return None
                 self._changed.wait(wake - now)
