@@ -6,6 +6,7 @@ import base64
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -81,7 +82,8 @@ def server(tmp_path_factory):
     (tmp / "loras").mkdir()
     make_lora(tmp / "loras" / "style.safetensors", "kohya", seed=1)
     make_lora(tmp / "loras" / "subject.safetensors", "peft", seed=2)
-    run = load_config(serve_config(tmp, max_images_per_request=8, lora_dir="loras"), prompts_required=False)
+    path = serve_config(tmp, max_images_per_request=8, lora_dir="loras", schedulers=["Euler a"])
+    run = load_config(path, prompts_required=False)
     check_start(run, "127.0.0.1", KEY)
     service = Service(run, open_engines(run, Display()), output_root=tmp / "runs", display=Display())
     port = free_port()
@@ -134,7 +136,7 @@ def test_health_needs_no_key_and_ready_says_what_is_warm(server):
     ready = httpx.get(f"{url}/readyz")
     assert ready.status_code == 200 and ready.json() == {
         "status": "ready",
-        "warm": "sizes 64x64 (width x height; cfg, batch 2); samplers DDIM",
+        "warm": "sizes 64x64 (width x height; cfg, batch 2); samplers DDIM, Euler a",
     }
 
 
@@ -155,6 +157,19 @@ def test_txt2img_gives_the_image_and_parameters_generate_writes(client, xla_run)
     )
     assert info["infotexts"] == [reference.text["parameters"]]
     assert answer["parameters"]["prompt"] == PROMPTS[1] and answer["parameters"]["enable_hr"] is False
+
+
+def test_a_warm_second_sampler_answers_without_compiling_and_the_engine_keeps_its_own(client, server):
+    url, service = server
+    compiled = _metric(url, "tpugen_compiles_after_warmup_total")
+    other = txt2img(client, prompt="a cat", seed=5, sampler_name="Euler a")
+    own = txt2img(client, prompt="a cat", seed=5)
+    assert [json.loads(answer["info"])["sampler_name"] for answer in (other, own)] == ["Euler a", "DDIM"]
+    images = [decode(answer["images"][0]) for answer in (other, own)]
+    assert "Sampler: Euler a," in images[0].text["parameters"] and "Sampler: DDIM," in images[1].text["parameters"]
+    assert int(np.abs(pixels(images[0]) - pixels(images[1])).max()) > 0
+    assert _metric(url, "tpugen_compiles_after_warmup_total") == compiled  # warmed at start, compiled nothing now
+    assert service.engines[0].scheduler_name == "DDIM"  # what runs on this engine record
 
 
 def test_seed_minus_one_and_n_iter_times_batch_size(client):
@@ -217,17 +232,25 @@ def test_the_api_key_is_needed_as_bearer_or_as_a_basic_password(server):
             ],
         ),
         (
+            {"seed": 2**63, "cfg_scale": -1},
+            422,
+            [
+                "guidance scale: must be a finite number, 0 or more; got -1.0",
+                "seed: must be from 0 to 2**63 - 1 (or -1 for a random one), got 9223372036854775808",
+            ],
+        ),
+        (
             {"width": 96},
             422,
             [
-                "size 96x64 is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM"
+                "size 96x64 is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM, Euler a"
             ],
         ),
         (
             {"sampler_name": "Euler"},
             422,
             [
-                "sampler 'Euler' is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM"
+                "sampler 'Euler' is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM, Euler a"
             ],
         ),
     ],
@@ -238,6 +261,7 @@ def test_the_api_key_is_needed_as_bearer_or_as_a_basic_password(server):
         "long prompt",
         "too many",
         "sampler",
+        "seed and guidance out of range",
         "cold size",
         "cold sampler",
     ],
@@ -247,6 +271,15 @@ def test_bad_requests_get_one_line_per_problem(client, fields, status, lines):
     assert response.status_code == status, response.text
     if lines is not None:
         assert response.json()["detail"] == lines
+
+
+def test_an_infinite_cfg_scale_is_refused_alone_not_with_its_batch(client):
+    body = b'{"prompt": "a cat", "steps": 3, "width": 64, "height": 64, "cfg_scale": 1e999}'  # JSON's inf
+    response = client.post("/sdapi/v1/txt2img", content=body, headers={"Content-Type": "application/json"})
+    assert (response.status_code, response.json()["detail"]) == (
+        422,
+        ["guidance scale: must be a finite number, 0 or more; got inf"],
+    )
 
 
 def test_a_body_over_one_mebibyte_is_refused(client):
@@ -271,6 +304,38 @@ def test_the_official_openai_client_gets_its_images(server):
         ai.images.generate(prompt="a lighthouse", size="64x64", model="dall-e-3")
 
 
+def test_interrupt_answers_the_web_uis_requests_with_what_they_have_and_no_others(client, server):
+    service = server[1]
+    results = {}
+
+    def web_ui() -> None:
+        body = {**BASE, "prompt": "a slow cat", "seed": 40, "batch_size": 4, "n_iter": 2, "steps": 40}
+        results["web ui"] = client.post("/sdapi/v1/txt2img", json=body)
+
+    def openai() -> None:
+        results["openai"] = client.post("/v1/images/generations", json={"prompt": "a dog", "n": 2, "size": "64x64"})
+
+    asking = [threading.Thread(target=web_ui)]
+    asking[0].start()
+    deadline = time.monotonic() + 120
+    while not any(r.pixels for r in service.queue.open_requests()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the web UI request has its first batch
+    asking.append(threading.Thread(target=openai))
+    asking[1].start()
+    while len(service.queue.open_requests()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.post("/sdapi/v1/interrupt").status_code == 200
+    for thread in asking:
+        thread.join(120)
+    answer = results["web ui"].json()
+    info = json.loads(answer["info"])
+    assert 1 <= len(answer["images"]) < 8 and len(info["all_seeds"]) == len(answer["images"])
+    # Each image answered keeps its own seed: the PNG's parameters and info's list agree.
+    seeds = [int(re.search(r"Seed: (\d+)", decode(b64).text["parameters"]).group(1)) for b64 in answer["images"]]
+    assert seeds == info["all_seeds"] and set(seeds) <= set(range(40, 48))
+    assert results["openai"].status_code == 200 and len(results["openai"].json()["data"]) == 2  # not interrupted
+
+
 def test_the_web_uis_other_endpoints(client):
     names = [s["name"] for s in client.get("/sdapi/v1/samplers").json()]
     assert names[:3] == ["DPM++ 2M", "DPM++ 2M Karras", "DPM++ 2M SDE"] and "DDIM" in names
@@ -282,10 +347,12 @@ def test_the_web_uis_other_endpoints(client):
 
 
 def run_body(run_id: str, **changes) -> str:
-    """The reference run's config as a client sends it: no model or execution (the server's are used)."""
+    """The reference run's config as a client sends it: no model, execution or batch size (the server's are used)."""
     config = tiny_config(Path("/nowhere/on/the/server"), output={"run_id": run_id}, **changes)
     if "model" not in changes:
         del config["model"]
+    if "batch_size" not in changes:
+        del config["batch_size"]
     del config["execution"]
     return yaml.safe_dump(config)
 
@@ -341,16 +408,27 @@ def test_a_run_sent_to_the_server_writes_what_generate_writes(client, server, xl
             {"batch_size": 1},
             [
                 "the run needs 64x64 b1 cfg, not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; "
-                "cfg, batch 2); samplers DDIM"
+                "cfg, batch 2); samplers DDIM, Euler a"
             ],
         ),
         ({"steps": 0}, ["steps: must be greater than or equal to 1, got 0"]),
+        (
+            {"images_per_prompt": 4000},
+            ["the run plans 12000 images; this server runs at most 10000 per run (serve.max_images_per_run)"],
+        ),
     ],
-    ids=["another model", "remote code", "a file on the server", "a cold shape", "bad steps"],
+    ids=["another model", "remote code", "a file on the server", "a cold shape", "bad steps", "too many images"],
 )
 def test_a_run_config_cannot_ask_the_server_for_what_it_does_not_serve(client, changes, lines):
     response = client.post("/v1/runs", content=run_body("refused", **changes))
     assert (response.status_code, response.json()["detail"]) == (422, lines)
+
+
+def test_a_run_body_that_is_not_yaml_is_one_line(client):
+    response = client.post("/v1/runs", content="prompts: [a cat\nsteps: 2\n")
+    assert response.status_code == 422
+    (line,) = response.json()["detail"]
+    assert line.startswith("body: malformed YAML at line 2, column")
 
 
 def test_delete_stops_a_run_after_its_batch_in_flight_and_it_resumes(client, server):
@@ -562,6 +640,7 @@ def test_sigterm_drains_answers_what_is_in_flight_and_leaves_runs_resumable(own_
     time.sleep(0.1)
     late = httpx.get(f"{url}/sdapi/v1/options", headers=AUTH, timeout=10)
     assert late.status_code == 503 and httpx.get(f"{url}/readyz").status_code == 503
+    assert httpx.get(f"{url}/v1/runs/draining", headers=AUTH, timeout=10).status_code == 200  # runs stay readable
     request.join(120)
     assert proc.wait(120) == 0
     assert results["in flight"].status_code == 200 and len(results["in flight"].json()["images"]) == 4

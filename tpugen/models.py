@@ -45,7 +45,12 @@ BUILTINS = {
     ),
 }
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether `text` has the form of a hub repository's id, org/name."""
+    return _HUB_ID.fullmatch(text) is not None
 
 
 def cache_root() -> Path:
@@ -72,7 +77,7 @@ def classify_model_id(model_id: str, base_dir: Path | None = None) -> ModelSourc
         if not (candidate / "model_index.json").is_file():
             return f"{str(candidate)!r} has no model_index.json (not a diffusers pipeline directory)"
         return ModelSource("local", str(candidate.resolve()))
-    if _HUB_ID.match(model_id):
+    if is_hub_id(model_id):
         return ModelSource("hub", model_id)
     return (
         f"{model_id!r} is not a built-in ({', '.join(BUILTINS)}), an existing directory, "

@@ -76,6 +76,11 @@ class RunPlan:
         return sum(b.padding for b in self.batches)
 
 
+def image_count(run: ResolvedRun) -> int:
+    """How many images the run makes (len(work_items(run))), counted without listing them."""
+    return sum(len(spec.sizes) for spec in run.prompts) * run.config.images_per_prompt
+
+
 def work_items(run: ResolvedRun) -> list[WorkItem]:
     """Every image of the run in index order: prompt by prompt, size by size, then images_per_prompt.
 

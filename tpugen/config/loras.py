@@ -6,18 +6,16 @@ import functools
 import hashlib
 import json
 import os
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from tpugen.config.schema import LoraConfig
 from tpugen.errors import InputError
-from tpugen.models import FAMILIES
+from tpugen.models import FAMILIES, is_hub_id
 
 # What diffusers saves a LoRA as, and looks for first in a folder or a hub repo.
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _MAX_HEADER = 100_000_000  # the safetensors format's own limit on its JSON header
 
 
@@ -161,6 +159,11 @@ def _in_folder(folder: Path, weight_name: str | None, where: str) -> Path:
     raise InputError(f"{where}.weight_name: {str(folder)!r} holds {len(files)} .safetensors files ({found}); name one")
 
 
+def is_hub_lora(lora_id: str) -> bool:
+    """Whether a LoRA id that is no file here names a hub repo (org/name; a .safetensors name is a file)."""
+    return is_hub_id(lora_id) and not lora_id.endswith(".safetensors")
+
+
 def locate(lora_id: str, weight_name: str | None, base_dir: Path, where: str) -> tuple[Path, str]:
     """(the LoRA's file, its id with a path made absolute): a file, a folder holding one, or a hub repo."""
     candidate = Path(lora_id).expanduser()
@@ -168,7 +171,7 @@ def locate(lora_id: str, weight_name: str | None, base_dir: Path, where: str) ->
     if candidate.exists():
         path = _in_folder(candidate, weight_name, where) if candidate.is_dir() else candidate
         shown = str(candidate.resolve())
-    elif _HUB_ID.match(lora_id) and not lora_id.endswith(".safetensors"):
+    elif is_hub_lora(lora_id):
         return _hub_file(lora_id, weight_name or DEFAULT_WEIGHT_NAME, where), lora_id
     else:
         raise InputError(f"{where}.id: {str(candidate)!r} does not exist (a path is relative to the config file)")

@@ -281,6 +281,8 @@ class ServeConfig(_Section):
     max_queue: int = Field(default=64, ge=1)
     # Images one request may ask for (A1111 batch_size x n_iter, OpenAI n).
     max_images_per_request: int = Field(default=16, ge=1)
+    # Images one run sent to /v1/runs may plan (prompts x images_per_prompt x sizes); more gets 422.
+    max_images_per_run: int = Field(default=10_000, ge=1)
     # A request still waiting after this long gets 504 and its images are dropped from the queue.
     request_timeout_s: float = Field(default=600.0, gt=0)
     # A folder of LoRA .safetensors files that requests name by file stem (A1111's <lora:NAME:SCALE>, and

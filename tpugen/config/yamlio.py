@@ -52,6 +52,14 @@ def yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 -- a SafeLoader subclass
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong with a YAML text, in one line: where, and what."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"malformed YAML{where}: {problem}"
+
+
 def read_yaml(path: Path) -> dict:
     """The config file as a mapping, or an InputError naming what is wrong with it."""
     if not path.exists():
@@ -63,10 +71,7 @@ def read_yaml(path: Path) -> dict:
     except UnicodeDecodeError:
         raise InputError(f"{path}: is not UTF-8 text") from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise InputError(f"{path}: malformed YAML{where}: {problem}") from None
+        raise InputError(f"{path}: {yaml_problem(exc)}") from None
     if data is None:
         raise InputError(f"{path}: the config is empty")
     if not isinstance(data, dict):

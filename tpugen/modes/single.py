@@ -39,6 +39,7 @@ def run_single(
     engine: Engine | None = None,
     topology: Topology | None = None,
     stop: StopSignals | None = None,
+    run_id: str | None = None,
 ) -> dict:
     """`tpugen generate` on one device: returns the report, also written to the run directory.
 
@@ -47,7 +48,8 @@ def run_single(
     incomplete. With `resume_dir`, images already finished there are kept and only the rest are made. With
     `engine` (already open for this run's model and way of running), nothing is loaded and shape keys it
     has compiled are not compiled again. `stop.request(signum)` from another thread stops the run after the
-    batch in flight, as a signal does.
+    batch in flight, as a signal does. `run_id` names a new run's directory (None: output.run_id, else
+    a timestamp and the config hash).
     """
     display = display or Display()
     # On a pod, this worker takes the images whose index % workers == its index.
@@ -69,7 +71,7 @@ def run_single(
     with stop or StopSignals(on_signal=stopping) as stop:
         engine = _engine_for(run, engine, display)
         if session is None:
-            session = RunSession.create(run)
+            session = RunSession.create(run, run_id)
             full_plan, plan = session.share(topology.parts, topology.part)
         else:
             display.phase(f"resuming {session.run_dir}: {len(session.finished)} of {len(full_plan.items)} images done")

@@ -25,12 +25,14 @@ RANDOM_SEEDS = 4294967294
 
 
 class Txt2Img(BaseModel):
-    """The web UI's txt2img request. Unset size, steps and CFG scale take the server's config."""
+    """The web UI's txt2img request. Unset size, steps, CFG scale, sampler and negative prompt take the server's
+    config. sampler_index is accepted and ignored: the web UI's own request model fills it with "Euler" when a
+    client sets nothing, which would override the server's sampler; sampler_name picks one."""
 
     model_config = ConfigDict(extra="ignore")
 
     prompt: str = ""
-    negative_prompt: str = ""
+    negative_prompt: str | None = None
     styles: list[str] = []
     seed: int = -1
     subseed: int = -1
@@ -151,13 +153,13 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
     height, width = service.sizes[0]
     prompt, loras = take_loras(service, body.prompt)
     seed = body.seed if body.seed >= 0 else random.randrange(RANDOM_SEEDS)
-    scheduler = sampler_for(service, body.sampler_name or body.sampler_index, body.scheduler)
+    scheduler = sampler_for(service, body.sampler_name, body.scheduler)
     if body.batch_size < 1 or body.n_iter < 1:
         raise InputError(f"batch_size and n_iter: must be at least 1, got {body.batch_size} and {body.n_iter}")
     return [
         ImageSpec(
             prompt=prompt,
-            negative_prompt=body.negative_prompt,
+            negative_prompt=body.negative_prompt if body.negative_prompt is not None else config.negative_prompt,
             seed=seed + i,  # the web UI's rule: image i of a request gets seed + i
             steps=body.steps if body.steps is not None else config.steps,
             guidance_scale=body.cfg_scale if body.cfg_scale is not None else config.guidance_scale,
@@ -175,17 +177,20 @@ async def txt2img(request: Request):
     service: Service = request.app.state.service
     body = await parse(request, Txt2Img, missing_features)
     images = images_for(service, body)
-    pixels = await anyio.to_thread.run_sync(service.generate, images)
-    records = [image_record(service, image) for image in images[: len(pixels)]]
+    made = await anyio.to_thread.run_sync(lambda: service.generate(images, interruptible=True))
+    # After an interrupt, the images made are not always the first ones: each keeps its own seed and record.
+    answered = [images[position] for position, _ in made]
+    pixels = [image for _, image in made]
+    records = [image_record(service, image) for image in answered]
     infotexts = [a1111_parameters(record) for record in records]
     first = images[0]
     info = {
         "prompt": first.prompt,
-        "all_prompts": [image.prompt for image in images[: len(pixels)]],
+        "all_prompts": [image.prompt for image in answered],
         "negative_prompt": first.negative_prompt,
-        "all_negative_prompts": [image.negative_prompt for image in images[: len(pixels)]],
+        "all_negative_prompts": [image.negative_prompt for image in answered],
         "seed": first.seed,
-        "all_seeds": [image.seed for image in images[: len(pixels)]],
+        "all_seeds": [image.seed for image in answered],
         "subseed": body.subseed,
         "all_subseeds": [body.subseed] * len(pixels),
         "subseed_strength": body.subseed_strength,
@@ -286,6 +291,6 @@ def scripts() -> dict:
 
 @router.post("/interrupt")
 def interrupt(request: Request):
-    """Open requests stop waiting for images not yet started and answer with the ones they have."""
+    """The web UI's open requests stop waiting for images not yet started and answer with the ones they have."""
     request.app.state.service.interrupt()
     return None

@@ -5,7 +5,6 @@ This side imports no torch and no model code: only the config, HTTP (the standar
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.error
 import urllib.parse
@@ -13,12 +12,12 @@ import urllib.request
 from pathlib import Path
 
 from tpugen.config import ResolvedRun, run_sizes
+from tpugen.config.loras import is_hub_lora
 from tpugen.engine.session import run_id_for
 from tpugen.errors import InputError, Interrupted, RunError
 from tpugen.outputs.files import atomic_write_bytes
 
 POLL_SECONDS = 0.5
-HUB_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def run_payload(run: ResolvedRun, run_id: str) -> dict:
@@ -26,6 +25,13 @@ def run_payload(run: ResolvedRun, run_id: str) -> dict:
     chosen here, no local paths."""
     config = run.config
     data = json.loads(config.model_dump_json(exclude={"output", "cache", "serve", "prompts_file"}))
+    # Of the model, execution and compile sections, only what the user set: the server compares each key sent
+    # with its own, and a default here (model.scheduler unset, say) is not a wish for another setting.
+    for section in ("model", "execution", "compile"):
+        data[section] = json.loads(getattr(config, section).model_dump_json(exclude_unset=True))
+    loras = [lora.model_dump(mode="json") for lora in config.model.loras]
+    if loras:
+        data["model"]["loras"] = loras
     entries = []
     for spec in run.prompts:
         entry = {"prompt": spec.prompt}
@@ -44,8 +50,9 @@ def run_payload(run: ResolvedRun, run_id: str) -> dict:
     # A LoRA file here is named on the server by its file stem (in its serve.lora_dir); its sha256 pins it.
     files = {lora.sha256: Path(lora.path) for lora in run.loras}
     for lora in data["model"].get("loras") or []:
-        if not HUB_REPO.fullmatch(lora["id"]) and lora.get("sha256") in files:
-            lora["id"], lora["weight_name"] = files[lora["sha256"]].stem, None
+        if not is_hub_lora(lora["id"]) and lora.get("sha256") in files:
+            lora["id"] = files[lora["sha256"]].stem
+            lora.pop("weight_name", None)
     data["output"] = {"run_id": run_id}
     return data
 

@@ -113,7 +113,9 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
     @app.middleware("http")
     async def guard(request: Request, call_next):
         path = request.url.path
-        if service.state == "draining" and path not in OPEN_PATHS:
+        # While draining, runs can still be read: a client fetches what a stopped run wrote.
+        reading_runs = request.method == "GET" and (path == "/v1/runs" or path.startswith("/v1/runs/"))
+        if service.state == "draining" and path not in OPEN_PATHS and not reading_runs:
             response = problem_response(503, ["the server is shutting down"], {"Retry-After": "30"})
         elif int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             response = problem_response(413, [f"the body is over {MAX_BODY_BYTES // 1024} KiB"])

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import anyio.to_thread
+import yaml
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 
-from tpugen.config import yaml_load
+from tpugen.config.yamlio import yaml_load, yaml_problem
 from tpugen.errors import InputError
 from tpugen.modes.serve.replies import json_response, problem_response, read_body
 from tpugen.modes.serve.service import RunHandle, Service
@@ -21,8 +22,6 @@ router = APIRouter(prefix="/v1/runs")
 def status_of(handle: RunHandle) -> dict:
     manifest = handle.run_dir / "manifest.jsonl"
     made = len({r["index"] for r in read_manifest(manifest)}) if manifest.exists() else 0
-    for path in handle.run_dir.glob("manifest.rank*.jsonl"):
-        made += len(read_manifest(path))
     body = {
         "id": handle.id,
         "status": handle.state,
@@ -43,7 +42,9 @@ async def submit(request: Request):
     try:
         data = json.loads(text) if "json" in request.headers.get("content-type", "") else yaml_load(text)
     except ValueError as exc:
-        raise InputError(f"body: not a YAML or JSON run config ({exc})") from None
+        raise InputError(f"body: not a JSON run config ({exc})") from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"body: {yaml_problem(exc)}") from None
     handle = await anyio.to_thread.run_sync(service.start_run, data)
     return json_response(status_of(handle), 201, {"Location": f"/v1/runs/{handle.id}"})
 
@@ -65,6 +66,8 @@ def list_files(run_id: str, request: Request):
     handle = _handle(request.app.state.service, run_id)
     if handle is None:
         return problem_response(404, [f"no run {run_id!r} on this server"])
+    if not handle.run_dir.is_dir():  # queued: its directory is made once the run starts
+        return {"id": run_id, "files": []}
     names = sorted(p.name for p in handle.run_dir.iterdir() if p.is_file() and not p.name.startswith("."))
     return {"id": run_id, "files": names}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 import sys
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpugen.config import ResolvedRun, resolve, run_sizes
-from tpugen.config.loras import Lora, loras_key, resolve_lora
+from tpugen.config.loras import Lora, is_hub_lora, loras_key, resolve_lora
 from tpugen.config.schema import LORA_SCALE_MAX, LoraConfig
 from tpugen.engine import Display, Engine, StopSignals, Topology
 from tpugen.engine.session import run_id_for
@@ -19,12 +20,11 @@ from tpugen.errors import InputError, Interrupted, TpugenError, one_line
 from tpugen.models import FAMILIES
 from tpugen.modes.serve.metrics import Metrics
 from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, Request
-from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, plan_run
+from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, image_count, plan_run
 from tpugen.schedulers import find_scheduler
 
 MAX_PROMPT_CHARACTERS = 10_000
 LORA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._ -]{0,127}")  # a file stem in serve.lora_dir, no path
-HUB_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class NotReady(TpugenError):
@@ -98,7 +98,6 @@ class Service:
         self._batches = 0
         self._count_lock = threading.Lock()
         self._loops: list[threading.Thread] = []
-        self.interrupted: set[int] = set()  # ids of requests an A1111 client interrupted
 
     # ---------------------------------------------------------------- start and stop
 
@@ -110,10 +109,16 @@ class Service:
     def _warm_then_serve(self) -> None:
         try:
             # One engine at a time: the first compiles, the others find its graphs in the process's cache.
+            plan = self.warm_plan()
             for engine in self.engines:
                 engine.backend.bind_thread()
-                for scheduler in self.schedulers:
-                    engine.warm_scheduler(self.warm_plan(), scheduler, self.display)
+                # A flash attention fallback (once per engine) forgets every key warmed before it: a second
+                # pass compiles those again without the kernel.
+                for _ in range(2):
+                    for scheduler in self.schedulers:
+                        engine.warmup(plan, self.display, scheduler=scheduler)
+                    if all(engine.is_warm(b.shape, s) for b in plan.batches for s in self.schedulers):
+                        break
         except BaseException as exc:  # the server stays up to say why, never ready
             self.failure = one_line(exc)
             self.state = "failed"
@@ -174,8 +179,10 @@ class Service:
             image.height, image.width, cfg, image.steps, image.guidance_scale, image.scheduler, loras_key(image.loras)
         )
 
-    def check(self, images: list[ImageSpec]) -> list[str]:
-        """Every problem with a request's images, one line each, in tpugen's words (422)."""
+    def check(self, images: list[ImageSpec]) -> None:
+        """Every problem with a request's images, one line each, in tpugen's words: InputError, or NotWarm when
+        the request is fine but asks for what is not warm (both 422). Each request is checked on its own, so a
+        bad one never fails the batch it would have shared."""
         problems = []
         limit = self.serve.max_images_per_request
         if not images:
@@ -192,14 +199,16 @@ class Service:
                 problems.append(f"size: {image.width}x{image.height}: width and height must be positive multiples of 8")
             if not 1 <= image.steps <= 1000:
                 problems.append(f"steps: must be from 1 to 1000, got {image.steps}")
+            if not (math.isfinite(image.guidance_scale) and image.guidance_scale >= 0):
+                problems.append(f"guidance scale: must be a finite number, 0 or more; got {image.guidance_scale}")
+        if images and not all(0 <= image.seed < 2**63 for image in images):
+            problems.append(f"seed: must be from 0 to 2**63 - 1 (or -1 for a random one), got {images[0].seed}")
         if problems:
-            return problems
+            raise InputError(*problems)
         if self.serve.new_shapes == "reject":
-            for key in dict.fromkeys(self.key_for(image) for image in images):
-                problem = self._not_warm(key)
-                if problem:
-                    problems.append(problem)
-        return problems
+            cold = [self._not_warm(key) for key in dict.fromkeys(self.key_for(image) for image in images)]
+            if any(cold):
+                raise NotWarm(*(problem for problem in cold if problem))
 
     def _not_warm(self, key: BatchKey) -> str | None:
         engine = self.engines[0]
@@ -215,25 +224,23 @@ class Service:
             what = f"sampler {scheduler!r} is not warm"
         return f"{what} (serve.new_shapes: reject); warm: {self.warm_summary()}"
 
-    def generate(self, images: list[ImageSpec], *, on_request=None) -> list:
-        """Each image's pixels (uint8 HxWx3), once the device loops have made them; blocks the caller.
+    def generate(self, images: list[ImageSpec], *, interruptible: bool = False) -> list[tuple[int, object]]:
+        """(position, pixels) of each image made, in order, once the device loops have made them (uint8 HxWx3);
+        blocks the caller. All of them, unless the request is `interruptible` (the web UI's) and a client
+        interrupts it: then the ones made by then.
 
         Raises NotReady (503), QueueFull (503), NotWarm or InputError (422), TimedOut (504), or what the
-        device raised (500). An interrupted request returns the images it has."""
+        device raised (500)."""
         if self.state != "ready":
             raise NotReady(self.failure or f"the server is {self.state}; try again shortly")
-        problems = self.check(images)
-        if problems:
-            raise (NotWarm if any("is not warm" in p for p in problems) else InputError)(*problems)
-        request = Request(len(images))
+        self.check(images)
+        request = Request(len(images), interruptible)
         jobs = [
             ImageJob(request, i, image.prompt, image.negative_prompt, image.seed, self.key_for(image), image.loras)
             for i, image in enumerate(images)
         ]
         self.queue.submit(request, jobs)
         self.metrics.queue_depth.set(self.queue.depth())
-        if on_request is not None:
-            on_request(request)
         try:
             if not request.wait(self.serve.request_timeout_s):
                 raise TimedOut(
@@ -241,18 +248,15 @@ class Service:
                 )
             if request.error is not None:
                 raise request.error
-            return [request.pixels[i] for i in sorted(request.pixels)]
+            return sorted(request.pixels.items(), key=lambda made: made[0])
         finally:
             self.queue.settle(request)
             self.metrics.queue_depth.set(self.queue.depth())
 
     def interrupt(self) -> int:
-        """A1111's interrupt: every open request stops waiting for images not yet started and returns
-        the ones it has. Returns how many requests were interrupted."""
-        requests = self.queue.open_requests()
-        for request in requests:
-            request.finish()
-        return len(requests)
+        """The web UI's interrupt: its open requests stop waiting for images not yet started and return the
+        ones they have (OpenAI's and runs are not touched). Returns how many requests were interrupted."""
+        return self.queue.interrupt()
 
     def _device_loop(self, engine: Engine) -> None:
         engine.backend.bind_thread()
@@ -296,7 +300,7 @@ class Service:
             before = engine.backend.counters()
             if not engine.is_warm(batch.shape, key.scheduler):
                 print(f"tpugen serve: compiling {batch.shape} for a request (serve.new_shapes: compile)", flush=True)
-                engine.warm_scheduler(RunPlan(items, (batch,)), key.scheduler)
+                engine.warmup(RunPlan(items, (batch,)), scheduler=key.scheduler)
             start = time.perf_counter()
             pixels = engine.generate(batch, scheduler=key.scheduler, loras=jobs[0].loras)
             seconds = time.perf_counter() - start
@@ -324,9 +328,15 @@ class Service:
         if self.state != "ready":
             raise NotReady(self.failure or f"the server is {self.state}; try again shortly")
         run = self.resolve_run(data)
+        count, limit = image_count(run), self.serve.max_images_per_run
+        if count > limit:
+            raise InputError(
+                f"the run plans {count} images; this server runs at most {limit} per run (serve.max_images_per_run)"
+            )
+        plan = plan_run(run)
         if self.serve.new_shapes == "reject":
             engine = self.engines[0]
-            cold = [str(shape) for shape in plan_run(run).shape_keys if not engine.is_warm(shape)]
+            cold = [str(shape) for shape in plan.shape_keys if not engine.is_warm(shape)]
             if cold:
                 raise NotWarm(
                     f"the run needs {', '.join(cold)}, not warm (serve.new_shapes: reject); warm: {self.warm_summary()}"
@@ -336,7 +346,7 @@ class Service:
         with self._runs_lock:
             if run_id in self.runs or (run_dir.exists() and any(run_dir.iterdir())):
                 raise Conflict(f"output.run_id: {run_id} exists on this server; choose another run_id")
-            handle = RunHandle(run_id, run, run_dir, len(plan_run(run).items))
+            handle = RunHandle(run_id, run, run_dir, len(plan.items))
             handle.thread = threading.Thread(target=self._execute_run, args=(handle,), name=f"tpugen-run-{run_id}")
             self.runs[run_id] = handle
         handle.thread.start()
@@ -370,6 +380,7 @@ class Service:
         if problems:
             raise InputError(*problems)
         merged = {key: value for key, value in data.items() if key not in ("output", "serve")}
+        merged.setdefault("batch_size", served.batch_size)  # the batch the server's graphs were compiled for
         for section in ("model", "execution", "compile", "cache"):
             merged[section] = getattr(served, section).model_dump()
         merged["model"]["loras"] = self._run_loras((data.get("model") or {}).get("loras") or [])
@@ -387,7 +398,7 @@ class Service:
             lora_id = lora.get("id") if isinstance(lora, dict) else None
             if not isinstance(lora_id, str):
                 problems.append(f"{where}: a LoRA's name in serve.lora_dir, or a hub repo org/name")
-            elif HUB_REPO.fullmatch(lora_id):
+            elif is_hub_lora(lora_id):
                 converted.append(lora)
             elif not LORA_NAME.fullmatch(lora_id.removesuffix(".safetensors")):
                 problems.append(
@@ -396,7 +407,10 @@ class Service:
             elif self.serve.lora_dir is None:
                 problems.append(f"{where}: {lora_id!r} needs serve.lora_dir, which this server has not set")
             else:
-                converted.append({**lora, "id": lora_id.removesuffix(".safetensors") + ".safetensors"})
+                # A file of serve.lora_dir: its name, scale and pin only (a weight_name picks in a folder or repo).
+                stem = lora_id.removesuffix(".safetensors")
+                kept = {key: lora[key] for key in ("scale", "sha256") if key in lora}
+                converted.append({**kept, "id": stem + ".safetensors"})
         if problems:
             raise InputError(*problems)
         return converted
@@ -433,7 +447,12 @@ class Service:
         self.engines[0].backend.bind_thread()
         try:
             handle.report = run_single(
-                handle.run, engine=self.engines[0], topology=Topology(), stop=handle.stop, display=self.display
+                handle.run,
+                engine=self.engines[0],
+                topology=Topology(),
+                stop=handle.stop,
+                display=self.display,
+                run_id=handle.id,
             )
             handle.state = "complete"
         except Interrupted as exc:
