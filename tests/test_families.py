@@ -78,7 +78,8 @@ def test_every_scheduler_name_selects_its_class_and_runs_two_steps(cpu_engine, n
     choice = find_scheduler(name)
     cpu_engine.loaded.use_scheduler(name)
     scheduler = cpu_engine.loaded.pipe.scheduler
-    assert type(scheduler).__name__ == choice.class_name and cpu_engine.scheduler_name == name
+    assert type(scheduler).__name__ == choice.class_name and cpu_engine.loaded.scheduler_name == name
+    assert cpu_engine.scheduler_name == cpu_engine.loaded.default_scheduler  # runs still record the loaded one
     assert {key: scheduler.config[key] for key in choice.options} == choice.options
     item = WorkItem(0, 0, "a cat", "", seed=3, steps=2, guidance_scale=7.5, height=64, width=64)
     (pixels,) = cpu_engine.generate(Batch(0, ShapeKey(64, 64, 1, True), (item,), 0), scheduler=name)
