@@ -138,13 +138,33 @@ class Backend(Protocol):
     def describe(self) -> dict: ...
 
 
-class EagerBackend:
-    """Eager PyTorch on one torch device; with torch.compile, its compiles are counted through dynamo."""
+class OneDeviceBackend:
+    """What every backend whose pipeline lives on one device shares: a component computes where the pipeline
+    is, a new weight goes where the live one is, and a batch is not split."""
 
-    name = "cpu"
+    device: Any
     device_count = 1
     placing: str | None = None
     flash_attention: FlashAttention | None = None
+
+    def device_for(self, component: str):
+        """The device a component computes on (under offload too, where it waits on the host between calls)."""
+        return self.device
+
+    def put_weight(self, component: str, name: str, live, host):
+        # A transfer to the live weight's device: new device data, which compiled graphs take as an input like
+        # the old. Under offload the live weight waits on the host: then this is the host tensor itself.
+        return host.to(live.device)
+
+    def split_batch(self, tensor):
+        """Lay a batch-first tensor out over the devices' data axis (a no-op without SPMD)."""
+        return tensor
+
+
+class EagerBackend(OneDeviceBackend):
+    """Eager PyTorch on one torch device; with torch.compile, its compiles are counted through dynamo."""
+
+    name = "cpu"
 
     def __init__(self, device, *, compile_spec=None) -> None:
         self.device = device
@@ -167,18 +187,6 @@ class EagerBackend:
 
     def bind_thread(self) -> None:
         """Eager devices need nothing per thread."""
-
-    def device_for(self, component: str):
-        """The device a component computes on (under offload too, where it waits on the host between calls)."""
-        return self.device
-
-    def put_weight(self, component: str, name: str, live, host):
-        # Under offload the live weight waits on the host: then this is the host tensor itself.
-        return host.to(live.device)
-
-    def split_batch(self, tensor):
-        """Lay a batch-first tensor out over the devices' data axis (a no-op without SPMD)."""
-        return tensor
 
     def memory(self) -> dict | None:
         """Device memory in use and its peak (bytes), where the device reports it."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tpugen.backends.base import Counters, FlashAttention
+from tpugen.backends.base import Counters, FlashAttention, OneDeviceBackend
 from tpugen.backends.xla.cache import start_cache
 from tpugen.backends.xla.devices import import_torch_xla
 from tpugen.backends.xla.flash import flash_reason, install_flash_attention, jax_installed
@@ -12,13 +12,10 @@ from tpugen.backends.xla.patches import let_diffusers_offload_to_xla, solve_smal
 from tpugen.errors import one_line
 
 
-class XlaBackend:
+class XlaBackend(OneDeviceBackend):
     """The pipeline on `torch_xla.device()`; every count is read from torch_xla's own metrics."""
 
     name = "xla"
-    device_count = 1
-    placing: str | None = None
-    flash_attention: FlashAttention | None = None
     spmd = False
 
     def __init__(
@@ -76,17 +73,6 @@ class XlaBackend:
         """Make this backend's device the current thread's default: torch_xla keeps one per thread, and a
         thread driving another device of this process (a server's engine per device) needs its own."""
         self._torch_xla._XLAC._xla_set_default_device(str(self.device))
-
-    def device_for(self, component: str):
-        return self.device
-
-    def put_weight(self, component: str, name: str, live, host):
-        # A transfer to the live weight's device (each component's own under placement): new device data,
-        # which the compiled graphs take as an input like the old.
-        return host.to(live.device)
-
-    def split_batch(self, tensor):
-        return tensor
 
     def memory(self) -> dict:
         """Device memory in use and its peak so far (bytes), as the runtime reports it."""
