@@ -18,7 +18,7 @@ from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_li
 from tpugen.lines import text_lines
 from tpugen.outputs.files import atomic_write_text, inside, write_json
 from tpugen.outputs.grid import write_grid
-from tpugen.outputs.manifest import Manifest, read_manifest, rewrite_manifest
+from tpugen.outputs.manifest import Manifest, read_manifest, read_text_lenient, rewrite_manifest
 from tpugen.outputs.png import image_filename, save_png
 from tpugen.outputs.report import (
     TimedPhase,
@@ -146,8 +146,9 @@ class RunSession:
     def create(cls, run: ResolvedRun, run_id: str | None = None) -> RunSession:
         run_id = run_id or run_id_for(run)
         run_dir = make_run_dir(run.config.output.dir, run_id)
-        atomic_write_text(run_dir / "config.yaml", dump_config(run.config))
+        # run.json first: a directory with config.yaml and no run.json reads as a run from before run.json.
         write_run_record(run_dir, run, run_id)
+        atomic_write_text(run_dir / "config.yaml", dump_config(run.config))
         return cls(run, run_dir.resolve(), run_id, resumed=False)
 
     @classmethod
@@ -183,15 +184,24 @@ class RunSession:
         """(the whole share of this part, what is left of it): a resume leaves out finished batches."""
         return plan_share(self.run, parts, part), plan_share(self.run, parts, part, frozenset(self.finished))
 
+    def settle(self) -> None:
+        """Before a resumed run writes anything: manifest.jsonl holds exactly the records the resume checked
+        (a torn last line, lines of other runs and records of images gone from disk dropped), and the per-rank
+        manifests of an earlier session are merged into it and removed, so no new line is ever appended to a
+        torn one. The session's owner calls this, never a rank attached to it."""
+        if self.resumed:
+            rewrite_manifest(self.run_dir, self.finished)
+            for path in self.run_dir.glob("manifest.rank*.jsonl"):
+                path.unlink()
+
     def writer(self, engine, manifest: str = MANIFEST, extra: dict | None = None) -> BatchWriter:
-        if manifest == MANIFEST and self.resumed:
-            rewrite_manifest(self.run_dir, self.finished)  # drop a torn last line before appending to it
+        if manifest == MANIFEST:  # the owner's own writer (a rank writes its manifest.rankN.jsonl)
+            self.settle()
         return BatchWriter(self, engine.scheduler_name, engine.model_label, manifest, extra or {})
 
     def open_manifest(self) -> Manifest:
         """manifest.jsonl for appending records that others wrote the images of (a ray run's driver)."""
-        if self.resumed:
-            rewrite_manifest(self.run_dir, self.finished)  # drop a torn last line before appending to it
+        self.settle()
         return Manifest(self.run_dir / MANIFEST)
 
     def image_writer(self, engine, extra: dict | None = None) -> ImageWriter:
@@ -210,7 +220,7 @@ class RunSession:
             return None
         report = read_report(self.run_dir)
         if report is None or not report.get("complete"):
-            rewrite_manifest(self.run_dir, self.finished)
+            self.settle()
             write_grid(self.run_dir, sorted(self.run_dir.glob("[0-9]*.png")))
             report = {**(report or {"run_id": self.run_id}), "complete": True, "error": None}
             report["run_dir"], report["images"] = str(self.run_dir), len(self.finished)
@@ -430,7 +440,7 @@ def finished_records(run_dir: Path, run: ResolvedRun) -> tuple[dict[int, dict], 
     expected = {item.index: image_filename(item.index, item.seed, item.prompt) for item in plan_run(run).items}
     finished, problems = {}, []
     for path in _manifest_paths(run_dir):
-        lines = text_lines(path.read_text(encoding="utf-8"))
+        lines = text_lines(read_text_lenient(path))
         for number, line in enumerate(lines, start=1):
             try:
                 record = json.loads(line)

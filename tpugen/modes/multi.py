@@ -229,19 +229,20 @@ def _children(pid: int) -> list[int]:
 def run_multi(run: ResolvedRun, *, display: Display | None = None, resume_dir: Path | None = None) -> dict:
     """`tpugen generate` with execution.mode: multi. The parent plans, launches, then merges the ranks."""
     display = display or Display()
-    # Counts the chips first (torchrun), so a missing backend or device is one line and nothing is written.
-    launcher = XlaLaunch(run) if run.config.execution.backend == "xla" else TorchrunLaunch(run)
     worker = worker_topology(run.config.execution.pod, os.environ, host_index_for(run))
     if resume_dir is not None:
         session = RunSession.resume(run, resume_dir)
         for problem in session.problems:
             display.warning(problem)
-    else:
+        done = session.already_complete(len(session.share(worker.workers, worker.worker)[0].items))
+        if done is not None:  # nothing to make: no chip is counted, no model loaded
+            return done
+    # Counts the chips before a run directory is made (torchrun), so a missing backend or device is one line.
+    launcher = XlaLaunch(run) if run.config.execution.backend == "xla" else TorchrunLaunch(run)
+    if resume_dir is None:
         session = RunSession.create(run)
+    session.settle()  # the ranks append to fresh per-rank manifests, never to a torn line of a killed session
     full_plan, _ = session.share(worker.workers, worker.worker)
-    done = session.already_complete(len(full_plan.items))
-    if done is not None:
-        return done
     run_dir = session.run_dir
     for stale in run_dir.glob("rank-*.json"):
         stale.unlink()

@@ -30,7 +30,7 @@ def read_manifest(path: Path) -> list[dict]:
     """The manifest's image records; a torn last line (a crash mid-write), or a line that is not a record, is
     skipped."""
     records = []
-    for line in text_lines(path.read_text(encoding="utf-8")):
+    for line in text_lines(read_text_lenient(path)):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -38,6 +38,12 @@ def read_manifest(path: Path) -> list[dict]:
         if isinstance(record, dict) and type(record.get("index")) is int:  # anything else is not an image's
             records.append(record)
     return records
+
+
+def read_text_lenient(path: Path) -> str:
+    """A manifest's text. A crash (or a read while a rank appends) can cut a line inside a multi-byte
+    character: that byte run becomes U+FFFD, so only the torn line fails to parse, not the whole file."""
+    return path.read_bytes().decode("utf-8", errors="replace")
 
 
 def rewrite_manifest(run_dir: Path, records: dict[int, dict]) -> None:
