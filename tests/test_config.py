@@ -215,8 +215,16 @@ def test_bad_config_is_reported_in_one_line_per_problem(tmp_path, command, chang
         ("- a\n- b\n", "the config must be a mapping of keys, got list"),
         ("just words\n", "the config must be a mapping of keys, got str"),
         ("", "the config is empty"),
+        (
+            "steps: 3\nseed: 1\nsteps: 30\n",
+            "malformed YAML at line 3, column 1: key 'steps' appears twice in one mapping (first at line 1)",
+        ),
+        (
+            "prompts: &p [a cat, *p]\n",
+            "malformed YAML: an alias refers to a mapping or list it is inside (*NAME within &NAME)",
+        ),
     ],
-    ids=["malformed", "list", "scalar", "empty"],
+    ids=["malformed", "list", "scalar", "empty", "duplicate-key", "alias-cycle"],
 )
 def test_unreadable_yaml(tmp_path, text, expected):
     path = tmp_path / "c.yaml"
@@ -224,6 +232,40 @@ def test_unreadable_yaml(tmp_path, text, expected):
     result = run_cli("validate", path)
     assert result.exit_code == 2
     assert result.stderr == f"error: {path}: {expected}\n"
+
+
+def test_a_merged_key_may_be_overridden_and_an_alias_shared():
+    from tpugen.config.yamlio import yaml_load
+
+    text = "size: &s {height: 64, width: 80}\nbig: {<<: *s, height: 128}\nsame: *s\n"
+    assert yaml_load(text) == {
+        "size": {"height": 64, "width": 80},
+        "big": {"height": 128, "width": 80},
+        "same": {"height": 64, "width": 80},
+    }
+
+
+@pytest.mark.parametrize("text", ["a\x85b", "line\u2028separator", "para\u2029graph", "0042", "yes", "two\nlines"])
+def test_tpugens_yaml_reads_back_the_same_in_yaml_1_1_too(text):
+    # YAML 1.1 readers (PyYAML, and tpugen's own loader) fold an unescaped NEL, LS or PS into a space: a
+    # resume then saw a negative prompt with U+0085 as changed.
+    import yaml
+
+    from tpugen.config.yamlio import dump_yaml, yaml_load
+
+    written = dump_yaml({"negative_prompt": text})
+    assert yaml_load(written) == {"negative_prompt": text} == yaml.safe_load(written)
+
+
+def test_validate_serve_checks_a_server_config_without_prompts(tmp_path):
+    config = tiny_config(tmp_path)
+    del config["prompts"]
+    path = write_config(tmp_path / "c.yaml", config)
+    refused = run_cli("validate", path)
+    assert refused.exit_code == 2 and refused.stderr.startswith("error: prompts: no prompts given")
+    result = run_cli("validate", path, "--serve")
+    assert result.exit_code == 0, result.output
+    assert "prompts: null" in result.stdout
 
 
 def test_missing_config_file(tmp_path):
@@ -380,7 +422,9 @@ def _flatten(data: dict, prefix: str = "") -> list[str]:
 )
 def test_numbers_in_the_config_file_are_read_as_written(tmp_path, text, expected):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path))
-    config.write_text(config.read_text().replace("seed: 7\n", "").replace("steps: 3\n", "") + text)
+    for line in ("seed: 7\n", "steps: 3\n", "guidance_scale: 7.5\n"):  # each key once: a second is refused
+        config.write_text(config.read_text().replace(line, ""))
+    config.write_text(config.read_text() + text)
     result = run_cli("validate", config)
     assert result.exit_code == 2
     assert result.stderr == f"error: {expected}\n"

@@ -18,7 +18,28 @@ class _YamlLoader(yaml.SafeLoader):
     integer is decimal digits with an optional sign and no leading zero, and a float has a decimal point
     (as in YAML 1.1, so `1e3` stays text); anything else stays a string, which the schema then refuses with
     the key's name.
+
+    A key given twice in one mapping is refused (YAML 1.1 lets the last one win without a word); a key after
+    a `<<` merge still overrides the merged one, as it should.
     """
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) or key is None:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None,
+                            None,
+                            f"key {key!r} appears twice in one mapping (first at line {seen[key]})",
+                            key_node.start_mark,
+                        )
+                    seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 _INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
@@ -46,10 +67,37 @@ _YamlDumper.yaml_implicit_resolvers = {
 for _first, _resolvers in _YamlLoader.yaml_implicit_resolvers.items():
     _YamlDumper.yaml_implicit_resolvers.setdefault(_first, list(_resolvers))
 
+_YAML11_BREAKS = ("\x85", "\u2028", "\u2029")  # line breaks to YAML 1.1 readers, text to tpugen
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str):
+    # Any other style writes these characters as they are, and a YAML 1.1 reader folds them into spaces;
+    # double quotes write them as escapes (\N, \L, \P), which read back as the characters.
+    style = '"' if any(ch in value for ch in _YAML11_BREAKS) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_YamlDumper.add_representer(str, _represent_str)
+
+
+class _AliasCycle(yaml.YAMLError):
+    problem = "an alias refers to a mapping or list it is inside (*NAME within &NAME)"
+
+
+def _refuse_cycles(data: Any, inside: frozenset = frozenset()) -> None:
+    if isinstance(data, (dict, list)):
+        if id(data) in inside:
+            raise _AliasCycle(_AliasCycle.problem)
+        inside = inside | {id(data)}
+        for child in data.values() if isinstance(data, dict) else data:
+            _refuse_cycles(child, inside)
+
 
 def yaml_load(text: str) -> Any:
     """A YAML document read safely (no tags, no objects), numbers as YAML 1.2 reads them."""
-    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 -- a SafeLoader subclass
+    data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 -- a SafeLoader subclass
+    _refuse_cycles(data)
+    return data
 
 
 def yaml_problem(exc: yaml.YAMLError) -> str:
