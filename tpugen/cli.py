@@ -91,11 +91,17 @@ def _root(
 
 @app.command()
 @_boundary
-def validate(config: ConfigPath, overrides: Overrides = None) -> None:
+def validate(
+    config: ConfigPath,
+    overrides: Overrides = None,
+    serve: Annotated[
+        bool, typer.Option("--serve", help="Check it as `tpugen serve` reads it: prompts are optional.")
+    ] = False,
+) -> None:
     """Check a config (with overrides) and print it fully resolved as YAML, or every problem found."""
     from tpugen.config import load_config
 
-    run = load_config(config, overrides or [])
+    run = load_config(config, overrides or [], prompts_required=not serve)
     typer.echo(run.to_yaml(), nl=False)
 
 
