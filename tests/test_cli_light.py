@@ -38,6 +38,14 @@ def test_plan_prints_shape_keys_without_loading_a_model(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+def test_generate_plan_prints_what_plan_prints(tmp_path):
+    path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path, batch_size=2))
+    plan, generate = run_cli("plan", path), run_cli("generate", path, "--plan")
+    assert plan.exit_code == generate.exit_code == 0, generate.output
+    assert generate.stdout == plan.stdout and "fits one v5e chip" in generate.stdout  # the memory plan too
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_plan_of_a_hub_model_starts_no_device_stack(tmp_path):
     code = (
         "import sys; from typer.testing import CliRunner; from tpugen.cli import app; "

@@ -34,15 +34,16 @@ Overrides = Annotated[
     ),
 ]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; print only where the results went.")]
-ApiKey = Annotated[
-    str | None,
-    typer.Option(
-        "--api-key",
-        envvar="TPUGEN_API_KEY",
-        help="The server's API key (also TPUGEN_API_KEY): sent as Authorization: Bearer KEY.",
-        show_default=False,
-    ),
-]
+
+
+def _api_key(help_text: str):
+    return Annotated[str | None, typer.Option("--api-key", envvar="TPUGEN_API_KEY", help=help_text, show_default=False)]
+
+
+ClientApiKey = _api_key("The server's API key (also TPUGEN_API_KEY): sent as Authorization: Bearer KEY.")
+ServerApiKey = _api_key(
+    "The key every request must bring as Authorization: Bearer KEY (also TPUGEN_API_KEY); needed off loopback."
+)
 
 
 def _boundary(command):
@@ -115,12 +116,17 @@ def plan(
     ] = None,
 ) -> None:
     """Print the shape keys, batches and padding, and whether the model fits a chip, loading no weights."""
-    from tpugen import app
     from tpugen.config import load_config
 
     if chip is not None:
         overrides = [*(overrides or []), f"execution.chip={chip}"]
-    run = load_config(config, overrides or [])
+    _show_plan(load_config(config, overrides or []))
+
+
+def _show_plan(run) -> None:
+    """What `tpugen plan` and `generate --plan` print: shapes, batches, attention, the cluster, memory."""
+    from tpugen import app
+
     view = app.plan(run)
     memory = view.memory
     _print_plan(view.run_plan)
@@ -265,7 +271,7 @@ def generate(
             "output.dir; this process loads no model.",
         ),
     ] = None,
-    api_key: ApiKey = None,
+    api_key: ClientApiKey = None,
 ) -> None:
     """Generate the config's images: load, compile each shape once, run timed, write images and a report."""
     from tpugen.config import load_config
@@ -276,14 +282,7 @@ def generate(
         overrides = [*(overrides or []), f"execution.mode={mode}"]
     run = load_config(config, overrides or [])
     if show_plan:
-        from tpugen.plan import plan_run
-
-        _print_plan(plan_run(run))
-        if run.config.execution.mode == "ray":
-            from tpugen.modes.cluster import plan_lines
-
-            for line in plan_lines(run):
-                typer.echo(line)
+        _show_plan(run)
         return
     from tpugen import app
 
@@ -303,7 +302,7 @@ def serve(
         str, typer.Option("--host", help="The address to listen on; other than loopback needs an API key.")
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="The port to listen on.")] = 7860,
-    api_key: ApiKey = None,
+    api_key: ServerApiKey = None,
     quiet: Quiet = False,
 ) -> None:
     """Keep the config's model warm behind HTTP: the A1111 and OpenAI image APIs and tpugen runs (prompts optional)."""
