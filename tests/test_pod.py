@@ -246,8 +246,11 @@ def test_bucket_output_is_uploaded_by_the_workers_with_the_pod_report(tmp_path, 
     path = write_config(tmp_path / "c.yaml", config)
     dry = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--dry-run")
     assert dry.exit_code == 0, dry.output
-    assert dry.stdout.splitlines()[-1].endswith(
-        f"gs://my-bucket/runs/podrun/worker-1 {scratch}/tpugen-pod-RANDOM/podrun/"
+    *_, last_gather, report_upload = dry.stdout.splitlines()
+    assert last_gather.endswith(f"gs://my-bucket/runs/podrun/worker-1 {scratch}/tpugen-pod-RANDOM/podrun/")
+    merged = f"{scratch}/tpugen-pod-RANDOM/podrun"
+    assert report_upload == (  # the last step, printed too
+        f"gcloud storage cp {merged}/report.json {merged}/report.md {merged}/manifest.jsonl gs://my-bucket/runs/podrun/"
     )
     assert not list(scratch.iterdir()) and not (tmp_path / "gcloud.log").exists()
 

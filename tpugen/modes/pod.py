@@ -162,6 +162,9 @@ def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen", up
     )
 
 
+POD_REPORT_FILES = ("report.json", "report.md", "manifest.jsonl")
+
+
 @dataclass(frozen=True)
 class PodPlan:
     """Every gcloud command of a pod run, in order, for --dry-run and for the runner."""
@@ -169,9 +172,10 @@ class PodPlan:
     prepare: list[list[str]]
     run: list[str]
     gather: list[list[str]]
+    finish: list[list[str]]  # with a bucket: the pod report, merged here, goes up beside the workers' folders
 
     def lines(self) -> list[str]:
-        return [shlex.join(c) for c in [*self.prepare, self.run, *self.gather]]
+        return [shlex.join(c) for c in [*self.prepare, self.run, *self.gather, *self.finish]]
 
 
 def gathering_folder(local_run: Path, worker: int) -> Path:
@@ -204,7 +208,10 @@ def plan_pod(
         gathers = [pod.storage_cp(f"{upload}/worker-{i}", f"{local_run}/", recursive=True) for i in range(workers)]
     else:
         gathers = [pod.scp_from(i, remote_run, gathering_folder(local_run, i)) for i in range(workers)]
-    return PodPlan(prepare, pod.ssh_all(worker_command(remote_run, workers, tpugen, upload)), gathers)
+    finish = []
+    if upload and gather:
+        finish = [pod.storage_cp(*(f"{local_run}/{name}" for name in POD_REPORT_FILES), f"{upload}/")]
+    return PodPlan(prepare, pod.ssh_all(worker_command(remote_run, workers, tpugen, upload)), gathers, finish)
 
 
 # ---------------------------------------------------------------- merging (pure over files)
@@ -490,8 +497,8 @@ def run_pod(
         report["run_dir"] = str(local_run)
         if bucket:
             destination = f"{bucket.rstrip('/')}/{run_id}"
-            files = [str(local_run / name) for name in ("report.json", "report.md", "manifest.jsonl")]
-            uploaded = _call(pod.storage_cp(*files, f"{destination}/"), display)
+            (upload,) = plan.finish
+            uploaded = _call(upload, display)
             if uploaded.returncode:
                 keep_scratch = True  # the only copy of the pod report
                 raise RunError(f"uploading the pod report to {destination} failed; it is in {local_run}")
