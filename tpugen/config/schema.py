@@ -77,7 +77,8 @@ class ModelConfig(_Section):
 
 
 class PodConfig(_Section):
-    # Set by `tpugen pod-run`; else TPU_WORKER_ID / CLOUD_TPU_TASK_ID, else torch_xla's host index.
+    # num_workers is set by `tpugen pod-run`; the index, unless set, is TPU_WORKER_ID / CLOUD_TPU_TASK_ID, else
+    # torch_xla's host index.
     worker_index: int | None = Field(default=None, ge=0)
     num_workers: int | None = Field(default=None, ge=1)
 
@@ -101,7 +102,7 @@ AutoOrBool = Annotated[Any, AfterValidator(_check_auto_or_bool)]
 class CompileConfig(_Section):
     # torch.compile the denoiser on the cpu and cuda backends (xla compiles through torch_xla already).
     torch_compile: bool = False
-    # xla: run Flux's repeated blocks through torch_xla's scan, so one block per type is compiled.
+    # xla, Flux and SD3: run repeated blocks through torch_xla's scan, so one block per kind is compiled.
     scan_blocks: bool = False
     # xla: the denoiser's attention through torch_xla's Pallas flash-attention kernel (diffusers' XLA path). auto: on
     # a TPU only; true: try it anywhere. If it cannot run (no jax, not a TPU, a compile error), the run goes on without.
@@ -191,7 +192,7 @@ class ExecutionConfig(_Section):
     cores: int = Field(default=0, ge=0)
     strict_shapes: bool = False
     pod: PodConfig = PodConfig()
-    # model: each component moves to the device only while it runs (cuda, torch_tpu).
+    # model: each component moves to the device only while it runs (xla, cuda, torch_tpu).
     offload: Literal["none", "model"] = "none"
     # spmd (xla): one process drives every local device as a mesh; big weights are split over it.
     sharding: Literal["none", "spmd"] = "none"
