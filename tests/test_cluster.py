@@ -457,3 +457,37 @@ def test_plan_says_what_a_ray_run_asks_for(tmp_path):
         "ray: address auto; workers: 4; each worker asks for {TPU: chips per host} on a cluster with TPUs, else "
         "{CPU: 1}" in result.stdout
     )
+
+
+def test_a_job_dashboard_ray_address_is_refused_naming_the_variable(monkeypatch):
+    from tpugen.errors import InputError
+    from tpugen.modes.cluster import _target
+
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    with pytest.raises(InputError) as refused:
+        _target(None, "auto")  # before ray.init, which would try to resolve a host named "http://127.0.0.1"
+    assert refused.value.lines == [
+        "RAY_ADDRESS: must be ray://HOST:PORT or HOST:PORT (execution.ray.address: auto reads it), got "
+        "'http://127.0.0.1:8265'"
+    ]
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert _target(None, "auto") == "10.0.0.2:6379"
+
+
+def test_a_taken_run_id_is_refused_before_the_cluster_starts(tmp_path, monkeypatch):
+    from tpugen.config import load_config
+    from tpugen.errors import InputError
+    from tpugen.modes import cluster
+
+    config = tiny_config(tmp_path, execution={"mode": "ray", "ray": {"address": "local", "workers": 1}})
+    run = load_config(write_config(tmp_path / "c.yaml", config))
+    taken = tmp_path / "outputs" / "run"
+    taken.mkdir(parents=True)
+    (taken / "notes.txt").write_text("someone's\n")
+
+    def no_cluster(run):
+        raise AssertionError("the cluster was started for a run that cannot be written")
+
+    monkeypatch.setattr(cluster, "Cluster", no_cluster)
+    with pytest.raises(InputError, match="output.run_id: .* already exists and is not empty"):
+        cluster.run_cluster(run)

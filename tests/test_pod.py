@@ -73,7 +73,7 @@ def test_dry_run_prints_every_command_and_runs_none(tmp_path, fake_pod):
         "--zone",
         "us-east5-b",
         "--project",
-        "proj",
+        "my-proj",
         "--workers",
         "2",
         "--dry-run",
@@ -81,7 +81,7 @@ def test_dry_run_prints_every_command_and_runs_none(tmp_path, fake_pod):
     )
     assert result.exit_code == 0, result.output
     staging = tmp_path / "out" / "podrun" / ".pod-staging"
-    tail = ["--zone=us-east5-b", "--project=proj"]
+    tail = ["--zone=us-east5-b", "--project=my-proj"]
     worker = (
         "cd tpugen-pod/podrun && { tpugen generate config.yaml --quiet execution.pod.num_workers=2 output.dir=. "
         "output.run_id=run $([ -f run/config.yaml ] && echo --resume run) > worker.log 2>&1; status=$?; "
@@ -161,7 +161,9 @@ def single(tmp_path_factory):
 def test_three_worker_pod_makes_each_image_once_like_one_chip(single, tmp_path, fake_pod, monkeypatch):
     monkeypatch.setenv("FAKE_POD_WORKERS", "3")
     config = tiny_config(tmp_path, prompts=PROMPTS, output={"dir": str(tmp_path / "out"), "run_id": "podrun"})
-    result = run_cli("pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "z", "--quiet")
+    result = run_cli(
+        "pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "us-east5-b", "--quiet"
+    )
     assert result.exit_code == 0, result.output
     run_dir = tmp_path / "out" / "podrun"
 
@@ -190,7 +192,7 @@ def test_three_worker_pod_makes_each_image_once_like_one_chip(single, tmp_path, 
     assert "pod images per second" in markdown and "## Workers (3)" in markdown
 
     # The describe call counted the workers; the prompt with shell syntax ran nothing anywhere.
-    assert calls(tmp_path)[0] == ["compute", "tpus", "tpu-vm", "describe", "t", "--format=json", "--zone=z"]
+    assert calls(tmp_path)[0] == ["compute", "tpus", "tpu-vm", "describe", "t", "--format=json", "--zone=us-east5-b"]
     assert not any("pwned" in " ".join(c) for c in calls(tmp_path))
     assert not list(tmp_path.rglob("pwned")) and not Path("pwned").exists()
 
@@ -201,7 +203,7 @@ def test_a_failed_worker_is_named_and_the_others_are_gathered(tmp_path, fake_pod
     monkeypatch.setenv("FAKE_POD_BREAK_WORKER", "1")
     config = tiny_config(tmp_path, prompts=PROMPTS[:4], output={"dir": str(tmp_path / "out"), "run_id": "podrun"})
     result = run_cli(
-        "pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "z", "--workers", "2"
+        "pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "us-east5-b", "--workers", "2"
     )
     run_dir = tmp_path / "out" / "podrun"
     assert result.exit_code == 1
@@ -218,7 +220,9 @@ def test_a_failed_step_names_the_worker_and_what_gcloud_printed(tmp_path, fake_p
     monkeypatch.setenv("FAKE_POD_WORKERS", "2")
     monkeypatch.setenv("FAKE_POD_READ_ONLY_WORKER", "1")
     config = tiny_config(tmp_path, output={"dir": str(tmp_path / "out"), "run_id": "podrun"})
-    result = run_cli("pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "z", "--quiet")
+    result = run_cli(
+        "pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "us-east5-b", "--quiet"
+    )
     assert result.exit_code == 1
     assert result.stderr == (
         "error: gcloud compute tpus tpu-vm ssh t failed on worker 1: mkdir: cannot create directory: "
@@ -229,7 +233,7 @@ def test_a_failed_step_names_the_worker_and_what_gcloud_printed(tmp_path, fake_p
 def test_missing_gcloud_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path))
-    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z")
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b")
     assert result.exit_code == 2
     assert result.stderr == (
         "error: gcloud not found: install the Google Cloud CLI (https://cloud.google.com/sdk) and log in\n"
@@ -244,7 +248,7 @@ def test_bucket_output_is_uploaded_by_the_workers_with_the_pod_report(tmp_path, 
     monkeypatch.setenv("FAKE_POD_WORKERS", "2")
     config = tiny_config(tmp_path, prompts=PROMPTS[:3], output={"dir": "gs://my-bucket/runs", "run_id": "podrun"})
     path = write_config(tmp_path / "c.yaml", config)
-    dry = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--dry-run")
+    dry = run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--dry-run")
     assert dry.exit_code == 0, dry.output
     *_, last_gather, report_upload = dry.stdout.splitlines()
     assert last_gather.endswith(f"gs://my-bucket/runs/podrun/worker-1 {scratch}/tpugen-pod-RANDOM/podrun/")
@@ -254,7 +258,7 @@ def test_bucket_output_is_uploaded_by_the_workers_with_the_pod_report(tmp_path, 
     )
     assert not list(scratch.iterdir()) and not (tmp_path / "gcloud.log").exists()
 
-    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--quiet")
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--quiet")
     assert result.exit_code == 0, result.output
     assert not list(scratch.iterdir())  # the downloaded copies are gone once the pod report is uploaded
     assert result.stdout.splitlines()[-1] == "report: gs://my-bucket/runs/podrun/report.md"
@@ -289,10 +293,12 @@ def test_resume_a_pod_run_after_a_failed_worker(tmp_path, fake_pod, monkeypatch)
     monkeypatch.setenv("FAKE_POD_BREAK_WORKER", "1")
     config = tiny_config(tmp_path, prompts=PROMPTS[:4], output={"dir": str(tmp_path / "out"), "run_id": "podrun"})
     path = write_config(tmp_path / "c.yaml", config)
-    assert run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--quiet").exit_code == 1
+    assert run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--quiet").exit_code == 1
 
     monkeypatch.delenv("FAKE_POD_BREAK_WORKER")  # the broken worker is repaired
-    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--quiet", "--resume", "podrun")
+    result = run_cli(
+        "pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--quiet", "--resume", "podrun"
+    )
     assert result.exit_code == 0, result.output
     run_dir = tmp_path / "out" / "podrun"
     report = json.loads((run_dir / "report.json").read_text())
@@ -305,7 +311,9 @@ def test_resume_a_pod_run_after_a_failed_worker(tmp_path, fake_pod, monkeypatch)
 
     # Resuming the complete pod run calls no worker and rewrites nothing.
     before = (len(calls(tmp_path)), (run_dir / "report.json").read_bytes(), (run_dir / "report.md").read_bytes())
-    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--quiet", "--resume", "podrun")
+    result = run_cli(
+        "pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--quiet", "--resume", "podrun"
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines() == [f"{run_dir} is complete: 4 of 4 images; nothing to do"]
     assert (
@@ -324,7 +332,16 @@ def test_resume_keeps_the_images_of_a_worker_that_lost_its_disk(tmp_path, fake_p
     monkeypatch.setenv("FAKE_POD_WORKERS", "2")
     output = {"dir": str(tmp_path / "out"), "run_id": "podrun"}
     config = tiny_config(tmp_path, prompts=PROMPTS[:4], steps=2, output=output)
-    args = ["pod-run", write_config(tmp_path / "c.yaml", config), "--tpu", "t", "--zone", "z", "--workers", "2"]
+    args = [
+        "pod-run",
+        write_config(tmp_path / "c.yaml", config),
+        "--tpu",
+        "t",
+        "--zone",
+        "us-east5-b",
+        "--workers",
+        "2",
+    ]
     monkeypatch.setenv("FAKE_POD_BREAK_WORKER", "1")  # worker 0 finishes its share, worker 1 does not
     assert run_cli(*args, "--quiet").exit_code == 1
     run_dir = tmp_path / "out" / "podrun"
@@ -385,7 +402,7 @@ def test_resume_takes_a_pod_run_under_output_dir_only(tmp_path, fake_pod, monkey
     config = tiny_config(tmp_path, prompts=PROMPTS[:2], output={"dir": str(tmp_path / "out")})
     path = write_config(tmp_path / "c.yaml", config)
     before = _files(tmp_path)
-    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", "--resume", value)
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--resume", value)
     assert result.exit_code == 2
     assert result.stderr == expected + "\n"
     assert not (tmp_path / "gcloud.log").exists()
@@ -415,7 +432,7 @@ def test_unsafe_run_ids_and_remote_dirs_are_refused_before_any_gcloud_call(
     monkeypatch.setenv("FAKE_POD_WORKERS", "2")
     config = tiny_config(tmp_path, prompts=PROMPTS[:2], output={"dir": str(tmp_path / "out")})
     path = write_config(tmp_path / "c.yaml", config)
-    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "2", *options)
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", *options)
     assert result.exit_code == 2
     assert result.stderr == expected + "\n"
     assert not (tmp_path / "gcloud.log").exists() and not (tmp_path / "out").exists()
@@ -436,7 +453,7 @@ def test_remote_tpugen_and_remote_dir_under_the_workers_home(tmp_path, fake_pod,
     result = run_cli(
         "pod-run",
         write_config(tmp_path / "c.yaml", config),
-        *["--tpu", "t", "--zone", "z", "--workers", "2", "--quiet"],
+        *["--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--quiet"],
         *["--remote-tpugen", "~/venv/bin/tpugen", "--remote-dir", "~/pods"],
     )
     assert result.exit_code == 0, result.output
@@ -471,7 +488,7 @@ def test_a_failed_bucket_run_leaves_its_scratch_folder_only_when_the_report_uplo
         (gcs / "my-bucket" / "runs" / "podrun").write_text("a file where the run's folder goes")
     config = tiny_config(tmp_path, prompts=PROMPTS[:2], output={"dir": "gs://my-bucket/runs", "run_id": "podrun"})
     path = write_config(tmp_path / "c.yaml", config)
-    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "z", "--workers", "1", "--quiet")
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "1", "--quiet")
     assert result.exit_code == 1
     if upload_fails:
         [kept] = scratch.iterdir()
@@ -485,3 +502,70 @@ def test_a_failed_bucket_run_leaves_its_scratch_folder_only_when_the_report_uplo
         )
         assert (gcs / "my-bucket" / "runs" / "podrun" / "report.json").is_file()
         assert not list(scratch.iterdir())
+
+
+@pytest.mark.parametrize(
+    "option,value,expected",
+    [
+        ("--tpu", "--command=touch pwned", "--tpu: '--command=touch pwned' is not a TPU name"),
+        ("--tpu", "pod:other", "--tpu: 'pod:other' is not a TPU name"),
+        ("--zone", "us-east5-b --project=x", "--zone: 'us-east5-b --project=x' is not a zone (like us-east5-b)"),
+        ("--project", "-x", "--project: '-x' is not a project id"),
+    ],
+)
+def test_gcloud_names_that_would_be_flags_or_move_a_path_are_refused(tmp_path, fake_pod, option, value, expected):
+    args = {"--tpu": "my-pod", "--zone": "us-east5-b", **{option: value}}
+    path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path, output={"dir": str(tmp_path / "out")}))
+    result = run_cli("pod-run", path, *[x for pair in args.items() for x in pair], "--workers", "2", "--dry-run")
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"error: {expected}") and len(result.stderr.splitlines()) == 1
+    assert result.stdout == "" and not (tmp_path / "gcloud.log").exists()
+
+
+@pytest.mark.parametrize("recorded", ["run.json", "report.json only"])
+def test_a_resume_with_a_config_that_changes_images_is_refused_before_any_worker_runs(tmp_path, fake_pod, recorded):
+    # Each worker refuses it in its own folder, but a worker that lost its disk would start afresh with it
+    # and the pod manifest would mix two configs' images.
+    from tpugen.config import load_config
+    from tpugen.engine.session import write_run_record
+    from tpugen.outputs.files import write_json
+
+    output = {"dir": str(tmp_path / "out"), "run_id": "podrun"}
+    first = load_config(write_config(tmp_path / "a.yaml", tiny_config(tmp_path, prompts=PROMPTS[:2], output=output)))
+    run_dir = tmp_path / "out" / "podrun"
+    (run_dir / "worker-0").mkdir(parents=True)
+    if recorded == "run.json":
+        write_run_record(run_dir, first, "podrun")
+    else:  # a pod run from before pod-run wrote run.json: its pod report names the config hash
+        write_json(run_dir / "report.json", {"tpugen_pod_report": 1, "config_hash": first.config_hash})
+    changed = write_config(tmp_path / "b.yaml", tiny_config(tmp_path, prompts=["a tree", "a boat"], output=output))
+    before = _files(tmp_path / "out")
+    result = run_cli("pod-run", changed, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--resume", "podrun")
+    assert result.exit_code == 2
+    if recorded == "run.json":
+        expected = f"--resume: the config differs from the pod run in {run_dir} in keys that change images: prompts"
+    else:
+        expected = f"--resume: the pod run in {run_dir} was made by config hash {first.config_hash}, and this config"
+    assert result.stderr.startswith(f"error: {expected}")
+    assert not (tmp_path / "gcloud.log").exists() and _files(tmp_path / "out") == before
+    same = run_cli("pod-run", tmp_path / "a.yaml", "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--dry-run")
+    assert same.exit_code == 0, same.output  # the config the run was made with passes
+
+
+def test_a_pod_run_whose_images_are_gone_is_not_complete(tmp_path):
+    from tpugen.config import load_config
+    from tpugen.modes.pod import _already_complete
+    from tpugen.outputs.files import write_json
+
+    run = load_config(write_config(tmp_path / "c.yaml", tiny_config(tmp_path, prompts=PROMPTS[:2])))
+    run_dir = tmp_path / "pod"
+    (run_dir / "worker-0" / "run").mkdir(parents=True)
+    files = [f"worker-0/run/{name}" for name in NAMES[:2]]
+    (run_dir / "manifest.jsonl").write_text(
+        "".join(json.dumps({"index": i, "file": f}) + "\n" for i, f in enumerate(files))
+    )
+    write_json(run_dir / "report.json", {"complete": True, "images": 2})
+    assert _already_complete(run, run_dir) is None  # a complete report and manifest, but no images
+    for name in files:
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(run_dir / name)
+    assert _already_complete(run, run_dir)["already_complete"] is True

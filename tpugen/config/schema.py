@@ -140,6 +140,11 @@ class MeshConfig(_Section):
 _RAY_ADDRESS = re.compile(r"(ray://)?[A-Za-z0-9][A-Za-z0-9.-]*:[0-9]{1,5}")
 
 
+def is_ray_address(value: str) -> bool:
+    """ray://HOST:PORT or HOST:PORT: a cluster to join (RAY_ADDRESS is checked by the same rule)."""
+    return bool(_RAY_ADDRESS.fullmatch(value))
+
+
 def _check_ray_address(value: str) -> str:
     if value in ("local", "auto") or _RAY_ADDRESS.fullmatch(value):
         return value

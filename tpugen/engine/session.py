@@ -19,7 +19,7 @@ from tpugen.lines import text_lines
 from tpugen.outputs.files import atomic_write_text, inside, write_json
 from tpugen.outputs.grid import write_grid
 from tpugen.outputs.manifest import Manifest, read_manifest, read_text_lenient, rewrite_manifest
-from tpugen.outputs.png import image_filename, save_png
+from tpugen.outputs.png import image_filename, is_valid_png, save_png
 from tpugen.outputs.report import (
     TimedPhase,
     build_report,
@@ -47,11 +47,17 @@ def run_id_for(run: ResolvedRun, now: datetime | None = None) -> str:
     return f"{now:%Y%m%d-%H%M%S}-{run.config_hash}"
 
 
-def make_run_dir(output_dir: str | Path, run_id: str) -> Path:
-    """A new, empty run directory; refused (nothing written) if it exists with anything in it."""
+def check_run_dir_free(output_dir: str | Path, run_id: str) -> Path:
+    """The run directory a new run would make, refused if it exists with anything in it."""
     run_dir = Path(output_dir) / run_id
     if run_dir.exists() and any(run_dir.iterdir()):
         raise InputError(f"output.run_id: {run_dir} already exists and is not empty; choose another run_id")
+    return run_dir
+
+
+def make_run_dir(output_dir: str | Path, run_id: str) -> Path:
+    """A new, empty run directory; refused (nothing written) if it exists with anything in it."""
+    run_dir = check_run_dir_free(output_dir, run_id)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -381,6 +387,15 @@ def image_changing_differences(old_config: dict, new_config: dict) -> list[str]:
     ]
 
 
+def differences(run: ResolvedRun, old_config: dict, old_prompts: list[dict]) -> list[str]:
+    """The keys in which `run` would make other images than the recorded config and prompts made."""
+    differing = image_changing_differences(old_config, _config_data(run))
+    # Prompts count by their content, wherever they came from (an inline list or a file).
+    if old_prompts != _prompts_data(run.prompts) and "prompts" not in differing:
+        differing.append("prompts" if run.config.prompts is not None else "prompts_file (its prompts)")
+    return differing
+
+
 def check_resumable(run: ResolvedRun, run_dir: Path) -> None:
     """Refuse, naming what changed, a resume whose work would differ from what made the run's images."""
     if not run_dir.is_dir():
@@ -393,10 +408,7 @@ def check_resumable(run: ResolvedRun, run_dir: Path) -> None:
     else:  # a run from before run.json: its config.yaml is all there is
         previous = load_config(run_dir / "config.yaml")
         old_config, old_prompts = _config_data(previous), _prompts_data(previous.prompts)
-    differing = image_changing_differences(old_config, _config_data(run))
-    # Prompts count by their content, wherever they came from (an inline list or a file).
-    if old_prompts != _prompts_data(run.prompts) and "prompts" not in differing:
-        differing.append("prompts" if run.config.prompts is not None else "prompts_file (its prompts)")
+    differing = differences(run, old_config, old_prompts)
     if differing:
         raise InputError(
             f"--resume: the config differs from the run in {run_dir} in keys that change images: "
@@ -411,15 +423,6 @@ def check_resumable(run: ResolvedRun, run_dir: Path) -> None:
                 f"--resume: the images in {run_dir} were made by config hash {', '.join(sorted(made_by))}, and "
                 f"this config resolves to {run.config_hash} (was config.yaml or the prompts file edited?)"
             )
-
-
-def _valid_png(path: Path) -> bool:
-    try:
-        with Image.open(path) as image:
-            image.verify()
-        return True
-    except Exception:  # any unreadable file is simply made again
-        return False
 
 
 def _manifest_paths(run_dir: Path) -> list[Path]:
@@ -458,7 +461,7 @@ def finished_records(run_dir: Path, run: ResolvedRun) -> tuple[dict[int, dict], 
             elif record.get("file") != expected[index]:
                 why = f"image {index} is not {expected[index]}"
             else:
-                if _valid_png(run_dir / expected[index]):
+                if is_valid_png(run_dir / expected[index]):
                     finished[index] = record
                 continue
             problems.append(f"{path.name} line {number}: {why}; ignored")

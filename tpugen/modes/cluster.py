@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from tpugen.backends import Counters, backend_environment
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display, RunSession, StopSignals
+from tpugen.engine.session import check_run_dir_free
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
 from tpugen.modes.host import HostWorker, NotStarted, warmup_plan
 from tpugen.outputs.files import write_json
@@ -167,7 +168,15 @@ def _target(ray, address: str) -> str:
     if address != "auto":
         return address
     if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"]
+        from tpugen.config.schema import is_ray_address
+
+        value = os.environ["RAY_ADDRESS"]
+        if not is_ray_address(value):  # e.g. a job dashboard's http://HOST:8265, which ray.init cannot join
+            raise InputError(
+                f"RAY_ADDRESS: must be ray://HOST:PORT or HOST:PORT (execution.ray.address: auto reads it), "
+                f"got {value!r}"
+            )
+        return value
     try:
         from ray._private.services import canonicalize_bootstrap_address_or_die
 
@@ -706,6 +715,9 @@ def run_cluster(
         raise InputError(gs_refusal())
     plan = plan_run(run)
     session = None
+    if resume_dir is None and run.config.output.run_id:
+        # Refused now, not after every worker has loaded and warmed the model.
+        check_run_dir_free(run.config.output.dir, run.config.output.run_id)
     if resume_dir is not None:
         session = RunSession.resume(run, resume_dir)
         for problem in session.problems:

@@ -81,11 +81,29 @@ def resume_run_id(value: str, output_dir: str) -> str:
 # ---------------------------------------------------------------- the commands (pure)
 
 
+# Google Cloud's own name rules: checked here, since a value that starts with "-" would reach gcloud as a flag
+# and a ":" in a TPU name would move where scp splits NAME:PATH.
+_TPU_NAME = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+_ZONE = re.compile(r"[a-z]+-[a-z]+[0-9]+-[a-z]")
+_PROJECT = re.compile(r"([a-z][-a-z0-9.]*[a-z0-9]:)?[a-z][-a-z0-9]{4,28}[a-z0-9]")
+
+
 @dataclass(frozen=True)
 class Pod:
     tpu: str
     zone: str
     project: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not _TPU_NAME.fullmatch(self.tpu):
+            problems.append(f"--tpu: {self.tpu!r} is not a TPU name (lowercase letters, digits and '-', 1 to 63)")
+        if not _ZONE.fullmatch(self.zone):
+            problems.append(f"--zone: {self.zone!r} is not a zone (like us-east5-b)")
+        if self.project is not None and not _PROJECT.fullmatch(self.project):
+            problems.append(f"--project: {self.project!r} is not a project id (6 to 30 lowercase letters, digits, '-')")
+        if problems:
+            raise InputError(*problems)
 
     def _gcloud(self, verb: str, *args: str) -> list[str]:
         command = ["gcloud", "compute", "tpus", "tpu-vm", verb, *args, f"--zone={self.zone}"]
@@ -397,7 +415,7 @@ def run_pod(
 
     With `resume_id`, the workers continue that run's folders, each keeping the images it finished."""
     from tpugen.config import dump_config
-    from tpugen.engine.session import make_run_dir, run_id_for
+    from tpugen.engine.session import make_run_dir, read_run_record, run_id_for, write_run_record
     from tpugen.outputs.files import atomic_write_text
     from tpugen.outputs.manifest import rewrite_manifest
     from tpugen.outputs.report import write_report
@@ -408,6 +426,8 @@ def run_pod(
     output_dir = run.config.output.dir
     run_id = run_id_for(run) if resume_id is None else resume_run_id(resume_id, output_dir)
     bucket = output_dir if output_dir.startswith("gs://") else None
+    if resume_id is not None and not bucket:
+        check_pod_resumable(run, Path(output_dir) / run_id)
     if not dry_run:
         _gcloud_path()
         if workers is None:
@@ -460,8 +480,11 @@ def run_pod(
     try:
         if bucket or resume_id:
             local_run.mkdir(parents=True, exist_ok=True)
+            if not bucket and read_run_record(local_run) is None:  # a pod run from before run.json, checked
+                write_run_record(local_run, run, run_id)
         else:
             make_run_dir(run.config.output.dir, run_id)
+            write_run_record(local_run, run, run_id)  # what a later --resume is checked against
         staging_made = True  # past make_run_dir, which refuses a run directory in use without touching it
         staging.mkdir(exist_ok=True)
         atomic_write_text(staged[0], dump_config(config))
@@ -529,6 +552,39 @@ def run_pod(
     return report
 
 
+def check_pod_resumable(run, local_run: Path) -> None:
+    """Refuse, before any gcloud call, a --resume whose config would make other images than the pod run's: a
+    worker with its run folder refuses it itself, but one that lost its disk would start afresh with it."""
+    from tpugen.engine.session import differences, read_run_record
+    from tpugen.outputs.report import read_report
+
+    if not local_run.is_dir():
+        return
+    record = read_run_record(local_run)
+    if record is not None:
+        differing = differences(run, record["config"], record["prompts"])
+        if differing:
+            raise InputError(
+                f"--resume: the config differs from the pod run in {local_run} in keys that change images: "
+                + ", ".join(differing)
+            )
+        return
+    made_by = (read_report(local_run) or {}).get("config_hash")  # a pod run from before run.json
+    if made_by and made_by != run.config_hash:
+        raise InputError(
+            f"--resume: the pod run in {local_run} was made by config hash {made_by}, and this config resolves to "
+            f"{run.config_hash} (was the config or the prompts file edited?)"
+        )
+
+
+def _gathered_image(local_run: Path, name) -> bool:
+    """Whether a pod manifest's file (worker-i/run/NAME) is inside the pod run and a whole PNG."""
+    from tpugen.outputs.png import is_valid_png
+
+    path = (local_run / str(name)).resolve()
+    return path.is_relative_to(local_run.resolve()) and is_valid_png(path)
+
+
 def _already_complete(run, local_run: Path) -> dict | None:
     """A pod run whose gathered report is complete and whose manifest holds every planned image: nothing to
     resume, so no worker is called and nothing is rewritten."""
@@ -541,7 +597,8 @@ def _already_complete(run, local_run: Path) -> dict | None:
     if not report or not report.get("complete") or not manifest.exists():
         return None
     planned = len(plan_run(run).items)
-    if len({r["index"] for r in read_manifest(manifest)}) < planned:
+    on_disk = {r["index"] for r in read_manifest(manifest) if _gathered_image(local_run, r.get("file"))}
+    if len(on_disk) < planned:
         return None
     return {**report, "run_dir": str(local_run), "already_complete": True, "images_planned": planned}
 

@@ -76,3 +76,13 @@ def png_bytes(image: Image.Image, record: dict) -> bytes:
 def save_png(path: Path, image: Image.Image, record: dict) -> None:
     """png_bytes written atomically to `path`."""
     atomic_write_bytes(path, png_bytes(image, record))
+
+
+def is_valid_png(path: Path) -> bool:
+    """Whether `path` is a whole, readable image (a resume makes anything else again)."""
+    try:
+        with Image.open(path) as image:
+            image.verify()
+        return True
+    except Exception:  # missing, torn or not an image: all the same to a resume
+        return False
