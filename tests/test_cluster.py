@@ -491,3 +491,32 @@ def test_a_taken_run_id_is_refused_before_the_cluster_starts(tmp_path, monkeypat
     monkeypatch.setattr(cluster, "Cluster", no_cluster)
     with pytest.raises(InputError, match="output.run_id: .* already exists and is not empty"):
         cluster.run_cluster(run)
+
+
+def test_a_local_cluster_that_fails_to_start_is_stopped_and_named_in_one_line(tmp_path, monkeypatch):
+    from tpugen.config import load_config
+    from tpugen.errors import RunError
+    from tpugen.modes import cluster
+
+    calls = []
+
+    class HalfStartedRay:
+        def init(self, **options):
+            calls.append("init")
+            raise RuntimeError("Failed to start the GCS server.\nsee /tmp/ray/session_latest/logs")
+
+        def is_initialized(self):
+            return True  # the node came up before the failure
+
+        def shutdown(self):
+            calls.append("shutdown")
+
+    monkeypatch.setattr(cluster, "import_ray", HalfStartedRay)
+    config = tiny_config(tmp_path, execution={"mode": "ray", "ray": {"address": "local", "workers": 1}})
+    run = load_config(write_config(tmp_path / "c.yaml", config))
+    with pytest.raises(RunError) as failed, cluster.Cluster(run):
+        pass
+    assert failed.value.lines == [
+        "execution.ray.address: local: could not start a Ray cluster: RuntimeError: Failed to start the GCS server."
+    ]
+    assert calls == ["init", "shutdown"]

@@ -207,13 +207,20 @@ class Cluster:
         ray = self.ray = import_ray()
         common = {"namespace": "tpugen", "runtime_env": self.runtime_env, "logging_level": logging.WARNING}
         if self.address == "local":
-            ray.init(
-                address="local",
-                include_dashboard=False,
-                object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                log_to_driver=self.debug,
-                **common,
-            )
+            try:
+                ray.init(
+                    address="local",
+                    include_dashboard=False,
+                    object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                    log_to_driver=self.debug,
+                    **common,
+                )
+            except Exception as exc:  # a start that fails halfway must not leave Ray's processes behind
+                if ray.is_initialized():
+                    ray.shutdown()
+                raise RunError(
+                    f"execution.ray.address: local: could not start a Ray cluster: {one_line(exc)}"
+                ) from None
             return self
         target = _target(ray, self.address)
         host, _, port = target.removeprefix("ray://").rpartition(":")
