@@ -569,3 +569,40 @@ def test_a_pod_run_whose_images_are_gone_is_not_complete(tmp_path):
     for name in files:
         Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(run_dir / name)
     assert _already_complete(run, run_dir)["already_complete"] is True
+
+
+def test_a_fold_cut_short_is_finished_and_leaves_no_image_unlisted(tmp_path, monkeypatch):
+    import os
+
+    from tpugen.modes import pod
+
+    def worker_copy(folder: Path, indices: list[int]) -> None:
+        (folder / "run").mkdir(parents=True)
+        for i in indices:
+            (folder / "run" / NAMES[i]).write_bytes(f"image {i}".encode())
+        lines = "".join(json.dumps({"index": i, "file": NAMES[i]}) + "\n" for i in indices)
+        (folder / "run" / "manifest.jsonl").write_text(lines)
+
+    local_run = tmp_path / "podrun"
+    folder = local_run / "worker-0"
+    worker_copy(folder, [0])  # the earlier copy
+    worker_copy(pod.gathering_folder(local_run, 0), [2, 4])  # a fresh disk's copy: images 2 and 4 only
+    moved, real_replace = [], os.replace
+
+    def crash_after_one(source, target):
+        if moved:
+            raise KeyboardInterrupt  # the fold is cut short after one file
+        moved.append(target)
+        real_replace(source, target)
+
+    monkeypatch.setattr(pod.os, "replace", crash_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        pod.adopt_gathered(pod.gathering_folder(local_run, 0), folder)
+    monkeypatch.setattr(pod.os, "replace", real_replace)
+    assert [r["index"] for r in read_manifest(folder / "run" / "manifest.jsonl")] == [0]  # image 2 moved, unlisted
+    assert pod.folding_folder(local_run, 0).exists() and not pod.gathering_folder(local_run, 0).exists()
+
+    pod.fold_in(pod.folding_folder(local_run, 0), folder)  # what the next gather of worker 0 does first
+    assert [r["index"] for r in read_manifest(folder / "run" / "manifest.jsonl")] == [0, 2, 4]
+    assert sorted(p.name for p in (folder / "run").glob("0*")) == sorted(NAMES[i] for i in (0, 2, 4))
+    assert not pod.folding_folder(local_run, 0).exists()

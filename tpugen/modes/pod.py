@@ -241,19 +241,32 @@ def _tail(path: Path, lines: int = 5) -> list[str]:
     return [line for line in text_lines(path.read_text(errors="replace")) if line.strip()][-lines:]
 
 
+def folding_folder(local_run: Path, worker: int) -> Path:
+    """A whole gathered copy of worker i while it is folded into worker-i: one left behind (a crash mid-fold)
+    is folded in before that worker is gathered again; a `.gathering` one may be a torn copy and is dropped."""
+    return local_run / f".worker-{worker}.folding"
+
+
 def adopt_gathered(fresh: Path, folder: Path) -> None:
     """Fold a worker's newly gathered copy into its folder: files only the earlier copy holds stay (a worker
     recreated with a fresh disk has lost the images it made before), every file both hold comes from the
-    new copy, and the manifests are joined by image index with the new copy's records winning. Each file
-    is moved in whole and the manifest written last, so a crash part way leaves no file torn or lost."""
-    from tpugen.outputs.manifest import read_manifest, rewrite_manifest
-
+    new copy, and the manifests are joined by image index with the new copy's records winning."""
     if not folder.exists():
         fresh.rename(folder)
         return
+    folding = fresh.with_suffix(".folding")  # .worker-i.gathering -> .worker-i.folding: known to be whole
+    fresh.rename(folding)
+    fold_in(folding, folder)
+
+
+def fold_in(folding: Path, folder: Path) -> None:
+    """Move each file of `folding` into `folder` in whole, then write the joined manifest, then drop
+    `folding`: done again after a crash part way, it finishes the same fold, and no image ends up unlisted."""
+    from tpugen.outputs.manifest import read_manifest, rewrite_manifest
+
     manifest = Path(WORKER_RUN, "manifest.jsonl")
-    for source in sorted(fresh.rglob("*")):
-        relative = source.relative_to(fresh)
+    for source in sorted(folding.rglob("*")):
+        relative = source.relative_to(folding)
         if source.is_dir() or relative == manifest:
             continue
         target = folder / relative
@@ -261,11 +274,11 @@ def adopt_gathered(fresh: Path, folder: Path) -> None:
             shutil.rmtree(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(source, target)
-    if (fresh / manifest).exists():
+    if (folding / manifest).exists():
         records = {r["index"]: r for r in read_manifest(folder / manifest)} if (folder / manifest).exists() else {}
-        records.update({r["index"]: r for r in read_manifest(fresh / manifest)})
+        records.update({r["index"]: r for r in read_manifest(folding / manifest)})
         rewrite_manifest(folder / WORKER_RUN, records)
-    shutil.rmtree(fresh)
+    shutil.rmtree(folding)
 
 
 def merge_workers(local_run: Path, workers: int) -> tuple[list[dict], list[dict], list[dict]]:
@@ -499,6 +512,8 @@ def run_pod(
         gather_errors = {}  # worker -> why its folder could not be copied this time
         for i, command in enumerate(plan.gather):
             fresh = local_run / f"worker-{i}" if bucket else gathering_folder(local_run, i)
+            if not bucket and folding_folder(local_run, i).exists():  # a fold a crash cut short: finish it
+                fold_in(folding_folder(local_run, i), local_run / f"worker-{i}")
             shutil.rmtree(fresh, ignore_errors=True)  # a copy left by an interrupted gather
             done = _call(command, display)
             if done.returncode or not fresh.is_dir():
