@@ -123,39 +123,61 @@ def generate_in_new_process(tmp: Path, *args: str, env: dict | None = None, time
 
 # The modules LoRA trainers target by default (sd-scripts for SD): the UNet's attention, feed-forward and
 # projections, CLIP's attention and MLP.
+_CLIP = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 LORA_TARGETS = {
     "unet": ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"),
-    "text_encoder": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    "text_encoder": _CLIP,
+    "text_encoder_2": _CLIP,  # SDXL's second CLIP (Flux's is T5, which its LoRA loader leaves alone)
+    "transformer": (
+        *("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj"),
+        *("attn.add_v_proj", "attn.to_add_out", "proj_mlp", "ff.net.0.proj", "ff.net.2", "ff_context.net.2"),
+    ),
 }
+# sd-scripts' prefixes: one text encoder is lora_te_, two are lora_te1_ and lora_te2_.
+_KOHYA_ONE = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
+_KOHYA_TWO = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 
 
 def make_lora(path: Path, fmt: str, *, seed: int, model: str = "tiny-sd", rank: int = 4, std: float = 0.3) -> Path:
-    """A LoRA file for a built-in model's UNet and text encoder with random non-zero factors, named after the
-    model's own modules and shaped by their weights (read from its safetensors headers). `fmt`: "peft"
-    (diffusers/PEFT: unet.X.lora_A.weight, text_encoder.text_model.X.lora_B.weight) or "kohya" (sd-scripts:
-    lora_unet_X.lora_down.weight, lora_te_text_model_X.lora_up.weight, X.alpha). Builds the model if needed."""
+    """A LoRA file for a built-in model's denoiser (UNet or transformer) and CLIP text encoders with random
+    non-zero factors, named after the model's own modules and shaped by their weights (read from its safetensors
+    headers). `fmt`: "peft" (diffusers/PEFT: unet.X.lora_A.weight, text_encoder.text_model.X.lora_B.weight,
+    transformer.X...) or "kohya" (sd-scripts, UNet models: lora_unet_X.lora_down.weight,
+    lora_te_text_model_X.lora_up.weight or lora_te1_/lora_te2_ with two encoders, X.alpha). Builds the model
+    if needed."""
     from safetensors.numpy import save_file
 
     from tpugen.config.loras import safetensors_header
     from tpugen.tiny import builtin_path
 
     rng = np.random.default_rng(seed)
+    root = builtin_path(model)
+    headers = {
+        component: safetensors_header(next((root / component).glob("*.safetensors")))
+        for component in LORA_TARGETS
+        if (root / component).is_dir()
+    }
+    # CLIP encoders only (they hold a position embedding): Flux's T5 has none.
+    headers = {c: h for c, h in headers.items() if "text_encoder" not in c or any("position_embedding" in k for k in h)}
+    kohya = _KOHYA_TWO if "text_encoder_2" in headers else _KOHYA_ONE
     tensors = {}
-    for component, targets in LORA_TARGETS.items():
-        header = safetensors_header(next((builtin_path(model) / component).glob("*.safetensors")))
+    for component, header in headers.items():
         for key, info in sorted(header.items()):
             module = key.removesuffix(".weight")
-            if not key.endswith(".weight") or not module.endswith(targets):
+            if not key.endswith(".weight") or not module.endswith(LORA_TARGETS[component]):
                 continue
             shape = info["shape"]
             down = rng.normal(0, std, (rank, shape[1], *shape[2:])).astype(np.float32)
             up = rng.normal(0, std, (shape[0], rank, *[1] * (len(shape) - 2))).astype(np.float32)
-            name = module if component == "unet" else f"text_model.{module}"  # files name CLIP's inner model
+            if component.startswith("text_encoder") and not module.startswith("text_model."):
+                module = f"text_model.{module}"  # LoRA files name CLIP's inner model, whatever the weights file does
             if fmt == "peft":
-                tensors[f"{component}.{name}.lora_A.weight"] = down
-                tensors[f"{component}.{name}.lora_B.weight"] = up
+                tensors[f"{component}.{module}.lora_A.weight"] = down
+                tensors[f"{component}.{module}.lora_B.weight"] = up
             else:
-                stem = ("lora_unet_" if component == "unet" else "lora_te_") + name.replace(".", "_")
+                if component not in kohya:
+                    raise ValueError(f"no kohya naming for {model}'s {component} here")
+                stem = kohya[component] + module.replace(".", "_")
                 tensors[f"{stem}.lora_down.weight"] = down
                 tensors[f"{stem}.lora_up.weight"] = up
                 tensors[f"{stem}.alpha"] = np.array(rank / 2, dtype=np.float32)

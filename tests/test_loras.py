@@ -386,3 +386,57 @@ def test_images_manifest_and_report_name_each_lora_with_its_scale_and_hash(warm_
     assert [record["loras"] for record in manifest] == [expected, expected]
     assert report["model"]["loras"] == expected and json.loads((run_dir / "report.json").read_text())["model"]["loras"]
     assert f"style-kohya at 0.7 (hash {kohya}" in (run_dir / "report.md").read_text()
+
+
+# ---------------------------------------------------------------- SDXL and Flux (eager CPU: the weights are the point)
+
+
+def _weights(pipe, components) -> dict[str, dict]:
+    return {c: {k: v.detach().clone() for k, v in getattr(pipe, c).state_dict().items()} for c in components}
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("model,fmt", [("tiny-sdxl", "peft"), ("tiny-sdxl", "kohya"), ("tiny-flux", "peft")])
+def test_sdxl_and_flux_loras_fuse_every_component_as_diffusers_does_and_switch_back(tmp_path, model, fmt):
+    # The image path is the one the SD tests check against diffusers; here, each family's LoRA files reach every
+    # component they name (both CLIP encoders of SDXL, Flux's transformer), fused as diffusers' own
+    # load_lora_weights + fuse_lora fuse them, and a switch to none restores the base weights exactly.
+    from diffusers import DiffusionPipeline
+
+    from tpugen.engine import Engine, EngineSpec
+    from tpugen.tiny import builtin_path
+
+    lora = make_lora(tmp_path / f"{model}-{fmt}.safetensors", fmt, seed=5, model=model)
+    config = tiny_config(
+        tmp_path, model={"id": model, "loras": [{"id": str(lora), "scale": 0.8}]}, execution={"backend": "cpu"}
+    )
+    run = load_config(write_config(tmp_path / "c.yaml", config))
+    components = ["unet", "text_encoder", "text_encoder_2"] if model == "tiny-sdxl" else ["transformer", "text_encoder"]
+
+    reference = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
+    base = _weights(reference, components)
+    reference.load_lora_weights(str(lora), adapter_name="a")
+    reference.fuse_lora(lora_scale=0.8, adapter_names=["a"], components=components)
+    reference.unload_lora_weights()
+    fused = _weights(reference, components)
+
+    engine = Engine.open(EngineSpec.of(run))
+    try:
+        ours = _weights(engine.loaded.pipe, components)
+        for component in components:
+            changed = [k for k in base[component] if not torch_equal(base[component][k], fused[component][k])]
+            assert changed, f"diffusers changed nothing in {component}"
+            assert ours[component].keys() == fused[component].keys()
+            worst = max(float((ours[component][k] - fused[component][k]).abs().max()) for k in changed)
+            assert worst <= 1e-5, (component, worst)
+            assert all(torch_equal(ours[component][k], base[component][k]) for k in base[component] if k not in changed)
+        engine.use_loras([])
+        restored = _weights(engine.loaded.pipe, components)
+        for component in components:
+            assert all(torch_equal(restored[component][k], base[component][k]) for k in base[component])
+    finally:
+        engine.close()
+
+
+def torch_equal(a, b) -> bool:
+    return bool((a == b).all())
