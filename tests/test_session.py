@@ -10,6 +10,7 @@ from conftest import PROMPTS, run_cli, tiny_config, write_config
 
 from tpugen.config import load_config
 from tpugen.engine.session import RunSession
+from tpugen.errors import InputError
 from tpugen.outputs.files import write_json
 from tpugen.outputs.manifest import read_manifest
 from tpugen.plan import plan_run
@@ -120,3 +121,17 @@ def test_run_json_is_written_before_config_yaml(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         RunSession.create(run)
     assert sorted(p.name for p in (tmp_path / "outputs" / "run").iterdir()) == ["run.json"]
+
+
+def test_of_two_runs_started_at_once_with_one_run_id_the_second_is_refused(tmp_path, monkeypatch):
+    import tpugen.engine.session as session_module
+
+    run = load_config(write_config(tmp_path / "c.yaml", tiny_config(tmp_path)))
+    first = RunSession.create(run)
+    record = (first.run_dir / "run.json").read_bytes()
+    # The second passed the emptiness check before the first wrote anything: the race the check alone loses.
+    monkeypatch.setattr(session_module, "check_run_dir_free", lambda output_dir, run_id: first.run_dir)
+    with pytest.raises(InputError, match="is being used by another run that started at the same time"):
+        RunSession.create(run)
+    assert (first.run_dir / "run.json").read_bytes() == record
+    assert sorted(p.name for p in first.run_dir.iterdir()) == ["config.yaml", "run.json"]  # no temporary left

@@ -152,8 +152,15 @@ class RunSession:
     def create(cls, run: ResolvedRun, run_id: str | None = None) -> RunSession:
         run_id = run_id or run_id_for(run)
         run_dir = make_run_dir(run.config.output.dir, run_id)
-        # run.json first: a directory with config.yaml and no run.json reads as a run from before run.json.
-        write_run_record(run_dir, run, run_id)
+        # run.json first: a directory with config.yaml and no run.json reads as a run from before run.json. It is
+        # created exclusively: of two runs started at once with one run_id, the second is refused here.
+        try:
+            write_run_record(run_dir, run, run_id, exclusive=True)
+        except FileExistsError:
+            raise InputError(
+                f"output.run_id: {run_dir} is being used by another run that started at the same time; choose "
+                "another run_id"
+            ) from None
         atomic_write_text(run_dir / "config.yaml", dump_config(run.config))
         return cls(run, run_dir.resolve(), run_id, resumed=False)
 
@@ -325,7 +332,7 @@ def _prompts_data(prompts: list[PromptSpec]) -> list[dict]:
     return _plain([asdict(p) for p in prompts])
 
 
-def write_run_record(run_dir: Path, run: ResolvedRun, run_id: str) -> None:
+def write_run_record(run_dir: Path, run: ResolvedRun, run_id: str, *, exclusive: bool = False) -> None:
     """run.json: the config and the prompts a run starts with, so a resume can tell what made its images even
     after config.yaml or the prompts file has been edited."""
     write_json(
@@ -337,6 +344,7 @@ def write_run_record(run_dir: Path, run: ResolvedRun, run_id: str) -> None:
             "config": _config_data(run),
             "prompts": _prompts_data(run.prompts),
         },
+        exclusive=exclusive,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -29,10 +30,12 @@ def _new_file_mode() -> int:
 NEW_FILE_MODE = _new_file_mode()
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, *, exclusive: bool = False) -> None:
     """Write via a temporary file in the same directory, then rename: a crash leaves all or nothing.
 
     The temporary file is private (0600) while it is written; it gets an ordinary file's mode before the rename.
+    `exclusive`: FileExistsError if `path` exists, decided atomically (a hard link never replaces), so of two
+    processes creating the same file one wins; where the file system has no hard links, a plain rename.
     """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -41,15 +44,31 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        if exclusive:
+            _link_or_rename(tmp, path)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def _link_or_rename(tmp: str, path: Path) -> None:
+    try:
+        os.link(tmp, path)  # FileExistsError if another process made it first
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here (some FUSE and object-store mounts)
+        if path.exists():
+            raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
 
 
-def write_json(path: Path, data: object) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+def atomic_write_text(path: Path, text: str, *, exclusive: bool = False) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), exclusive=exclusive)
+
+
+def write_json(path: Path, data: object, *, exclusive: bool = False) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", exclusive=exclusive)
