@@ -23,6 +23,7 @@ from tpugen.modes.rank import DIST_BACKENDS, LAUNCH_FILE, RANK_PROCESS_ENV, rank
 from tpugen.modes.single import host_index_for
 from tpugen.outputs.files import write_json
 from tpugen.outputs.report import build_report, merge_phases, persistent_cache_summary, plan_counts
+from tpugen.plan import plan_share
 
 LOG_FILE = "torchrun.log"  # torchrun's and the ranks' output; kept only when torchrun itself failed
 
@@ -230,11 +231,12 @@ def run_multi(run: ResolvedRun, *, display: Display | None = None, resume_dir: P
     """`tpugen generate` with execution.mode: multi. The parent plans, launches, then merges the ranks."""
     display = display or Display()
     worker = worker_topology(run.config.execution.pod, os.environ, host_index_for(run))
+    full_plan = plan_share(run, worker.workers, worker.worker)  # this worker's share, finished images included
     if resume_dir is not None:
         session = RunSession.resume(run, resume_dir)
         for problem in session.problems:
             display.warning(problem)
-        done = session.already_complete(len(session.share(worker.workers, worker.worker)[0].items))
+        done = session.already_complete(len(full_plan.items))
         if done is not None:  # nothing to make: no chip is counted, no model loaded
             return done
     # Counts the chips before a run directory is made (torchrun), so a missing backend or device is one line.
@@ -242,7 +244,6 @@ def run_multi(run: ResolvedRun, *, display: Display | None = None, resume_dir: P
     if resume_dir is None:
         session = RunSession.create(run)
     session.settle()  # the ranks append to fresh per-rank manifests, never to a torn line of a killed session
-    full_plan, _ = session.share(worker.workers, worker.worker)
     run_dir = session.run_dir
     for stale in run_dir.glob("rank-*.json"):
         stale.unlink()
