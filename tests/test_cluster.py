@@ -144,15 +144,21 @@ def ray_cluster():
     )
     address = f"127.0.0.1:{port}"
     try:
-        # Ready once a node with its CPUs has joined, not merely once the GCS port answers.
+        # Ready once a node with its CPUs has joined, not merely once the GCS port answers, and once Ray Client
+        # opens a session with a runtime_env as the drivers' do: the proxy asks the node's runtime env agent for
+        # it, which comes up after the node (on a busy machine, a first client could fail its init on that).
         wait = (
             f"import ray, sys, time; ray.init(address={address!r}, logging_level='ERROR')\n"
             "for _ in range(100):\n"
-            "    if any(n['Alive'] and n['Resources'].get('CPU') for n in ray.nodes()): sys.exit(0)\n"
+            "    if any(n['Alive'] and n['Resources'].get('CPU') for n in ray.nodes()): break\n"
             "    time.sleep(0.2)\n"
-            "sys.exit(1)\n"
+            "else: sys.exit(1)\n"
+            "ray.shutdown()\n"
+            f"ray.init(address='ray://127.0.0.1:{client_port}', logging_level='ERROR',\n"
+            "         runtime_env={'env_vars': {'PJRT_DEVICE': 'CPU'}})\n"
+            "ray.shutdown()\n"
         )
-        deadline = time.time() + 60
+        deadline = time.time() + 120
         while subprocess.run([sys.executable, "-c", wait], env=_ray_env(), capture_output=True).returncode:
             assert head.poll() is None and time.time() < deadline, "ray start --head did not come up"
             time.sleep(0.5)
@@ -520,3 +526,41 @@ def test_a_local_cluster_that_fails_to_start_is_stopped_and_named_in_one_line(tm
         "execution.ray.address: local: could not start a Ray cluster: RuntimeError: Failed to start the GCS server."
     ]
     assert calls == ["init", "shutdown"]
+
+
+def test_a_ray_client_refused_at_init_is_named_by_the_servers_own_reason(tmp_path, monkeypatch):
+    """Ray Client's init failure carries the server's traceback after its first line; the reason is its last."""
+    from tpugen.config import load_config
+    from tpugen.errors import InputError
+    from tpugen.modes import cluster
+
+    server_traceback = (
+        "Initialization failure from server:\n"
+        "Traceback (most recent call last):\n"
+        '  File "proxier.py", line 770, in Datapath\n'
+        "    if not self.proxy_manager.start_specific_server(\n"
+        "TimeoutError: GetOrCreateRuntimeEnv request failed after 5 attempts. Last exception: <urlopen error>\n"
+    )
+
+    class RefusingRay:
+        def init(self, **options):
+            raise ConnectionAbortedError(server_traceback)
+
+        def is_initialized(self):
+            return False
+
+    listener = socket.create_server(("127.0.0.1", 0))  # the proxy's port answers; its init is what fails
+    try:
+        address = f"ray://127.0.0.1:{listener.getsockname()[1]}"
+        monkeypatch.setattr(cluster, "import_ray", RefusingRay)
+        config = tiny_config(tmp_path, execution={"mode": "ray", "ray": {"address": address, "workers": 1}})
+        run = load_config(write_config(tmp_path / "c.yaml", config))
+        with pytest.raises(InputError) as failed, cluster.Cluster(run):
+            pass
+    finally:
+        listener.close()
+    assert failed.value.lines == [
+        f"execution.ray.address: cannot join the Ray cluster at {address}: ConnectionAbortedError: "
+        "Initialization failure from server: TimeoutError: GetOrCreateRuntimeEnv request failed after 5 attempts. "
+        "Last exception: <urlopen error>"
+    ]

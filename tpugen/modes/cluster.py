@@ -162,6 +162,17 @@ def _probe(host: str, port: int, timeout: float) -> str | None:
     return None
 
 
+def _join_failure(exc: BaseException) -> str:
+    """ray.init's failure in one line. Ray Client's "Initialization failure from server:" is followed by the
+    server's whole traceback, whose last line is the reason (a runtime env agent that timed out, a backend the
+    proxy could not reach): that line is kept too."""
+    first = one_line(exc)
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[-1] not in first:
+        return f"{first.rstrip(':')}: {lines[-1]}"
+    return first
+
+
 def _target(ray, address: str) -> str:
     """The address ray.init is given: auto is resolved here (RAY_ADDRESS, else the cluster `ray start` made on
     this machine), so that it can be probed first."""
@@ -234,7 +245,7 @@ class Cluster:
             if ray.is_initialized():
                 ray.shutdown()
             raise InputError(
-                f"execution.ray.address: cannot join the Ray cluster at {target}: {one_line(exc)}"
+                f"execution.ray.address: cannot join the Ray cluster at {target}: {_join_failure(exc)}"
             ) from None
         return self
 
