@@ -116,7 +116,7 @@ def _ray_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "PJRT_DEVICE": "CPU", "RAY_AUTH_MODE": "disabled"}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
     """One Ray head node for the session (2 CPUs, a small object store, no dashboard), stopped at the end:
     every process of it is in the session `ray start` leads, so it is stopped by that group alone."""

@@ -55,9 +55,11 @@ def serve_config(tmp: Path, **serve) -> Path:
     return write_config(tmp / "serve.yaml", config)
 
 
-def wait_ready(url: str, seconds: float = 180) -> None:
+def wait_ready(url: str, seconds: float = 180, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the server at {url} exited with {proc.returncode} before it was ready")
         try:
             if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
                 return
@@ -179,16 +181,19 @@ def test_seed_minus_one_and_n_iter_times_batch_size(client):
     assert json.loads(txt2img(client, prompt="a cat", seed=seeds[0], batch_size=1)["info"])["all_seeds"] == seeds[:1]
 
 
-def test_requests_coalesce_into_full_batches_and_their_images_do_not_depend_on_companions(client):
+def test_requests_coalesce_into_full_batches_and_their_images_do_not_depend_on_companions(client, server, monkeypatch):
     alone = pixels(decode(txt2img(client, prompt="an owl", seed=101)["images"][0]))
     before = batches(client)
     answers = {}
+    # A full batch leaves at once, so a long window costs these four nothing and no late thread splits a pair.
+    monkeypatch.setattr(server[1].queue, "window", 30.0)
+    https = [httpx.Client(base_url=str(client.base_url), headers=AUTH, timeout=120) for _ in range(4)]
 
-    def ask(seed: int) -> None:
-        with httpx.Client(base_url=str(client.base_url), headers=AUTH, timeout=120) as http:
+    def ask(http: httpx.Client, seed: int) -> None:
+        with http:
             answers[seed] = txt2img(http, prompt="an owl", seed=seed)
 
-    threads = [threading.Thread(target=ask, args=(seed,)) for seed in (101, 102, 103, 104)]
+    threads = [threading.Thread(target=ask, args=pair) for pair in zip(https, (101, 102, 103, 104), strict=True)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -434,7 +439,9 @@ def test_a_run_body_that_is_not_yaml_is_one_line(client):
 def test_delete_stops_a_run_after_its_batch_in_flight_and_it_resumes(client, server):
     prompts = [f"a painted {w}" for w in ("cat", "dog", "owl", "fox", "bee", "elk", "yak", "emu")]
     assert client.post("/v1/runs", content=run_body("stopped", prompts=prompts, steps=20)).status_code == 201
+    deadline = time.monotonic() + 120
     while client.get("/v1/runs/stopped").json()["images"] == 0:
+        assert time.monotonic() < deadline, "the run made no image within 120 s"
         time.sleep(0.05)
     assert client.delete("/v1/runs/stopped").status_code == 202
     status = wait_run(client, "stopped")
@@ -540,7 +547,8 @@ def test_metrics_count_requests_images_batches_and_padding(client):
         'tpugen_requests_total{endpoint="/sdapi/v1/txt2img",status="200"}',
         "tpugen_images_total",
         "tpugen_batch_seconds_bucket",
-        "tpugen_queue_depth",
+        "tpugen_queue_depth 0.0",
+        "tpugen_requests_open 0.0",
         "tpugen_padding_rows_total",
         "tpugen_compiles_after_warmup_total 0.0",
     ):
@@ -554,7 +562,7 @@ def test_metrics_count_requests_images_batches_and_padding(client):
 def own_process_server(tmp_path_factory):
     """For what touches the process itself: compiling a new shape, a full queue, a timeout, SIGTERM."""
     tmp = tmp_path_factory.mktemp("own")
-    path = serve_config(tmp, new_shapes="compile", max_queue=2, request_timeout_s=4, batch_window_ms=50)
+    path = serve_config(tmp, new_shapes="compile", max_queue=2, request_timeout_s=3, batch_window_ms=50)
     port = free_port()
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen(
@@ -565,7 +573,7 @@ def own_process_server(tmp_path_factory):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url)
+        wait_ready(url, proc=proc)
         yield url, proc, tmp
     finally:
         if proc.poll() is None:
@@ -575,7 +583,7 @@ def own_process_server(tmp_path_factory):
 
 
 def test_a_cold_shape_compiles_once_a_waiting_request_times_out_and_a_full_queue_refuses(own_process_server):
-    url, _, _ = own_process_server
+    url, _, tmp = own_process_server
     results = {}
 
     def ask(name: str, **fields) -> None:
@@ -584,19 +592,20 @@ def test_a_cold_shape_compiles_once_a_waiting_request_times_out_and_a_full_queue
         )
         results[name] = response
 
-    # 80x64 is not warm: under new_shapes: compile its batch compiles (seconds), longer than the 4 s timeout.
+    # 80x64 is not warm: under new_shapes: compile its batch compiles (seconds), longer than the 3 s timeout
+    # (6.1 s on the 2-core machine the team tests on, idle).
     cold = threading.Thread(target=ask, args=("cold",), kwargs={"height": 80, "seed": 1})
     cold.start()
-    time.sleep(0.5)
+    wait_for(lambda: "for a request (serve.new_shapes: compile)" in (tmp / "server.log").read_text(), "cold compile")
     queued = threading.Thread(target=ask, args=("queued",), kwargs={"seed": 2})
     queued.start()
-    time.sleep(0.5)
+    wait_for(lambda: _metric(url, "tpugen_requests_open") == 2, "two open requests")
     ask("refused", seed=3)  # the third open request: serve.max_queue is 2
     cold.join(120)
     queued.join(120)
     assert results["refused"].status_code == 503 and results["refused"].headers["retry-after"]
     assert results["cold"].status_code == 504, results["cold"].text
-    assert results["cold"].json()["detail"] == ["the request waited 4 s (serve.request_timeout_s) for a device"]
+    assert results["cold"].json()["detail"] == ["the request waited 3 s (serve.request_timeout_s) for a device"]
     # The compile finished anyway and the shape stays warm: the same request now answers, compiling nothing more.
     deadline = time.monotonic() + 120
     while (
@@ -607,6 +616,13 @@ def test_a_cold_shape_compiles_once_a_waiting_request_times_out_and_a_full_queue
     ask("warm now", height=80, seed=1)
     assert results["warm now"].status_code == 200 and compiled > 0
     assert _metric(url, "tpugen_compiles_after_warmup_total") == compiled
+
+
+def wait_for(condition, what: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {seconds} s"
+        time.sleep(0.05)
 
 
 def _metric(url: str, name: str) -> float:
@@ -620,10 +636,10 @@ def test_sigterm_drains_answers_what_is_in_flight_and_leaves_runs_resumable(own_
     url, proc, tmp = own_process_server
     results = {}
 
-    def ask() -> None:
+    def ask() -> None:  # one 3-step batch: well inside the fixture's 3 s request timeout even behind a run's batch
         results["in flight"] = httpx.post(
             f"{url}/sdapi/v1/txt2img",
-            json={**BASE, "prompt": "x", "seed": 9, "batch_size": 4, "steps": 20},
+            json={**BASE, "prompt": "x", "seed": 9, "batch_size": 2},
             headers=AUTH,
             timeout=120,
         )
@@ -635,15 +651,15 @@ def test_sigterm_drains_answers_what_is_in_flight_and_leaves_runs_resumable(own_
     )
     request = threading.Thread(target=ask)
     request.start()
-    time.sleep(0.3)
+    wait_for(lambda: _metric(url, "tpugen_requests_open") == 1, "open request")
     proc.send_signal(15)
-    time.sleep(0.1)
+    wait_for(lambda: httpx.get(f"{url}/readyz", timeout=10).status_code == 503, "draining server")
     late = httpx.get(f"{url}/sdapi/v1/options", headers=AUTH, timeout=10)
     assert late.status_code == 503 and httpx.get(f"{url}/readyz").status_code == 503
     assert httpx.get(f"{url}/v1/runs/draining", headers=AUTH, timeout=10).status_code == 200  # runs stay readable
     request.join(120)
     assert proc.wait(120) == 0
-    assert results["in flight"].status_code == 200 and len(results["in flight"].json()["images"]) == 4
+    assert results["in flight"].status_code == 200 and len(results["in flight"].json()["images"]) == 2
     report = json.loads((tmp / "runs" / "draining" / "report.json").read_text())
     assert report["complete"] is False and report["error"] == "interrupted by SIGTERM"
     assert "tpugen serve: stopped" in (tmp / "server.log").read_text()
@@ -662,7 +678,7 @@ def test_multi_mode_serves_one_engine_per_device_from_one_queue(tmp_path, xla_ru
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_ready(url)
+            wait_ready(url, proc=proc)
             answers = {}
 
             def ask(i: int) -> None:

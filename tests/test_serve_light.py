@@ -18,3 +18,37 @@ def test_generate_on_a_server_sends_only_the_settings_the_user_made(tmp_path):
     assert data["execution"] == {"backend": "xla"} and data["compile"] == {"torch_compile": False}
     assert "cache" not in data and "serve" not in data and "prompts_file" not in data
     assert data["output"] == {"run_id": "r1"} and data["batch_size"] == 2 and data["prompts"][0] == config["prompts"][0]
+
+
+def test_a_request_past_its_timeout_says_how_many_of_its_images_were_made(tmp_path):
+    """The 504's words: a request that got part of its images has not been waiting for a device all along."""
+    import threading
+
+    import pytest
+
+    from tpugen.engine import Display
+    from tpugen.modes.serve.service import ImageSpec, Service, TimedOut
+
+    config = tiny_config(tmp_path, serve={"new_shapes": "compile", "request_timeout_s": 1, "batch_window_ms": 0})
+    del config["prompts"]
+    run = load_config(write_config(tmp_path / "serve.yaml", config), prompts_required=False)
+    service = Service(run, [], output_root=tmp_path / "runs", display=Display())  # no engine: this test is the device
+    service.state = "ready"
+    image = ImageSpec("a cat", "", 1, 3, 7.5, 64, 64)
+
+    def make_one() -> None:  # what a device loop does, for the first image only
+        _, jobs = service.queue.take(timeout=5)
+        jobs[0].request.deliver(jobs[0].position, "pixels")
+
+    loop = threading.Thread(target=make_one)
+    loop.start()
+    with pytest.raises(TimedOut) as late:
+        service.generate([image, ImageSpec("a dog", "", 2, 3, 7.5, 64, 64)])
+    loop.join(5)
+    assert late.value.lines == [
+        "the request was not done within 1 s (serve.request_timeout_s): 1 of 2 images were made"
+    ]
+    with pytest.raises(TimedOut) as waited:  # nothing takes this one
+        service.generate([image])
+    assert waited.value.lines == ["the request waited 1 s (serve.request_timeout_s) for a device"]
+    assert service.queue.open_count() == 0 and service.queue.depth() == 0  # both slots freed, no image left queued

@@ -19,6 +19,9 @@ class Metrics:
             registry=self.registry,
         )
         self.queue_depth = Gauge("tpugen_queue_depth", "images waiting for a device", registry=self.registry)
+        self.requests_open = Gauge(
+            "tpugen_requests_open", "image requests waiting or being made (serve.max_queue)", registry=self.registry
+        )
         self.padding_rows = Counter(
             "tpugen_padding_rows", "batch rows computed only to keep the compiled batch size", registry=self.registry
         )

@@ -117,6 +117,11 @@ class BatchQueue:
         with self._changed:
             return sum(len(jobs) for jobs in self._waiting.values())
 
+    def open_count(self) -> int:
+        """Requests waiting or running: what serve.max_queue counts."""
+        with self._changed:
+            return len(self._open)
+
     def open_requests(self) -> list[Request]:
         with self._changed:
             return list(self._requests.values())

@@ -91,6 +91,9 @@ class Service:
         self.schedulers = [None, *(find_scheduler(name).name for name in self.serve.schedulers)]
         self.queue = BatchQueue(self.batch_size, self.serve.batch_window_ms / 1000, self.serve.max_queue)
         self.metrics = Metrics()
+        # Read when /metrics is, so they are never a step behind the queue.
+        self.metrics.queue_depth.set_function(self.queue.depth)
+        self.metrics.requests_open.set_function(self.queue.open_count)
         self.state = "warming"  # warming, ready, draining, failed
         self.failure: str | None = None
         self.runs: dict[str, RunHandle] = {}
@@ -240,18 +243,20 @@ class Service:
             for i, image in enumerate(images)
         ]
         self.queue.submit(request, jobs)
-        self.metrics.queue_depth.set(self.queue.depth())
         try:
             if not request.wait(self.serve.request_timeout_s):
+                limit = f"{self.serve.request_timeout_s:g} s (serve.request_timeout_s)"
+                made = len(request.pixels)
                 raise TimedOut(
-                    f"the request waited {self.serve.request_timeout_s:g} s (serve.request_timeout_s) for a device"
+                    f"the request waited {limit} for a device"
+                    if not made
+                    else f"the request was not done within {limit}: {made} of {request.images} images were made"
                 )
             if request.error is not None:
                 raise request.error
             return sorted(request.pixels.items(), key=lambda made: made[0])
         finally:
             self.queue.settle(request)
-            self.metrics.queue_depth.set(self.queue.depth())
 
     def interrupt(self) -> int:
         """The web UI's interrupt: its open requests stop waiting for images not yet started and return the
@@ -267,7 +272,6 @@ class Service:
                     return
                 continue
             key, jobs = taken
-            self.metrics.queue_depth.set(self.queue.depth())
             self._run_batch(engine, key, [job for job in jobs if not job.request.done])
 
     def _run_batch(self, engine: Engine, key: BatchKey, jobs: list[ImageJob]) -> None:
@@ -300,7 +304,11 @@ class Service:
             before = engine.backend.counters()
             if not engine.is_warm(batch.shape, key.scheduler):
                 print(f"tpugen serve: compiling {batch.shape} for a request (serve.new_shapes: compile)", flush=True)
+                compile_start = time.perf_counter()
                 engine.warmup(RunPlan(items, (batch,)), scheduler=key.scheduler)
+                print(
+                    f"tpugen serve: compiled {batch.shape} in {time.perf_counter() - compile_start:.1f} s", flush=True
+                )
             start = time.perf_counter()
             pixels = engine.generate(batch, scheduler=key.scheduler, loras=jobs[0].loras)
             seconds = time.perf_counter() - start
@@ -310,11 +318,12 @@ class Service:
             for job in jobs:
                 job.request.fail(exc)
             return
-        for job, image in zip(jobs, pixels, strict=True):
-            job.request.deliver(job.position, image)
+        # Counted before the images are handed over: a client that reads /metrics after its answer sees its batch.
         if before is not None and after is not None and after.compiles > before.compiles:
             self.metrics.compiles_after_warmup.inc(after.compiles - before.compiles)
         self.metrics.batch(seconds, len(jobs), batch.padding)
+        for job, image in zip(jobs, pixels, strict=True):
+            job.request.deliver(job.position, image)
         print(
             f"tpugen serve: batch {number}: {batch.shape}, {len(jobs)} images (+{batch.padding} padding), "
             f"{seconds:.2f} s, {self.queue.depth()} images waiting",
