@@ -51,6 +51,15 @@ BAD_CONFIGS = [
     ("empty prompt list", {"prompts": []}, [], ["error: prompts: the list is empty; give at least one prompt"]),
     ("blank prompt", {"prompts": ["a cat", "   "]}, [], ["error: prompts[1]: prompt is empty"]),
     (
+        "half a UTF-16 pair",  # JSON and YAML escapes can carry one; no PNG chunk or tokenizer takes it
+        {"prompts": ["a cat", "a \ud83d dog"], "negative_prompt": "\udc00"},
+        [],
+        [
+            "error: prompts[1]: unpaired surrogate U+D83D at character 2 (not valid Unicode text)",
+            "error: negative_prompt: unpaired surrogate U+DC00 at character 0 (not valid Unicode text)",
+        ],
+    ),
+    (
         "no prompts",
         {"prompts": None},
         [],
@@ -168,6 +177,17 @@ BAD_CONFIGS = [
         ],
     ),
     (
+        # Flux's pipeline would round 72 down to 64 and every record would claim 72.
+        "a Flux height of 8 but not 16",
+        {"model": {"id": "tiny-flux"}, "height": 72, "prompts": ["a fox", {"prompt": "an owl", "width": 40}]},
+        [],
+        [
+            "error: height: Flux.1 (schnell, dev) models need a multiple of 16 (the VAE's 8 times 2x2 patches), got 72",
+            "error: prompts: a prompt's own 72x40 (height x width): Flux.1 (schnell, dev) models need a multiple of 16 "
+            "(the VAE's 8 times 2x2 patches)",
+        ],
+    ),
+    (
         "several problems at once",
         {"steps": 0, "height": 12, "seeds": 1},
         [],
@@ -223,8 +243,21 @@ def test_bad_config_is_reported_in_one_line_per_problem(tmp_path, command, chang
             "prompts: &p [a cat, *p]\n",
             "malformed YAML: an alias refers to a mapping or list it is inside (*NAME within &NAME)",
         ),
+        (
+            # Nine levels of ten aliases: one shared list to PyYAML, 10**9 values to whatever walks it later.
+            "\n".join(
+                ["l0: &l0 [a, a, a, a, a, a, a, a, a, a]"]
+                + [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 10)]
+            )
+            + "\n",
+            "malformed YAML: aliases expand the document past 1000000 values (aliases of aliases of ...)",
+        ),
+        (
+            "prompts: " + "[" * 50_000 + "]" * 50_000 + "\n",
+            "malformed YAML: lists or mappings nested too deeply to read",
+        ),
     ],
-    ids=["malformed", "list", "scalar", "empty", "duplicate-key", "alias-cycle"],
+    ids=["malformed", "list", "scalar", "empty", "duplicate-key", "alias-cycle", "alias-bomb", "nested-too-deep"],
 )
 def test_unreadable_yaml(tmp_path, text, expected):
     path = tmp_path / "c.yaml"
@@ -294,6 +327,11 @@ def test_missing_config_file(tmp_path):
         ("p.jsonl", b'{"prompt": " "}\n', "prompts_file:1: prompt is empty"),
         (
             "p.jsonl",
+            b'{"prompt": "a", "negative_prompt": "x\\ud83d"}\n',
+            "prompts_file:1: negative_prompt: unpaired surrogate U+D83D at character 1 (not valid Unicode text)",
+        ),
+        (
+            "p.jsonl",
             b'{"prompt": "a", "guidance_scale": Infinity}\n',
             "prompts_file:1: Infinity is not a number JSON allows (give a finite number)",
         ),
@@ -315,6 +353,7 @@ def test_missing_config_file(tmp_path):
         "no-prompt",
         "bad-steps",
         "blank-prompt",
+        "half-a-utf16-pair",
         "infinite-guidance",
         "bad-height",
     ],

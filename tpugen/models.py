@@ -100,6 +100,9 @@ class Family:
     negative_prompt: bool
     flow_matching: bool  # keeps its own flow-matching scheduler
     max_sequence_length: int | None = None  # T5 tokens, for families with a T5 encoder
+    # Height and width must be multiples of this: the VAE's 8, times the 2x2 patches of SD3's and Flux's
+    # transformers (diffusers refuses SD3's otherwise; Flux's pipeline quietly rounds down).
+    size_multiple: int = 8
 
 
 FAMILIES = {
@@ -107,9 +110,9 @@ FAMILIES = {
     for f in (
         Family("sd", "StableDiffusionPipeline", "Stable Diffusion 1.x/2.x", 512, 30, 7.5, True, True, False),
         Family("sdxl", "StableDiffusionXLPipeline", "Stable Diffusion XL", 1024, 30, 5.0, True, True, False),
-        Family("sd3", "StableDiffusion3Pipeline", "Stable Diffusion 3 / 3.5", 1024, 28, 7.0, True, True, True, 256),
+        Family("sd3", "StableDiffusion3Pipeline", "Stable Diffusion 3 / 3.5", 1024, 28, 7.0, True, True, True, 256, 16),
         # Flux.1 has no classifier-free guidance: schnell ignores guidance_scale, dev embeds it as a number.
-        Family("flux", "FluxPipeline", "Flux.1 (schnell, dev)", 1024, 4, 0.0, False, False, True, 512),
+        Family("flux", "FluxPipeline", "Flux.1 (schnell, dev)", 1024, 4, 0.0, False, False, True, 512, 16),
     )
 }
 _BY_CLASS = {f.pipeline_class: f for f in FAMILIES.values()}

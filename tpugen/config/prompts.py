@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tpugen.config.messages import suggest
 from tpugen.config.schema import RunConfig
-from tpugen.lines import text_lines
+from tpugen.lines import text_lines, unpaired_surrogate
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,10 @@ def check_prompt_entry(entry: dict, where: str, run: RunConfig, problems: list[s
     if not prompt.strip():
         problems.append(f"{where}: prompt is empty")
         return None
+    for key in ("prompt", "negative_prompt"):
+        if isinstance(entry.get(key), str) and (problem := unpaired_surrogate(entry[key])):
+            problems.append(f"{where}: {key}: {problem}")
+            return None
     checks = {
         "negative_prompt": (str, lambda v: True, "a string"),
         "seed": (int, lambda v: 0 <= v < 2**63, "an integer >= 0"),

@@ -14,12 +14,12 @@ from pydantic import ValidationError
 from tpugen.config.loras import Lora, resolve_loras
 from tpugen.config.messages import format_error
 from tpugen.config.overrides import apply_overrides
-from tpugen.config.prompts import PromptSpec, resolve_prompts
+from tpugen.config.prompts import PromptSpec, resolve_prompts, run_sizes
 from tpugen.config.rules import run_problems
 from tpugen.config.schema import RunConfig
 from tpugen.config.yamlio import dump_yaml, read_yaml
 from tpugen.errors import InputError
-from tpugen.models import ModelSource, classify_model_id, family_of, model_defaults
+from tpugen.models import Family, ModelSource, classify_model_id, family_of, model_defaults
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ def resolve(
         config.width = config.width or defaults["width"]
 
     resolved_prompts = resolve_prompts(config, base_dir, prompts, problems, required=prompts_required)
+    problems.extend(_size_problems(config, resolved_prompts, family))
 
     if not config.output.dir.startswith("gs://"):  # Cloud Storage: written by pod-run's workers
         config.output.dir = _local_dir("output.dir", config.output.dir, problems)
@@ -108,6 +109,35 @@ def resolve(
     if problems:
         raise InputError(*problems)
     return ResolvedRun(config, resolved_prompts, source, config_hash(config, resolved_prompts), family.name, loras)
+
+
+def _size_problems(config: RunConfig, prompts: list[PromptSpec], family: Family) -> list[str]:
+    """Sizes the family's pipeline cannot make as asked (each is already a multiple of 8)."""
+    step = family.size_multiple
+    if step == 8:
+        return []
+    why = f"{family.title} models need a multiple of {step} (the VAE's 8 times 2x2 patches)"
+    problems = []
+    if config.sizes:
+        problems += [
+            f"sizes[{i}]: {h}x{w} (height x width): {why}"
+            for i, (h, w) in enumerate(config.sizes)
+            if h % step or w % step
+        ]
+    else:
+        problems += [
+            f"{key}: {why}, got {value}"
+            for key, value in (("height", config.height), ("width", config.width))
+            if value % step
+        ]
+    served = config.serve.sizes or []
+    problems += [
+        f"serve.sizes[{i}]: {h}x{w} (height x width): {why}" for i, (h, w) in enumerate(served) if h % step or w % step
+    ]
+    asked = {tuple(size) for size in run_sizes(config)}
+    own = dict.fromkeys(size for spec in prompts for size in spec.sizes if size not in asked)
+    problems += [f"prompts: a prompt's own {h}x{w} (height x width): {why}" for h, w in own if h % step or w % step]
+    return problems
 
 
 def _local_dir(key: str, value: str, problems: list[str]) -> str:

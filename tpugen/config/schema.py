@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from tpugen.lines import unpaired_surrogate
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
 
 
@@ -249,6 +250,8 @@ def _check_prompt(value: Any) -> Any:
         raise ValueError(f"a prompt is a string, or a mapping like a .jsonl line, got {value!r}")
     if not value.strip():
         raise ValueError("prompt is empty")
+    if problem := unpaired_surrogate(value):
+        raise ValueError(problem)
     return value
 
 
@@ -337,6 +340,13 @@ class RunConfig(_Section):
     def _sizes_not_empty(cls, value: list | None) -> list | None:
         if value is not None and not value:
             raise ValueError("the list is empty; give [height, width] pairs or leave sizes out")
+        return value
+
+    @field_validator("negative_prompt")
+    @classmethod
+    def _negative_is_text(cls, value: str) -> str:
+        if problem := unpaired_surrogate(value):
+            raise ValueError(problem)
         return value
 
     @field_validator("prompts")

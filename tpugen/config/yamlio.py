@@ -84,19 +84,51 @@ class _AliasCycle(yaml.YAMLError):
     problem = "an alias refers to a mapping or list it is inside (*NAME within &NAME)"
 
 
-def _refuse_cycles(data: Any, inside: frozenset = frozenset()) -> None:
-    if isinstance(data, (dict, list)):
-        if id(data) in inside:
+MAX_EXPANDED_VALUES = 1_000_000  # what a document may stand for once its aliases are expanded
+
+
+class _AliasBomb(yaml.YAMLError):
+    problem = f"aliases expand the document past {MAX_EXPANDED_VALUES} values (aliases of aliases of ...)"
+
+
+class _TooDeep(yaml.YAMLError):
+    problem = "lists or mappings nested too deeply to read"
+
+
+def _check_aliases(data: Any) -> None:
+    """Refuse an alias cycle, and aliases that expand the document past MAX_EXPANDED_VALUES (each alias is one
+    shared object here, but what reads the config later walks every copy). Each distinct list or mapping is
+    visited once, so this is linear in the text, however far its aliases expand."""
+    sizes: dict[int, int] = {}  # id -> values it stands for, once done
+    open_now: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(data, False)]
+    while stack:
+        node, finished = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        children = list(node.values()) if isinstance(node, dict) else node
+        if finished:
+            open_now.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes.get(id(child), 1) for child in children)
+            if sizes[id(node)] > MAX_EXPANDED_VALUES:
+                raise _AliasBomb(_AliasBomb.problem)
+            continue
+        if id(node) in open_now:
             raise _AliasCycle(_AliasCycle.problem)
-        inside = inside | {id(data)}
-        for child in data.values() if isinstance(data, dict) else data:
-            _refuse_cycles(child, inside)
+        if id(node) in sizes:
+            continue
+        open_now.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if isinstance(child, (dict, list)))
 
 
 def yaml_load(text: str) -> Any:
     """A YAML document read safely (no tags, no objects), numbers as YAML 1.2 reads them."""
-    data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 -- a SafeLoader subclass
-    _refuse_cycles(data)
+    try:
+        data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 -- a SafeLoader subclass
+    except RecursionError:
+        raise _TooDeep(_TooDeep.problem) from None
+    _check_aliases(data)
     return data
 
 
