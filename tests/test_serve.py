@@ -258,6 +258,50 @@ def test_the_api_key_is_needed_as_bearer_or_as_a_basic_password(server):
                 "sampler 'Euler' is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM, Euler a"
             ],
         ),
+        (
+            {"prompt": "a \ud83d cat", "negative_prompt": "\udc00"},  # half an emoji, as a cut JS string sends
+            422,
+            [
+                "prompt: unpaired surrogate U+D83D at character 2 (not valid Unicode text)",
+                "negative_prompt: unpaired surrogate U+DC00 at character 0 (not valid Unicode text)",
+            ],
+        ),
+        (
+            {"prompt": " ", "n_iter": 0, "steps": 0, "sampler_name": "Bogus", "width": 60},
+            422,
+            [
+                "sampler_name: unknown sampler 'Bogus'; valid names: DPM++ 2M, DPM++ 2M Karras, DPM++ 2M SDE, "
+                "Euler, Euler a, Heun, LMS, DDIM, PNDM, UniPC, DEIS, LCM",
+                "batch_size and n_iter: must be at least 1, got 1 and 0",
+                "prompt: is empty",
+                "size: 60x64: width and height must be positive multiples of 8",
+                "steps: must be from 1 to 1000, got 0",
+            ],
+        ),
+        (
+            {"batch_size": 100_000, "n_iter": 100_000},  # refused without building ten billion images' specs
+            422,
+            ["10000000000 images asked for; this server makes at most 8 per request"],
+        ),
+        (
+            {"sampler_name": "Euler a", "scheduler": "Karras"},
+            422,
+            ["scheduler: 'Karras' with sampler 'Euler a' is not built; Karras forms: DPM++ 2M Karras"],
+        ),
+        (
+            {"sampler_name": "DPM++ 2M", "scheduler": "Exponential"},
+            422,
+            ["scheduler: 'Exponential' is not built; Automatic, or Karras with DPM++ 2M Karras"],
+        ),
+        (
+            {"sampler_name": "DPM++ 2M", "scheduler": "karras"},
+            422,
+            [
+                "sampler 'DPM++ 2M Karras' is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; "
+                "cfg, batch 2); samplers DDIM, Euler a"
+            ],
+        ),
+        ({"sampler_name": "Euler a", "scheduler": "Automatic"}, 200, None),
     ],
     ids=[
         "missing features and a bad type",
@@ -269,10 +313,18 @@ def test_the_api_key_is_needed_as_bearer_or_as_a_basic_password(server):
         "seed and guidance out of range",
         "cold size",
         "cold sampler",
+        "half a UTF-16 pair",
+        "every problem at once",
+        "ten billion images",
+        "a Karras form that is not built",
+        "a schedule that is not built",
+        "Karras maps to the sampler's Karras form",
+        "automatic schedule",
     ],
 )
 def test_bad_requests_get_one_line_per_problem(client, fields, status, lines):
-    response = client.post("/sdapi/v1/txt2img", json={**BASE, "prompt": "a cat", **fields})
+    body = json.dumps({**BASE, "prompt": "a cat", **fields})  # ASCII, escapes as a client writes them (\ud83d)
+    response = client.post("/sdapi/v1/txt2img", content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == status, response.text
     if lines is not None:
         assert response.json()["detail"] == lines
@@ -284,6 +336,48 @@ def test_an_infinite_cfg_scale_is_refused_alone_not_with_its_batch(client):
     assert (response.status_code, response.json()["detail"]) == (
         422,
         ["guidance scale: must be a finite number, 0 or more; got inf"],
+    )
+
+
+def test_other_endpoints_and_failures_are_one_line_and_counted(client, server, monkeypatch):
+    missing = client.get("/sdapi/v1/upscalers")
+    assert (missing.status_code, missing.json()["detail"]) == (
+        404,
+        ["/sdapi/v1/upscalers: no such endpoint here (tpugen serves the A1111, OpenAI images and runs APIs)"],
+    )
+    wrong = client.put("/sdapi/v1/txt2img", json={})
+    assert (wrong.status_code, wrong.json()["detail"]) == (
+        405,
+        ["PUT /sdapi/v1/txt2img: not served here (allowed: POST)"],
+    )
+    nested = b"[" * 100_000 + b"]" * 100_000  # under 1 MiB, deeper than any JSON reader recurses
+    for path in ("/sdapi/v1/txt2img", "/v1/images/generations", "/v1/runs"):
+        response = client.post(path, content=nested, headers={"Content-Type": "application/json"})
+        assert (response.status_code, response.json()["detail"]) == (422, ["body: nested too deeply to read"]), path
+
+    def broken() -> int:
+        raise RuntimeError("a bug in the server")
+
+    monkeypatch.setattr(server[1], "interrupt", broken)
+    failed = client.post("/sdapi/v1/interrupt")
+    assert (failed.status_code, failed.json()["detail"]) == (500, ["RuntimeError: a bug in the server"])
+    assert 'tpugen_requests_total{endpoint="/sdapi/v1/interrupt",status="500"} 1.0' in client.get("/metrics").text
+
+
+def test_web_ui_clients_may_set_the_served_checkpoint_and_list_schedules(client):
+    assert client.get("/sdapi/v1/schedulers").json()[1]["label"] == "Karras"
+    same = client.post("/sdapi/v1/options", json={"sd_model_checkpoint": "tiny-sd", "samples_format": "png"})
+    assert (same.status_code, same.json()) == (200, None)
+    other = client.post(
+        "/sdapi/v1/options", json={"sd_model_checkpoint": "sdxl-base", "sd_vae": "x", "samples_format": "jpg"}
+    )
+    assert (other.status_code, other.json()["detail"]) == (
+        422,
+        [
+            "samples_format: this server keeps 'png'; got 'jpg'",
+            "sd_model_checkpoint: this server serves 'tiny-sd' and does not switch models; got 'sdxl-base'",
+            "sd_vae: not an option this server has (it has samples_format, sd_model_checkpoint)",
+        ],
     )
 
 
@@ -353,7 +447,7 @@ def test_the_web_uis_other_endpoints(client):
 
 def run_body(run_id: str, **changes) -> str:
     """The reference run's config as a client sends it: no model, execution or batch size (the server's are used)."""
-    config = tiny_config(Path("/nowhere/on/the/server"), output={"run_id": run_id}, **changes)
+    config = tiny_config(Path("/nowhere/on/the/server"), **{"output": {"run_id": run_id}, **changes})
     if "model" not in changes:
         del config["model"]
     if "batch_size" not in changes:
@@ -417,12 +511,26 @@ def test_a_run_sent_to_the_server_writes_what_generate_writes(client, server, xl
             ],
         ),
         ({"steps": 0}, ["steps: must be greater than or equal to 1, got 0"]),
+        ({"output": "foo"}, ["output: must be a mapping (the server reads output.run_id from it), or left out"]),
+        (
+            {"prompts": ["a cat", "a \ud83d dog"]},
+            ["prompts[1]: unpaired surrogate U+D83D at character 2 (not valid Unicode text)"],
+        ),
         (
             {"images_per_prompt": 4000},
             ["the run plans 12000 images; this server runs at most 10000 per run (serve.max_images_per_run)"],
         ),
     ],
-    ids=["another model", "remote code", "a file on the server", "a cold shape", "bad steps", "too many images"],
+    ids=[
+        "another model",
+        "remote code",
+        "a file on the server",
+        "a cold shape",
+        "bad steps",
+        "output not a mapping",
+        "half a UTF-16 pair",
+        "too many images",
+    ],
 )
 def test_a_run_config_cannot_ask_the_server_for_what_it_does_not_serve(client, changes, lines):
     response = client.post("/v1/runs", content=run_body("refused", **changes))

@@ -109,34 +109,50 @@ def missing_features(raw: dict) -> list[str]:
 
 
 def sampler_for(service: Service, sampler_name: str | None, scheduler: str | None) -> str | None:
-    """tpugen's scheduler for the web UI's sampler and scheduler fields (None: the model's own)."""
+    """tpugen's scheduler for the web UI's sampler and scheduler (noise schedule) fields (None: the model's
+    own). The schedule is Automatic (the sampler's own) or Karras where the sampler has a Karras form."""
+    schedule = (scheduler or "").strip()
+    automatic = schedule.lower() in ("", "automatic")
     if not sampler_name:
+        if not automatic:
+            raise InputError(f"scheduler: {schedule!r} needs the sampler_name it applies to")
         return None
     family = service.family
     if family.flow_matching:
-        if sampler_name in ("Euler", "Flow Euler"):
+        if sampler_name in ("Euler", "Flow Euler") and automatic:
             return None
         raise InputError(f"sampler_name: {family.title} models keep their own flow-matching scheduler (Euler)")
-    wanted = (
-        f"{sampler_name} Karras"
-        if (scheduler or "").lower() == "karras" and "Karras" not in sampler_name
-        else sampler_name
-    )
-    choice = find_scheduler(wanted)
+    choice = find_scheduler(sampler_name)
     if choice is None:
-        raise InputError(f"sampler_name: unknown sampler {wanted!r}; valid names: {', '.join(SCHEDULER_NAMES)}")
+        raise InputError(f"sampler_name: unknown sampler {sampler_name!r}; valid names: {', '.join(SCHEDULER_NAMES)}")
+    if not automatic:
+        karras = [name for name in SCHEDULER_NAMES if name.endswith(" Karras")]
+        if schedule.lower() != "karras":
+            raise InputError(f"scheduler: {schedule!r} is not built; Automatic, or Karras with {', '.join(karras)}")
+        if not choice.name.endswith(" Karras"):
+            choice = find_scheduler(f"{choice.name} Karras")
+            if choice is None:
+                raise InputError(
+                    f"scheduler: 'Karras' with sampler {sampler_name!r} is not built; Karras forms: {', '.join(karras)}"
+                )
     return None if choice.name == service.engines[0].loaded.default_scheduler else choice.name
 
 
 # The web UI's extra-network syntax for a LoRA in the prompt: <lora:NAME> or <lora:NAME:SCALE> (scale 1 if unset).
 LORA_TAG = re.compile(r"<lora:([^:>]+)(?::([^:>]*))?[^>]*>")
+MAX_LORA_TAGS = 8
 
 
 def take_loras(service: Service, prompt: str) -> tuple[str, tuple]:
-    """(the prompt without its <lora:...> tags, the LoRAs they name), as the web UI reads them."""
+    """(the prompt without its <lora:...> tags, the LoRAs they name), as the web UI reads them. The tags are
+    counted and compared before any LoRA file is read."""
+    tags = [(m.group(1).strip(), (m.group(2) or "1").strip()) for m in LORA_TAG.finditer(prompt)]
+    if len(tags) > MAX_LORA_TAGS:
+        raise InputError(f"prompt: {len(tags)} <lora:...> tags; at most {MAX_LORA_TAGS}")
+    if len({name for name, _ in tags}) < len(tags):
+        raise InputError("prompt: the same LoRA is named twice")
     loras = []
-    for match in LORA_TAG.finditer(prompt):
-        name, scale = match.group(1).strip(), (match.group(2) or "1").strip()
+    for name, scale in tags:
         try:
             value = float(scale)
         except ValueError:
@@ -149,14 +165,17 @@ def take_loras(service: Service, prompt: str) -> tuple[str, tuple]:
 
 
 def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
+    """The request's images, or an InputError with every problem it has (one line each)."""
     config = service.run.config
     height, width = service.sizes[0]
-    prompt, loras = take_loras(service, body.prompt)
-    seed = body.seed if body.seed >= 0 else random.randrange(RANDOM_SEEDS)
-    scheduler = sampler_for(service, body.sampler_name, body.scheduler)
+    problems: list[str] = []
+    prompt, loras = collect(problems, take_loras, service, body.prompt) or (body.prompt, ())
+    scheduler = collect(problems, sampler_for, service, body.sampler_name, body.scheduler)
     if body.batch_size < 1 or body.n_iter < 1:
-        raise InputError(f"batch_size and n_iter: must be at least 1, got {body.batch_size} and {body.n_iter}")
-    return [
+        problems.append(f"batch_size and n_iter: must be at least 1, got {body.batch_size} and {body.n_iter}")
+    count = max(body.batch_size, 1) * max(body.n_iter, 1)
+    seed = body.seed if body.seed >= 0 else random.randrange(RANDOM_SEEDS)
+    images = [
         ImageSpec(
             prompt=prompt,
             negative_prompt=body.negative_prompt if body.negative_prompt is not None else config.negative_prompt,
@@ -168,8 +187,22 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
             scheduler=scheduler,
             loras=loras,
         )
-        for i in range(body.batch_size * body.n_iter)
+        # Past the cap, two images stand for the rest: the count is refused without building them all.
+        for i in (range(count) if count <= service.serve.max_images_per_request else (0, count - 1))
     ]
+    if count > service.serve.max_images_per_request or problems:
+        collect(problems, service.check, images, count=count)
+        raise InputError(*problems)
+    return images
+
+
+def collect(problems: list[str], check, *args, **kwargs):
+    """check(*args)'s result, or None with its InputError's lines added to `problems`."""
+    try:
+        return check(*args, **kwargs)
+    except InputError as exc:
+        problems.extend(exc.lines)
+        return None
 
 
 @router.post("/txt2img")
@@ -241,10 +274,53 @@ def sd_models(request: Request) -> list[dict]:
     ]
 
 
+@router.get("/schedulers")
+def schedulers(request: Request) -> list[dict]:
+    """The noise schedules txt2img's `scheduler` takes: Automatic (the sampler's own), and Karras for the
+    samplers with a Karras form."""
+    service: Service = request.app.state.service
+    found = [{"name": "automatic", "label": "Automatic", "aliases": None, "default_rho": -1, "need_inner_model": False}]
+    if not service.family.flow_matching:
+        found.append(
+            {"name": "karras", "label": "Karras", "aliases": None, "default_rho": 7.0, "need_inner_model": False}
+        )
+    return found
+
+
+def current_options(service: Service) -> dict:
+    return {"sd_model_checkpoint": service.engines[0].model_label, "samples_format": "png"}
+
+
 @router.get("/options")
 def options(request: Request) -> dict:
+    return current_options(request.app.state.service)
+
+
+class OptionsUpdate(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+@router.post("/options")
+async def set_options(request: Request):
+    """Web UI clients set the checkpoint before they generate: the served model (by its title or model.id) and
+    the options GET gives, at their values, are accepted; anything else is a 422 naming it."""
     service: Service = request.app.state.service
-    return {"sd_model_checkpoint": service.engines[0].model_label, "samples_format": "png"}
+    body = await parse(request, OptionsUpdate)
+    have = current_options(service)
+    problems = []
+    for key, value in sorted((body.model_extra or {}).items()):
+        if key == "sd_model_checkpoint":
+            if value not in (have[key], service.run.config.model.id):
+                problems.append(
+                    f"sd_model_checkpoint: this server serves {have[key]!r} and does not switch models; got {value!r}"
+                )
+        elif key not in have:
+            problems.append(f"{key}: not an option this server has (it has {', '.join(sorted(have))})")
+        elif value != have[key]:
+            problems.append(f"{key}: this server keeps {have[key]!r}; got {value!r}")
+    if problems:
+        raise InputError(*problems)
+    return None
 
 
 @router.get("/progress")

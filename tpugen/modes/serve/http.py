@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tpugen import __version__
 from tpugen.config.messages import format_error
@@ -106,9 +107,23 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
     async def queue_full(request: Request, exc: QueueFull):
         return problem_response(503, [f"the server is busy: {exc}; try again shortly"], {"Retry-After": "2"})
 
-    @app.exception_handler(Exception)
-    async def unforeseen(request: Request, exc: Exception):
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            line = f"{request.url.path}: no such endpoint here (tpugen serves the A1111, OpenAI images and runs APIs)"
+        elif exc.status_code == 405:
+            allowed = {key.lower(): value for key, value in (exc.headers or {}).items()}.get("allow", "-")
+            line = f"{request.method} {request.url.path}: not served here (allowed: {allowed})"
+        else:
+            line = str(exc.detail)
+        return problem_response(exc.status_code, [line], exc.headers)
+
+    def unforeseen(exc: Exception):
+        if isinstance(exc, RecursionError):  # json or YAML nested thousands deep
+            return problem_response(422, ["body: nested too deeply to read"])
         return problem_response(500, [one_line(exc)])
+
+    app.add_exception_handler(Exception, lambda request, exc: unforeseen(exc))
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -120,7 +135,10 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
         elif int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             response = problem_response(413, [f"the body is over {MAX_BODY_BYTES // 1024} KiB"])
         else:
-            response = await call_next(request)
+            try:
+                response = await call_next(request)
+            except Exception as exc:  # what no handler answered: counted here, or a 5xx would go unseen
+                response = unforeseen(exc)
         route = request.scope.get("route")
         endpoint = getattr(route, "path", None) or "unknown"
         service.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()

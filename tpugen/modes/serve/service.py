@@ -17,6 +17,7 @@ from tpugen.config.schema import LORA_SCALE_MAX, LoraConfig
 from tpugen.engine import Display, Engine, StopSignals, Topology
 from tpugen.engine.session import run_id_for
 from tpugen.errors import InputError, Interrupted, TpugenError, one_line
+from tpugen.lines import unpaired_surrogate
 from tpugen.models import FAMILIES
 from tpugen.modes.serve.metrics import Metrics
 from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, Request
@@ -182,30 +183,40 @@ class Service:
             image.height, image.width, cfg, image.steps, image.guidance_scale, image.scheduler, loras_key(image.loras)
         )
 
-    def check(self, images: list[ImageSpec]) -> None:
+    def check(self, images: list[ImageSpec], *, count: int | None = None) -> None:
         """Every problem with a request's images, one line each, in tpugen's words: InputError, or NotWarm when
         the request is fine but asks for what is not warm (both 422). Each request is checked on its own, so a
-        bad one never fails the batch it would have shared."""
+        bad one never fails the batch it would have shared. `count`: how many images the request asks for,
+        where `images` holds only the first and last of too many."""
         problems = []
         limit = self.serve.max_images_per_request
-        if not images:
+        count = len(images) if count is None else count
+        if not count:
             problems.append("the request asks for no images")
-        if len(images) > limit:
-            problems.append(f"{len(images)} images asked for; this server makes at most {limit} per request")
+        if count > limit:
+            problems.append(f"{count} images asked for; this server makes at most {limit} per request")
         for image in images[:1]:
             for name, text in (("prompt", image.prompt), ("negative_prompt", image.negative_prompt)):
                 if len(text) > MAX_PROMPT_CHARACTERS:
                     problems.append(f"{name}: {len(text)} characters; at most {MAX_PROMPT_CHARACTERS}")
+                elif problem := unpaired_surrogate(text):  # the tokenizer would fail the batch it shared
+                    problems.append(f"{name}: {problem}")
             if not image.prompt.strip():
                 problems.append("prompt: is empty")
+            step = self.family.size_multiple
             if image.height <= 0 or image.width <= 0 or image.height % 8 or image.width % 8:
                 problems.append(f"size: {image.width}x{image.height}: width and height must be positive multiples of 8")
+            elif image.height % step or image.width % step:
+                problems.append(
+                    f"size: {image.width}x{image.height}: {self.family.title} models need multiples of {step}"
+                )
             if not 1 <= image.steps <= 1000:
                 problems.append(f"steps: must be from 1 to 1000, got {image.steps}")
             if not (math.isfinite(image.guidance_scale) and image.guidance_scale >= 0):
                 problems.append(f"guidance scale: must be a finite number, 0 or more; got {image.guidance_scale}")
-        if images and not all(0 <= image.seed < 2**63 for image in images):
-            problems.append(f"seed: must be from 0 to 2**63 - 1 (or -1 for a random one), got {images[0].seed}")
+        bad_seed = next((image.seed for image in images if not 0 <= image.seed < 2**63), None)
+        if bad_seed is not None:
+            problems.append(f"seed: must be from 0 to 2**63 - 1 (or -1 for a random one), got {bad_seed}")
         if problems:
             raise InputError(*problems)
         if self.serve.new_shapes == "reject":
@@ -386,6 +397,8 @@ class Service:
                     )
         if data.get("prompts_file") is not None:
             problems.append("prompts_file: send the prompts themselves (prompts: [...]); the server reads no files")
+        if not isinstance(data.get("output") or {}, dict):
+            problems.append("output: must be a mapping (the server reads output.run_id from it), or left out")
         if problems:
             raise InputError(*problems)
         merged = {key: value for key, value in data.items() if key not in ("output", "serve")}
