@@ -135,3 +135,21 @@ def test_of_two_runs_started_at_once_with_one_run_id_the_second_is_refused(tmp_p
         RunSession.create(run)
     assert (first.run_dir / "run.json").read_bytes() == record
     assert sorted(p.name for p in first.run_dir.iterdir()) == ["config.yaml", "run.json"]  # no temporary left
+
+
+def test_a_taken_run_id_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """On a TPU the load takes minutes: what make_run_dir would refuse afterwards is refused first."""
+    from tpugen.engine import Engine
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded for a run that cannot be written")
+
+    monkeypatch.setattr(Engine, "open", no_loading)
+    taken = tmp_path / "outputs" / "run"
+    taken.mkdir(parents=True)
+    (taken / "notes.txt").write_text("someone's\n")
+    path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path, execution={"backend": "cpu"}))
+    result = run_cli("generate", path, "--quiet")
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: output.run_id: {taken} already exists and is not empty; choose another run_id\n"
+    assert sorted(p.name for p in taken.iterdir()) == ["notes.txt"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display, Engine, EngineSpec, RunSession, StopSignals, Topology, worker_topology
+from tpugen.engine.session import check_run_dir_free
 from tpugen.outputs.report import TimedPhase, persistent_cache_summary, write_report
 from tpugen.plan import plan_run
 
@@ -63,6 +64,8 @@ def run_single(
         done = session.already_complete(len(full_plan.items))
         if done is not None:
             return done
+    elif run_id or run.config.output.run_id:  # refused now, not after the model has loaded (minutes on a TPU)
+        check_run_dir_free(run.config.output.dir, run_id or run.config.output.run_id)
 
     def stopping(signum: int) -> None:
         display.phase(f"{signal.Signals(signum).name}: stopping after the batch in flight (again: stop now)")
