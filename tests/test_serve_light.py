@@ -52,3 +52,20 @@ def test_a_request_past_its_timeout_says_how_many_of_its_images_were_made(tmp_pa
         service.generate([image])
     assert waited.value.lines == ["the request waited 1 s (serve.request_timeout_s) for a device"]
     assert service.queue.open_count() == 0 and service.queue.depth() == 0  # both slots freed, no image left queued
+
+
+def test_a_flux_server_refuses_a_size_its_pipeline_would_round_down(tmp_path):
+    import pytest
+
+    from tpugen.engine import Display
+    from tpugen.errors import InputError
+    from tpugen.modes.serve.service import ImageSpec, Service
+
+    config = tiny_config(tmp_path, model={"id": "tiny-flux"}, serve={"new_shapes": "compile"})
+    del config["prompts"]
+    run = load_config(write_config(tmp_path / "serve.yaml", config), prompts_required=False)
+    service = Service(run, [], output_root=tmp_path / "runs", display=Display())
+    with pytest.raises(InputError) as refused:
+        service.check([ImageSpec("a fox", "", 1, 4, 0.0, 72, 64)])
+    assert refused.value.lines == ["size: 64x72: Flux.1 (schnell, dev) models need multiples of 16"]
+    service.check([ImageSpec("a fox", "", 1, 4, 0.0, 80, 64)])  # 16 divides both: fine
