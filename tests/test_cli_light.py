@@ -64,3 +64,18 @@ def test_plan_of_a_hub_model_starts_no_device_stack(tmp_path):
         )
         assert proc.stdout.split() == ["0", "False"], (attempt, proc.stderr)
         assert "PJRT" not in proc.stderr and "transformer" in proc.stderr
+
+
+def test_what_server_cannot_mean_is_refused_before_anything_is_sent(tmp_path):
+    path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path))
+    for url in ("localhost:7860", "notaurl", "http://127.0.0.1:x", "ftp://127.0.0.1:7860"):
+        result = run_cli("generate", path, "--server", url)
+        assert result.exit_code == 2, result.output
+        assert result.stderr == f"error: --server: give the server's URL, like http://HOST:PORT; got {url!r}\n"
+    result = run_cli("generate", path, "--server", "http://127.0.0.1:9", "--resume", tmp_path, "--skip-warmup")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        "error: --resume: a server's runs are resumed on the server; leave --resume out with --server",
+        "error: --skip-warmup: a server is warm already; leave it out with --server",
+    ]
+    assert not (tmp_path / "outputs").exists()

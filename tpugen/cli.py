@@ -234,6 +234,28 @@ def _print_summary(report: dict) -> None:
     out.print(table)
 
 
+def _check_server_options(server: str, resume_dir: Path | None, skip_warmup: bool) -> None:
+    """What --server cannot mean, in one line each, before anything is sent."""
+    from urllib.parse import urlsplit
+
+    from tpugen.errors import InputError
+
+    problems = []
+    try:
+        parts = urlsplit(server)
+        parts.port  # noqa: B018 -- raises ValueError on a port that is not a number
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        problems.append(f"--server: give the server's URL, like http://HOST:PORT; got {server!r}")
+    if resume_dir is not None:
+        problems.append("--resume: a server's runs are resumed on the server; leave --resume out with --server")
+    if skip_warmup:
+        problems.append("--skip-warmup: a server is warm already; leave it out with --server")
+    if problems:
+        raise InputError(*problems)
+
+
 @app.command()
 @_boundary
 def generate(
@@ -268,7 +290,7 @@ def generate(
         typer.Option(
             "--server",
             help="Run it on a warm `tpugen serve` at this URL (http://HOST:PORT) and copy its run directory into "
-            "output.dir; this process loads no model.",
+            "output.dir; this process loads no model (--resume and --skip-warmup do not apply).",
         ),
     ] = None,
     api_key: ClientApiKey = None,
@@ -280,6 +302,8 @@ def generate(
         overrides = [*(overrides or []), "execution.strict_shapes=true"]
     if mode is not None:
         overrides = [*(overrides or []), f"execution.mode={mode}"]
+    if server is not None:
+        _check_server_options(server, resume_dir, skip_warmup)
     run = load_config(config, overrides or [])
     if show_plan:
         _show_plan(run)
