@@ -162,6 +162,15 @@ BAD_CONFIGS = [
     ),
     ("override wrong type", {}, ["batch_size=two"], ["error: batch_size: expected an integer, got 'two'"]),
     (
+        "empty overrides",  # steps= silently meant the model's default, output.dir= the current folder
+        {},
+        ["steps=", "output.dir= ", "negative_prompt="],
+        [
+            "error: steps: the value is empty (an unset shell variable?); give one, or null to unset it",
+            "error: output.dir: the value is empty (an unset shell variable?); give one, or null to unset it",
+        ],
+    ),
+    (
         "flash attention neither auto nor a boolean",
         {"compile": {"flash_attention": "yes"}},
         [],

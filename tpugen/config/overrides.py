@@ -11,6 +11,9 @@ from tpugen.config.schema import all_keys, field_names, is_text_field, model_typ
 from tpugen.config.yamlio import yaml_load
 
 
+EMPTY_ALLOWED = {"negative_prompt"}  # keys whose empty value means something: no negative prompt
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> list[str]:
     """Set each `key.sub=value` into `data`, typed by the schema. Returns the problems found."""
     problems = []
@@ -30,6 +33,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> list[str]:
             problems.append(
                 f"{key}: is a section; set one of its keys, e.g. {key}.{field_names(model_type(field.annotation))[0]}=..."
             )
+            continue
+        if not raw.strip() and key not in EMPTY_ALLOWED:
+            # `steps=` silently meant the model's default, `output.dir=` the current folder.
+            problems.append(f"{key}: the value is empty (an unset shell variable?); give one, or null to unset it")
             continue
         if is_text_field(field.annotation) and raw.strip().lower() not in ("null", "~"):
             value: Any = raw
