@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli, tiny_config, write_config
+from conftest import PROMPTS, run_cli, tiny_config, write_config
 
 from tpugen.config import all_keys, load_config
 
@@ -194,6 +194,15 @@ BAD_CONFIGS = [
             "error: height: Flux.1 (schnell, dev) models need a multiple of 16 (the VAE's 8 times 2x2 patches), got 72",
             "error: prompts: a prompt's own 72x40 (height x width): Flux.1 (schnell, dev) models need a multiple of 16 "
             "(the VAE's 8 times 2x2 patches)",
+        ],
+    ),
+    (
+        "more images than a run plans",
+        {"images_per_prompt": 500_000},
+        [],
+        [
+            f"error: images_per_prompt: the run would plan {500_000 * len(PROMPTS)} images; at most 1000000 per run "
+            "(split it into several runs)"
         ],
     ),
     (

@@ -10,7 +10,6 @@ from tpugen.config.messages import suggest
 from tpugen.config.schema import all_keys, field_names, is_text_field, model_type, section_at
 from tpugen.config.yamlio import yaml_load
 
-
 EMPTY_ALLOWED = {"negative_prompt"}  # keys whose empty value means something: no negative prompt
 
 

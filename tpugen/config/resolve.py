@@ -90,6 +90,12 @@ def resolve(
 
     resolved_prompts = resolve_prompts(config, base_dir, prompts, problems, required=prompts_required)
     problems.extend(_size_problems(config, resolved_prompts, family))
+    planned = sum(len(spec.sizes) for spec in resolved_prompts) * config.images_per_prompt
+    if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
+        problems.append(
+            f"images_per_prompt: the run would plan {planned} images; at most {MAX_IMAGES_PER_RUN} per run "
+            "(split it into several runs)"
+        )
 
     if not config.output.dir.startswith("gs://"):  # Cloud Storage: written by pod-run's workers
         config.output.dir = _local_dir("output.dir", config.output.dir, problems)
@@ -109,6 +115,9 @@ def resolve(
     if problems:
         raise InputError(*problems)
     return ResolvedRun(config, resolved_prompts, source, config_hash(config, resolved_prompts), family.name, loras)
+
+
+MAX_IMAGES_PER_RUN = 1_000_000  # eleven days at one image a second
 
 
 def _size_problems(config: RunConfig, prompts: list[PromptSpec], family: Family) -> list[str]:
