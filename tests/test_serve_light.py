@@ -29,7 +29,7 @@ def test_a_request_past_its_timeout_says_how_many_of_its_images_were_made(tmp_pa
     from tpugen.engine import Display
     from tpugen.modes.serve.service import ImageSpec, Service, TimedOut
 
-    config = tiny_config(tmp_path, serve={"new_shapes": "compile", "request_timeout_s": 1, "batch_window_ms": 0})
+    config = tiny_config(tmp_path, serve={"new_shapes": "compile", "request_timeout_s": 0.5, "batch_window_ms": 0})
     del config["prompts"]
     run = load_config(write_config(tmp_path / "serve.yaml", config), prompts_required=False)
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())  # no engine: this test is the device
@@ -46,11 +46,11 @@ def test_a_request_past_its_timeout_says_how_many_of_its_images_were_made(tmp_pa
         service.generate([image, ImageSpec("a dog", "", 2, 3, 7.5, 64, 64)])
     loop.join(5)
     assert late.value.lines == [
-        "the request was not done within 1 s (serve.request_timeout_s): 1 of 2 images were made"
+        "the request was not done within 0.5 s (serve.request_timeout_s): 1 of 2 images were made"
     ]
     with pytest.raises(TimedOut) as waited:  # nothing takes this one
         service.generate([image])
-    assert waited.value.lines == ["the request waited 1 s (serve.request_timeout_s) for a device"]
+    assert waited.value.lines == ["the request waited 0.5 s (serve.request_timeout_s) for a device"]
     assert service.queue.open_count() == 0 and service.queue.depth() == 0  # both slots freed, no image left queued
 
 
