@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import run_cli, tiny_config, write_config
 
 ROOT = Path(__file__).parent.parent
@@ -79,3 +80,19 @@ def test_what_server_cannot_mean_is_refused_before_anything_is_sent(tmp_path):
         "error: --skip-warmup: a server is warm already; leave it out with --server",
     ]
     assert not (tmp_path / "outputs").exists()
+
+
+def test_plan_counts_the_largest_attention_matrix_beside_the_weights(tmp_path):
+    """Weights of a few MB "fit"; at 4096x4096 one unfused attention layer of the tiny UNet needs 550 GB."""
+    from tpugen import app
+    from tpugen.config import load_config
+
+    path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path, batch_size=2))
+    assert app.plan(load_config(path)).fit == "fits"
+    view = app.plan(load_config(path, ["height=4096", "width=4096"]))
+    assert view.attention["gb"] == pytest.approx(4 * 8 * 65536**2 * 4 / 1e9)  # 2 rows, doubled by CFG
+    assert view.fit == (
+        f"does not fit: the weights ({view.memory.total_bytes / 1e9:.2f} GB) and the largest attention matrix "
+        "(549.76 GB per layer) are over the v5e's 16 GB; use a smaller size or batch, or flash attention "
+        "(compile.flash_attention)"
+    )

@@ -107,7 +107,22 @@ def plan(run: ResolvedRun) -> PlanView:
         )
         if largest is not None:
             attention = attention_summary(largest, flash_on=flash.on, min_tokens=route.min_tokens)
+    if fit == "fits" and memory and attention and attention["materialised"]:
+        fit = attention_fit(memory, attention, flash_route=bool(route.components)) or fit
     return PlanView(run_plan, memory, how_it_runs(execution), fit, flash, attention)
+
+
+def attention_fit(memory, attention: dict, *, flash_route: bool) -> str | None:
+    """Why weights that fit a chip still do not, once one layer's full attention matrix is held beside them (a
+    lower bound on what a denoiser call needs), or None."""
+    weights, held = memory.total_bytes / 1e9, attention["gb"]
+    if weights + held <= memory.chip_gb:
+        return None
+    remedy = "a smaller size or batch" + (", or flash attention (compile.flash_attention)" if flash_route else "")
+    return (
+        f"does not fit: the weights ({weights:.2f} GB) and the largest attention matrix ({held:.2f} GB per layer) "
+        f"are over the {memory.chip}'s {memory.chip_gb:g} GB; use {remedy}"
+    )
 
 
 def serve(run: ResolvedRun, *, host: str, port: int, api_key: str | None, display: Display | None = None) -> None:
