@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpugen.config import ResolvedRun
+from tpugen.config.prompts import planned_images
 from tpugen.models import FAMILIES
 
 
@@ -78,7 +79,7 @@ class RunPlan:
 
 def image_count(run: ResolvedRun) -> int:
     """How many images the run makes (len(work_items(run))), counted without listing them."""
-    return sum(len(spec.sizes) for spec in run.prompts) * run.config.images_per_prompt
+    return planned_images(run.prompts, run.config.images_per_prompt)
 
 
 def work_items(run: ResolvedRun) -> list[WorkItem]:

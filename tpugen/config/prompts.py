@@ -119,6 +119,11 @@ def check_prompt_entry(entry: dict, where: str, run: RunConfig, problems: list[s
     )
 
 
+def planned_images(prompts: list[PromptSpec], images_per_prompt: int) -> int:
+    """How many images these prompts make: each of its sizes, images_per_prompt times (counted, not listed)."""
+    return sum(len(spec.sizes) for spec in prompts) * images_per_prompt
+
+
 def run_sizes(run: RunConfig) -> tuple[tuple[int, int], ...]:
     """The sizes every prompt without its own is rendered at."""
     if run.sizes:

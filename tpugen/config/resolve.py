@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from tpugen.config.loras import Lora, resolve_loras
 from tpugen.config.messages import format_error
 from tpugen.config.overrides import apply_overrides
-from tpugen.config.prompts import PromptSpec, resolve_prompts, run_sizes
+from tpugen.config.prompts import PromptSpec, planned_images, resolve_prompts, run_sizes
 from tpugen.config.rules import run_problems
 from tpugen.config.schema import RunConfig
 from tpugen.config.yamlio import dump_yaml, read_yaml
@@ -90,7 +90,7 @@ def resolve(
 
     resolved_prompts = resolve_prompts(config, base_dir, prompts, problems, required=prompts_required)
     problems.extend(_size_problems(config, resolved_prompts, family))
-    planned = sum(len(spec.sizes) for spec in resolved_prompts) * config.images_per_prompt
+    planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
         problems.append(
             f"images_per_prompt: the run would plan {planned} images; at most {MAX_IMAGES_PER_RUN} per run "

@@ -175,8 +175,9 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
         problems.append(f"batch_size and n_iter: must be at least 1, got {body.batch_size} and {body.n_iter}")
     count = max(body.batch_size, 1) * max(body.n_iter, 1)
     seed = body.seed if body.seed >= 0 else random.randrange(RANDOM_SEEDS)
-    images = [
-        ImageSpec(
+
+    def make(i: int) -> ImageSpec:
+        return ImageSpec(
             prompt=prompt,
             negative_prompt=body.negative_prompt if body.negative_prompt is not None else config.negative_prompt,
             seed=seed + i,  # the web UI's rule: image i of a request gets seed + i
@@ -187,11 +188,11 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
             scheduler=scheduler,
             loras=loras,
         )
-        # Past the cap, two images stand for the rest: the count is refused without building them all.
-        for i in (range(count) if count <= service.serve.max_images_per_request else (0, count - 1))
-    ]
-    if count > service.serve.max_images_per_request or problems:
-        collect(problems, service.check, images, count=count)
+
+    images = collect(problems, service.image_specs, count, make)
+    if problems:
+        if images:  # the rest of what check finds, beside this request's own problems
+            collect(problems, service.check, images)
         raise InputError(*problems)
     return images
 

@@ -58,12 +58,12 @@ async def generations(request: Request):
     height, width = size_of(service, body.size)
     config = service.run.config
     seed = random.randrange(RANDOM_SEEDS)  # OpenAI's API has no seed: a fresh one per request
-    images = [
-        ImageSpec(body.prompt, config.negative_prompt, seed + i, config.steps, config.guidance_scale, height, width)
-        for i in range(min(body.n, service.serve.max_images_per_request + 1))  # past the cap: refused, not built
-    ]
-    if body.n > service.serve.max_images_per_request:
-        service.check(images, count=body.n)
+    images = service.image_specs(
+        body.n,
+        lambda i: ImageSpec(
+            body.prompt, config.negative_prompt, seed + i, config.steps, config.guidance_scale, height, width
+        ),
+    )
     made = await anyio.to_thread.run_sync(service.generate, images)  # every image: OpenAI's never stop short
     data = [{"b64_json": image_b64(pixels, image_record(service, images[position]))} for position, pixels in made]
     return json_response({"created": int(time.time()), "data": data})

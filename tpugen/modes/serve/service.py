@@ -183,6 +183,15 @@ class Service:
             image.height, image.width, cfg, image.steps, image.guidance_scale, image.scheduler, loras_key(image.loras)
         )
 
+    def image_specs(self, count: int, make) -> list[ImageSpec]:
+        """`make(i)` for each of a request's `count` images. Past serve.max_images_per_request only the first
+        and last are made, and refused with the count: a request for ten billion images costs two specs."""
+        if count <= self.serve.max_images_per_request:
+            return [make(i) for i in range(count)]
+        images = [make(0), make(count - 1)]
+        self.check(images, count=count)  # refuses the count, with whatever else the two show
+        return images
+
     def check(self, images: list[ImageSpec], *, count: int | None = None) -> None:
         """Every problem with a request's images, one line each, in tpugen's words: InputError, or NotWarm when
         the request is fine but asks for what is not warm (both 422). Each request is checked on its own, so a
