@@ -147,7 +147,7 @@ def compile_worker(double: int, single: int, scanned: bool) -> None:
     import torch_xla.debug.metrics as met
 
     from tpugen.backends import scan_repeated_blocks
-    from tpugen.tiny import tiny_flux_transformer
+    from tpugen.families.flux.tiny import tiny_transformer as tiny_flux_transformer
 
     torch.manual_seed(0)
     model = tiny_flux_transformer(double, single).eval()

@@ -26,7 +26,7 @@ from tpugen.backends.torch_tpu import TorchTpuBackend
 from tpugen.config import CompileConfig
 from tpugen.engine.hooks import Hooks
 from tpugen.errors import InputError
-from tpugen.families import family_code
+from tpugen.families import family as family_code
 
 
 @pytest.mark.parametrize(

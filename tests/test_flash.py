@@ -14,7 +14,7 @@ import pytest
 from conftest import SAME_SETUP, assert_same_images, run_cli, tiny_config, write_config
 
 from tpugen.backends.xla.flash import NO_JAX, NO_SPMD_SPEC, flash_partition_spec, flash_reason
-from tpugen.families import family_code
+from tpugen.families import family as family_code
 from tpugen.memory import AttentionSize, attention_summary, largest_attention
 from tpugen.plan import ShapeKey
 
@@ -112,7 +112,7 @@ SD35_MEDIUM = {"num_attention_heads": 24, "patch_size": 2}
 def test_largest_attention_per_family(family, config, shapes, text, expected):
     denoiser = family_code(family).denoiser
     found = largest_attention(
-        family, config, shapes, component=denoiser, dtype="bfloat16", vae_scale=8, text_tokens=text
+        family_code(family), config, shapes, component=denoiser, dtype="bfloat16", vae_scale=8, text_tokens=text
     )
     assert found == expected
     assert expected.bytes == expected.rows * expected.heads * expected.tokens**2 * 2
@@ -199,7 +199,7 @@ def _processors(denoiser) -> dict:
 def test_auto_off_a_tpu_leaves_every_attention_processor_as_loaded(tmp_path, model, processor):
     from tpugen.engine import Engine, EngineSpec
     from tpugen.engine.pipeline import read_from_disk
-    from tpugen.families import family_code
+    from tpugen.families import family as family_code
 
     run = _resolved(tmp_path, "auto", model={"id": model})
     family = family_code(run.family)

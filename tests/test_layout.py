@@ -1,5 +1,6 @@
-"""The package's shape: imports point one way (cli -> app -> modes -> engine -> backends, families, outputs ->
-config, errors), with no cycle, counting imports placed inside functions."""
+"""The package's shape: imports point one way (cli -> app -> modes -> engine -> backends, outputs -> config ->
+families, errors), with no cycle, counting imports placed inside functions. A family sits below the config
+because the config's checks (defaults, sizes, LoRAs, scan) ask it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tpugen"
 # Lower layers never import higher ones. A module may import its own layer and those below.
 LAYERS = [
     ["tpugen", "tpugen.errors", "tpugen.lines"],
-    ["tpugen.config", "tpugen.models", "tpugen.schedulers", "tpugen.sharding", "tpugen.plan", "tpugen.tiny"],
-    ["tpugen.backends", "tpugen.families", "tpugen.outputs", "tpugen.memory", "tpugen.placement"],
+    ["tpugen.families", "tpugen.sharding"],
+    ["tpugen.config", "tpugen.models", "tpugen.schedulers", "tpugen.plan", "tpugen.tiny"],
+    ["tpugen.backends", "tpugen.outputs", "tpugen.memory", "tpugen.placement"],
     ["tpugen.engine"],
     ["tpugen.modes"],
     ["tpugen.app"],

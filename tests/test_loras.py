@@ -227,7 +227,7 @@ def diffusers_images(loras: list[tuple[Path, float]]) -> list[np.ndarray]:
     import torch
     from diffusers import StableDiffusionPipeline
 
-    from tpugen.families import family_code
+    from tpugen.families import family as family_code
     from tpugen.tiny import builtin_path
 
     pipe = StableDiffusionPipeline.from_pretrained(str(builtin_path("tiny-sd")), safety_checker=None)

@@ -30,7 +30,9 @@ def test_scan_blocks_is_for_flux_on_xla(tmp_path, model, backend):
     config = tiny_config(tmp_path, model={"id": model}, execution={"backend": backend}, compile={"scan_blocks": True})
     result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
     assert result.exit_code == 2
-    assert result.stderr == ("error: compile.scan_blocks: is built for Flux and SD3 models on execution.backend: xla\n")
+    assert result.stderr == (
+        "error: compile.scan_blocks: is built for Stable Diffusion 3 / 3.5 and Flux.1 (schnell, dev) models on execution.backend: xla\n"
+    )
 
 
 @pytest.mark.xla
@@ -41,8 +43,8 @@ def test_sd35_style_blocks_scan_in_stacks_of_equal_structure():
     import torch_xla.debug.metrics as met
 
     from tpugen.backends.xla.scan import scan_repeated_blocks
-    from tpugen.families import family_code
-    from tpugen.tiny import tiny_sd3_transformer
+    from tpugen.families import family as family_code
+    from tpugen.families.sd3.tiny import tiny_transformer as tiny_sd3_transformer
 
     torch.manual_seed(0)
     device = torch_xla.device()

@@ -13,7 +13,7 @@ from conftest import OTHER_DEVICE_COUNT, assert_same_images, generate, run_cli, 
 
 from tpugen.backends.xla.spmd import mesh_shape
 from tpugen.errors import InputError
-from tpugen.families import family_code
+from tpugen.families import family as family_code
 from tpugen.sharding import plan_sharding
 
 

@@ -11,7 +11,7 @@ from tpugen.backends.xla.flash import planned_flash_attention
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display
 from tpugen.errors import InputError
-from tpugen.families import family_code
+from tpugen.families import family
 from tpugen.memory import (
     MemoryPlan,
     attention_summary,
@@ -21,7 +21,6 @@ from tpugen.memory import (
     largest_attention,
     memory_plan_for,
 )
-from tpugen.models import FAMILIES
 from tpugen.plan import RunPlan, plan_run
 
 
@@ -88,22 +87,22 @@ def plan(run: ResolvedRun) -> PlanView:
     memory = memory_plan_for(run.model_source, config.model, execution.chip, execution.chip_memory_gb, device_free=True)
     fit = config_fit(memory, execution, config.model.id) if memory else None
     run_plan = plan_run(run)
-    family = family_code(run.family)
-    route = family.flash_attention
+    family_ = family(run.family)
+    route = family_.flash_attention
     flash = planned_flash_attention(
         config.compile.flash_attention, route, backend=execution.backend, spmd=execution.sharding == "spmd"
     )
     attention = None
-    found = denoiser_config(run.model_source, family.denoiser)
+    found = denoiser_config(run.model_source, family_.denoiser)
     if found is not None:
         largest = largest_attention(
-            run.family,
+            family_,
             found[0],
             run_plan.shape_keys,
-            component=family.denoiser,
+            component=family_.denoiser,
             dtype=config.model.dtype,
             vae_scale=found[1],
-            text_tokens=FAMILIES[run.family].max_sequence_length or 0,
+            text_tokens=family_.max_sequence_length or 0,
         )
         if largest is not None:
             attention = attention_summary(largest, flash_on=flash.on, min_tokens=route.min_tokens)

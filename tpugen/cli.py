@@ -364,23 +364,25 @@ def resume(
 @_boundary
 def models() -> None:
     """List the built-in tiny models and the pipeline families tpugen knows, with their defaults."""
-    from tpugen.models import BUILTINS, FAMILIES, KNOWN_MODELS, model_defaults
+    from tpugen.families import BUILTINS, FAMILIES, KNOWN_MODELS
+    from tpugen.models import model_defaults
 
     typer.echo("models (built-in tiny ones build offline; their images are noise):")
-    for model_id, known in KNOWN_MODELS.items():
-        d = model_defaults(model_id, FAMILIES[known.family])
-        note = BUILTINS[model_id].description if model_id in BUILTINS else known.note
+    entries = [(name, f, b.description) for name, (b, f) in BUILTINS.items()]
+    entries += [(model_id, f, known.note) for model_id, (known, f) in KNOWN_MODELS.items()]
+    for model_id, f, note in entries:
+        d = model_defaults(model_id, f)
         typer.echo(
-            f"  {model_id:45} {known.family:5} {d['height']}x{d['width']:<5} {d['steps']:>3} steps  "
+            f"  {model_id:45} {f.name:10} {d['height']}x{d['width']:<5} {d['steps']:>3} steps  "
             f"guidance {d['guidance_scale']:<4}  {note}"
         )
-    typer.echo("families (any diffusers pipeline of these classes; other classes run with SD's defaults):")
+    typer.echo("families (a pipeline is read by its model_index.json class; a class none of these covers is refused):")
     for f in FAMILIES.values():
         scheduler = "keeps its flow-matching scheduler" if f.flow_matching else "any model.scheduler name"
         cfg = "CFG above guidance 1" if f.cfg else "no CFG"
         typer.echo(
-            f"  {f.name:5} {f.pipeline_class:26} {f.size}x{f.size:<5} {f.steps:>3} steps  guidance {f.guidance_scale:<4}  "
-            f"{cfg}; {scheduler}"
+            f"  {f.name:10} {', '.join(f.pipeline_classes):26} {f.size}x{f.size:<5} {f.steps:>3} steps  "
+            f"guidance {f.guidance_scale:<4}  {cfg}; {scheduler}"
         )
 
 

@@ -15,157 +15,19 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpugen.families import KNOWN_MODELS, Family
+
 # HBM per chip, GB (10^9 bytes), by TPU generation.
 CHIP_MEMORY_GB = {"v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Weights are not all a chip holds: activations, the compiled programs and XLA's buffers need room too.
 HEADROOM = 1.2
 
-_CLIP_L = {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_attention_heads": 12,
-    "num_hidden_layers": 12,
-    "vocab_size": 49408,
-    "max_position_embeddings": 77,
-    "projection_dim": 768,
-}
-_CLIP_G = {
-    "hidden_size": 1280,
-    "intermediate_size": 5120,
-    "num_attention_heads": 20,
-    "num_hidden_layers": 32,
-    "vocab_size": 49408,
-    "max_position_embeddings": 77,
-    "projection_dim": 1280,
-}
-_CLIP_H = {
-    "hidden_size": 1024,
-    "intermediate_size": 4096,
-    "num_attention_heads": 16,
-    "num_hidden_layers": 23,
-    "vocab_size": 49408,
-    "max_position_embeddings": 77,
-    "projection_dim": 512,
-}
-_T5_XXL = {
-    "d_model": 4096,
-    "d_ff": 10240,
-    "d_kv": 64,
-    "num_heads": 64,
-    "num_layers": 24,
-    "vocab_size": 32128,
-    "feed_forward_proj": "gated-gelu",
-    "is_gated_act": True,
-}
-_VAE_4 = {
-    "block_out_channels": [128, 256, 512, 512],
-    "latent_channels": 4,
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "layers_per_block": 2,
-}
-_VAE_16 = {**_VAE_4, "latent_channels": 16, "use_quant_conv": False, "use_post_quant_conv": False}
-_SD_UNET = {"cross_attention_dim": 768, "attention_head_dim": 8}
-_SD2_UNET = {"cross_attention_dim": 1024, "attention_head_dim": [5, 10, 20, 20], "use_linear_projection": True}
-_SDXL_UNET = {
-    "block_out_channels": [320, 640, 1280],
-    "transformer_layers_per_block": [1, 2, 10],
-    "attention_head_dim": [5, 10, 20],
-    "cross_attention_dim": 2048,
-    "addition_embed_type": "text_time",
-    "addition_time_embed_dim": 256,
-    "projection_class_embeddings_input_dim": 2816,
-    "use_linear_projection": True,
-    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-    "sample_size": 128,
-}
-_SD35 = {
-    "in_channels": 16,
-    "out_channels": 16,
-    "patch_size": 2,
-    "sample_size": 128,
-    "attention_head_dim": 64,
-    "joint_attention_dim": 4096,
-    "pooled_projection_dim": 2048,
-    "qk_norm": "rms_norm",
-}
-_FLUX = {
-    "patch_size": 1,
-    "in_channels": 64,
-    "num_layers": 19,
-    "num_single_layers": 38,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "pooled_projection_dim": 768,
-}
 
-# Component configs of the models in configs/ (and their big siblings), for planning without a download.
-KNOWN_COMPONENTS: dict[str, dict[str, tuple[str, dict]]] = {
-    "stable-diffusion-v1-5/stable-diffusion-v1-5": {
-        "text_encoder": ("CLIPTextModel", _CLIP_L),
-        "unet": ("UNet2DConditionModel", _SD_UNET),
-        "vae": ("AutoencoderKL", _VAE_4),
-    },
-    "stabilityai/stable-diffusion-2-1": {
-        "text_encoder": ("CLIPTextModel", _CLIP_H),
-        "unet": ("UNet2DConditionModel", _SD2_UNET),
-        "vae": ("AutoencoderKL", _VAE_4),
-    },
-    "stabilityai/stable-diffusion-xl-base-1.0": {
-        "text_encoder": ("CLIPTextModel", _CLIP_L),
-        "text_encoder_2": ("CLIPTextModelWithProjection", _CLIP_G),
-        "unet": ("UNet2DConditionModel", _SDXL_UNET),
-        "vae": ("AutoencoderKL", _VAE_4),
-    },
-    "stabilityai/stable-diffusion-3.5-medium": {
-        "text_encoder": ("CLIPTextModelWithProjection", _CLIP_L),
-        "text_encoder_2": ("CLIPTextModelWithProjection", _CLIP_G),
-        "text_encoder_3": ("T5EncoderModel", _T5_XXL),
-        "transformer": (
-            "SD3Transformer2DModel",
-            {
-                **_SD35,
-                "num_layers": 24,
-                "num_attention_heads": 24,
-                "caption_projection_dim": 1536,
-                "pos_embed_max_size": 384,
-                "dual_attention_layers": list(range(13)),
-            },
-        ),
-        "vae": ("AutoencoderKL", _VAE_16),
-    },
-    "stabilityai/stable-diffusion-3.5-large": {
-        "text_encoder": ("CLIPTextModelWithProjection", _CLIP_L),
-        "text_encoder_2": ("CLIPTextModelWithProjection", _CLIP_G),
-        "text_encoder_3": ("T5EncoderModel", _T5_XXL),
-        "transformer": (
-            "SD3Transformer2DModel",
-            {
-                **_SD35,
-                "num_layers": 38,
-                "num_attention_heads": 38,
-                "caption_projection_dim": 2432,
-                "pos_embed_max_size": 192,
-            },
-        ),
-        "vae": ("AutoencoderKL", _VAE_16),
-    },
-    "black-forest-labs/FLUX.1-schnell": {
-        "text_encoder": ("CLIPTextModel", _CLIP_L),
-        "text_encoder_2": ("T5EncoderModel", _T5_XXL),
-        "transformer": ("FluxTransformer2DModel", {**_FLUX, "guidance_embeds": False}),
-        "vae": ("AutoencoderKL", _VAE_16),
-    },
-    "black-forest-labs/FLUX.1-dev": {
-        "text_encoder": ("CLIPTextModel", _CLIP_L),
-        "text_encoder_2": ("T5EncoderModel", _T5_XXL),
-        "transformer": ("FluxTransformer2DModel", {**_FLUX, "guidance_embeds": True}),
-        "vae": ("AutoencoderKL", _VAE_16),
-    },
-}
+def known_components(model_id: str) -> dict[str, tuple[str, dict]] | None:
+    """The component configs tpugen keeps for a known hub model (its family's folder holds them), or None."""
+    known = KNOWN_MODELS.get(model_id)
+    return known[0].components if known and known[0].components else None
 
 
 @dataclass(frozen=True)
@@ -362,8 +224,9 @@ def component_counts(source, variant: str | None = None) -> tuple[dict[str, int]
         return directory_parameters(builtin_path(source.ref)), "safetensors headers"
     if source.kind == "local":
         return directory_parameters(Path(source.ref), variant), "safetensors headers"
-    if source.ref in KNOWN_COMPONENTS:
-        return meta_parameters(KNOWN_COMPONENTS[source.ref]), "configs on the meta device"
+    components = known_components(source.ref)
+    if components:
+        return meta_parameters(components), "configs on the meta device"
     return None
 
 
@@ -373,9 +236,8 @@ def _needs_model_code(source) -> bool:
         from tpugen.tiny import is_built
 
         return not is_built(source.ref)
-    return (
-        source.kind == "hub" and source.ref in KNOWN_COMPONENTS and _known_counts(KNOWN_COMPONENTS[source.ref]) is None
-    )
+    components = known_components(source.ref) if source.kind == "hub" else None
+    return components is not None and _known_counts(components) is None
 
 
 def _counted_apart(source, variant: str | None) -> tuple[dict[str, int], str] | None:
@@ -409,10 +271,6 @@ def memory_plan_for(
 
 # ---------------------------------------------------------------- the largest attention matrix (pure)
 
-# diffusers' UNet2DConditionModel default, for configs that leave it out (tpugen's own SD 1.5 config does).
-_UNET_DOWN_BLOCKS = ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"]
-CLIP_TOKENS = 77  # SD3 joins its CLIP embeddings (77 tokens) and the T5 tokens into one text sequence
-
 
 @dataclass(frozen=True)
 class AttentionSize:
@@ -430,37 +288,14 @@ class AttentionSize:
         return self.rows * self.heads * self.tokens**2 * self.dtype_bytes
 
 
-def attention_geometry(
-    family: str, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int
-) -> tuple[int, int]:
-    """(tokens, heads) of the denoiser's largest attention for one image size, from the denoiser's config.
-
-    UNet (sd, sdxl): the self-attention of the first down block that has attention, at the latent size halved
-    once per block before it; its heads are `attention_head_dim` (diffusers' old name for the head count) unless
-    `num_attention_heads` is set. Flux: the 2x2-packed latent tokens joined by the T5 tokens. SD3: latent patches
-    of `patch_size` joined by 77 CLIP tokens and the T5 tokens.
-    """
-    if family in ("sd", "sdxl"):
-        blocks = config.get("down_block_types") or _UNET_DOWN_BLOCKS
-        level = next((i for i, block in enumerate(blocks) if "Attn" in block), 0)
-        heads = config.get("num_attention_heads") or config.get("attention_head_dim") or 8
-        heads = heads[level] if isinstance(heads, (list, tuple)) else heads
-        side = vae_scale * 2**level
-        return (height // side) * (width // side), heads
-    patch = 2 if family == "flux" else config.get("patch_size") or 2
-    side = vae_scale * patch
-    text = text_tokens + (CLIP_TOKENS if family == "sd3" else 0)
-    return (height // side) * (width // side) + text, config["num_attention_heads"]
-
-
 def largest_attention(
-    family: str, config: dict, shapes, *, component: str, dtype: str, vae_scale: int, text_tokens: int
+    family: Family, config: dict, shapes, *, component: str, dtype: str, vae_scale: int, text_tokens: int
 ) -> AttentionSize | None:
     """The biggest attention matrix over a run's shape keys (height, width, batch_size, cfg)."""
     sizes = []
     for shape in shapes:
-        tokens, heads = attention_geometry(
-            family, config, shape.height, shape.width, vae_scale=vae_scale, text_tokens=text_tokens
+        tokens, heads = family.attention_geometry(
+            config, shape.height, shape.width, vae_scale=vae_scale, text_tokens=text_tokens
         )
         rows = shape.batch_size * (2 if shape.cfg else 1)
         sizes.append(AttentionSize(component, tokens, heads, rows, DTYPE_BYTES[dtype]))
@@ -513,9 +348,10 @@ def denoiser_config(source, denoiser: str) -> tuple[dict, int] | None:
             vae = json.loads((root / "vae" / "config.json").read_text())
         except (OSError, ValueError):
             return None
-    elif source.ref in KNOWN_COMPONENTS and denoiser in KNOWN_COMPONENTS[source.ref]:
-        config = KNOWN_COMPONENTS[source.ref][denoiser][1]
-        vae = KNOWN_COMPONENTS[source.ref].get("vae", (None, {}))[1]
+    elif denoiser in (known_components(source.ref) or {}):
+        components = known_components(source.ref)
+        config = components[denoiser][1]
+        vae = components.get("vae", (None, {}))[1]
     else:
         return None
     return config, 2 ** (len(vae.get("block_out_channels") or [0] * 4) - 1)

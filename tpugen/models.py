@@ -1,5 +1,5 @@
-"""What tpugen knows about models without loading any: families and their defaults, built-ins, known hub ids,
-and where an id points."""
+"""Where a model id points and which family it is, without loading the model: built-ins, local folders and hub
+ids read by their model_index.json; and what a hub failure means in a user's words."""
 
 from __future__ import annotations
 
@@ -9,41 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class BuiltinModel:
-    name: str
-    description: str
-    build_version: int  # bumped whenever the builder changes, so stale caches are rebuilt
-
-
-BUILTINS = {
-    "tiny-sd": BuiltinModel(
-        "tiny-sd",
-        "SD 1.x architecture with tiny random weights, built offline; its images are noise",
-        build_version=1,
-    ),
-    "tiny-sdxl": BuiltinModel(
-        "tiny-sdxl",
-        "SDXL architecture (two CLIP encoders, text-time embeddings) with tiny random weights; noise",
-        build_version=1,
-    ),
-    "tiny-sd3": BuiltinModel(
-        "tiny-sd3",
-        "SD 3 architecture (MMDiT, two CLIP encoders and T5) with tiny random weights; noise",
-        build_version=1,
-    ),
-    "tiny-flux": BuiltinModel(
-        "tiny-flux",
-        "Flux.1-schnell architecture (double and single stream blocks, CLIP and T5) with tiny random weights; noise",
-        build_version=1,
-    ),
-    "tiny-flux-deep": BuiltinModel(
-        "tiny-flux-deep",
-        "Flux.1's real depth (19 double + 38 single blocks) at a tiny width, for compile-time work; noise",
-        build_version=1,
-    ),
-}
+from tpugen.families import BUILTINS, KNOWN_MODELS, Family, covered_classes, family_for_class
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -85,97 +51,94 @@ def classify_model_id(model_id: str, base_dir: Path | None = None) -> ModelSourc
     )
 
 
-# ---------------------------------------------------------------- families and their defaults
+# ---------------------------------------------------------------- which family a model is
 
 
-@dataclass(frozen=True)
-class Family:
-    name: str
-    pipeline_class: str  # the diffusers class in model_index.json
-    title: str
-    size: int  # default height and width
-    steps: int
-    guidance_scale: float
-    cfg: bool  # classifier-free guidance above guidance 1 (it doubles the denoiser's batch: another shape)
-    negative_prompt: bool
-    flow_matching: bool  # keeps its own flow-matching scheduler
-    max_sequence_length: int | None = None  # T5 tokens, for families with a T5 encoder
-    # Height and width must be multiples of this: the VAE's 8, times the 2x2 patches of SD3's and Flux's
-    # transformers (diffusers refuses SD3's otherwise; Flux's pipeline quietly rounds down).
-    size_multiple: int = 8
+def family_of(source: ModelSource, model, *, download: bool = True) -> Family | str:
+    """The family of a model, read from what it is: a built-in's or a known hub id's own, else its
+    model_index.json's `_class_name` (a local folder's file; a hub model's from the local Hugging Face cache, else
+    a few hundred bytes downloaded and then cached). A one-line reason when the class is one no family covers or
+    cannot be read. `model`: the config's model section (revision, custom_pipeline)."""
+    if source.kind == "builtin":
+        return BUILTINS[source.ref][1]
+    if source.kind == "hub" and source.ref in KNOWN_MODELS and not model.custom_pipeline:
+        return KNOWN_MODELS[source.ref][1]
+    if source.kind == "local":
+        found = _class_in(Path(source.ref) / "model_index.json")
+    else:
+        found = _hub_class(source.ref, model.revision, download=download)
+    if not isinstance(found, tuple):
+        return found
+    (class_name,) = found
+    return family_for_class(class_name) or not_covered(source.ref, class_name)
 
 
-FAMILIES = {
-    f.name: f
-    for f in (
-        Family("sd", "StableDiffusionPipeline", "Stable Diffusion 1.x/2.x", 512, 30, 7.5, True, True, False),
-        Family("sdxl", "StableDiffusionXLPipeline", "Stable Diffusion XL", 1024, 30, 5.0, True, True, False),
-        Family("sd3", "StableDiffusion3Pipeline", "Stable Diffusion 3 / 3.5", 1024, 28, 7.0, True, True, True, 256, 16),
-        # Flux.1 has no classifier-free guidance: schnell ignores guidance_scale, dev embeds it as a number.
-        Family("flux", "FluxPipeline", "Flux.1 (schnell, dev)", 1024, 4, 0.0, False, False, True, 512, 16),
-    )
-}
-_BY_CLASS = {f.pipeline_class: f for f in FAMILIES.values()}
+def not_covered(model_id: str, class_name: str) -> str:
+    """The one line for a pipeline of a class no family covers."""
+    return f"{model_id!r} is a {class_name or 'pipeline with no _class_name'}; tpugen knows {covered_classes()}"
 
 
-@dataclass(frozen=True)
-class KnownModel:
-    family: str
-    steps: int | None = None  # when the model differs from its family's default
-    guidance_scale: float | None = None
-    size: int | None = None
-    note: str = ""
+def _class_in(index: Path) -> tuple[str] | str:
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return f"cannot read {str(index)!r}: {exc}"
+    class_name = data.get("_class_name") if isinstance(data, dict) else None
+    return (class_name if isinstance(class_name, str) else "",)
 
 
-KNOWN_MODELS = {
-    "tiny-sd": KnownModel("sd", size=64),
-    "tiny-sdxl": KnownModel("sdxl", size=64),
-    "tiny-sd3": KnownModel("sd3", size=64),
-    "tiny-flux": KnownModel("flux", size=64),
-    "tiny-flux-deep": KnownModel("flux", size=64),
-    "stable-diffusion-v1-5/stable-diffusion-v1-5": KnownModel("sd", note="fits one v5e chip"),
-    "stabilityai/stable-diffusion-2-1": KnownModel("sd", size=768, note="fits one v5e chip"),
-    "stabilityai/stable-diffusion-xl-base-1.0": KnownModel("sdxl", note="fits one v5e chip in bfloat16"),
-    "stabilityai/stable-diffusion-3.5-medium": KnownModel(
-        "sd3", steps=40, guidance_scale=4.5, note="fits one v6e chip"
-    ),
-    "stabilityai/stable-diffusion-3.5-large": KnownModel(
-        "sd3",
-        steps=28,
-        guidance_scale=3.5,
-        note="~27 GB in bfloat16 with T5: more than one v6e chip once activations count",
-    ),
-    "black-forest-labs/FLUX.1-schnell": KnownModel(
-        "flux", note="not gated; ~34 GB in bfloat16 with T5: more than one v5e or v6e chip"
-    ),
-    "black-forest-labs/FLUX.1-dev": KnownModel(
-        "flux", steps=28, guidance_scale=3.5, note="gated (HF_TOKEN); ~34 GB in bfloat16 with T5: more than one chip"
-    ),
-}
+def _hub_class(repo: str, revision: str | None, *, download: bool) -> tuple[str] | str:
+    """model_index.json's class of a hub model: from the local cache, else downloaded (and so cached)."""
+    from huggingface_hub import try_to_load_from_cache
 
+    cached = try_to_load_from_cache(repo, "model_index.json", revision=revision)
+    if isinstance(cached, str):
+        return _class_in(Path(cached))
+    if not download or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        return f"cannot tell which family {repo!r} is: its model_index.json is not in the local cache (HF_HOME) and HF_HUB_OFFLINE is set"
+    from huggingface_hub import hf_hub_download
 
-def family_of(model_id: str, kind: str, ref: str) -> Family:
-    """The family of a model: from the table of known ids, else its model_index.json, else SD-like."""
-    known = KNOWN_MODELS.get(model_id)
-    if known:
-        return FAMILIES[known.family]
-    if kind == "local":
-        try:
-            class_name = json.loads((Path(ref) / "model_index.json").read_text()).get("_class_name", "")
-        except (OSError, ValueError):
-            class_name = ""
-        if class_name in _BY_CLASS:
-            return _BY_CLASS[class_name]
-    return FAMILIES["sd"]
+    try:
+        return _class_in(Path(hf_hub_download(repo, "model_index.json", revision=revision, etag_timeout=10)))
+    except Exception as exc:  # any hub failure becomes one line saying what it means
+        return f"cannot tell which family {repo!r} is from its model_index.json: {hub_failure(exc)}"
 
 
 def model_defaults(model_id: str, family: Family) -> dict:
     """height, width, steps and guidance_scale for a config that leaves them out."""
-    known = KNOWN_MODELS.get(model_id) or KnownModel(family.name)
-    size = known.size or family.size
-    return {
-        "height": size,
-        "width": size,
-        "steps": known.steps or family.steps,
-        "guidance_scale": known.guidance_scale if known.guidance_scale is not None else family.guidance_scale,
-    }
+    known = KNOWN_MODELS.get(model_id, (None,))[0]
+    builtin = BUILTINS.get(model_id, (None,))[0]
+    size = (known and known.size) or (builtin and builtin.size) or family.size
+    steps = (known and known.steps) or family.steps
+    guidance = known.guidance_scale if known and known.guidance_scale is not None else family.guidance_scale
+    return {"height": size, "width": size, "steps": steps, "guidance_scale": guidance}
+
+
+# ---------------------------------------------------------------- what a hub failure means
+
+# The hub's errors by exception class name (huggingface_hub's and the HTTP clients'), as a user can act on them.
+_GATED = "GatedRepoError"
+_MISSING_REPO = ("RepositoryNotFoundError", "RevisionNotFoundError")
+_MISSING_FILE = "EntryNotFoundError"
+_OFFLINE = ("OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectionError", "ConnectError", "ConnectTimeout")
+
+
+def hub_failure(exc: BaseException, *, what: str = "model", file: str | None = None) -> str:
+    """Why `what` (a model, a LoRA) could not be had from the hub, in the words a user can act on: offline,
+    gated, missing, or as raised. `file`: the file asked for, named when the repo lacks it."""
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    names = {type(e).__name__ for e in chain}
+    if _GATED in names:
+        if not os.environ.get("HF_TOKEN"):
+            return "gated on the hub and HF_TOKEN is not set (accept the licence, then set HF_TOKEN)"
+        return "gated on the hub and HF_TOKEN's account has no access (accept the licence on the model page)"
+    if names & set(_MISSING_REPO):
+        return f"no such {what} on the hub (or it is private: set HF_TOKEN)"
+    if _MISSING_FILE in names and file:
+        return f"the repo has no file {file!r}"
+    if names & set(_OFFLINE) or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return f"offline: the hub cannot be reached and the {what} is not in the local cache (HF_HOME)"
+    return (str(exc).strip().split("\n") or [type(exc).__name__])[0]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from tpugen.config import ResolvedRun
 from tpugen.config.prompts import planned_images
-from tpugen.models import FAMILIES
+from tpugen.families import FAMILIES
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from tpugen.config.schema import LoraConfig
 from tpugen.errors import InputError
-from tpugen.models import FAMILIES, is_hub_id
+from tpugen.families import FAMILIES
+from tpugen.models import hub_failure, is_hub_id
 
 # What diffusers saves a LoRA as, and looks for first in a folder or a hub repo.
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -91,35 +92,19 @@ def is_lora_key(key: str) -> bool:
 # ---------------------------------------------------------------- which family a LoRA is for
 
 
-def _denoiser_evidence(keys: list[str]) -> tuple[set[str], str] | None:
-    if any(marker in key for key in keys for marker in ("double_blocks", "single_blocks", "single_transformer_blocks")):
-        return {"flux"}, "Flux's double- and single-stream block names"
-    if any(key.startswith(("transformer.", "lora_transformer_")) for key in keys):
-        return {"sd3", "flux"}, "transformer block names"
-    if any(
-        key.startswith(("lora_unet_input_blocks", "lora_unet_middle_block", "lora_unet_output_blocks")) for key in keys
-    ):
-        return {"sdxl"}, "SDXL UNet block names (lora_unet_input_blocks_*)"
-    if any(key.startswith(("unet.", "lora_unet_")) for key in keys):
-        return {"sd", "sdxl"}, "UNet block names"
-    return None
-
-
 def lora_families(keys: list[str]) -> tuple[set[str], str]:
-    """The families a LoRA's keys say it can be for, and the evidence; every family when they do not say."""
-    families, evidence = set(FAMILIES), []
-    denoiser = _denoiser_evidence(keys)
-    if denoiser is not None:
-        families &= denoiser[0]
-        evidence.append(denoiser[1])
-    # A second CLIP encoder: SDXL and SD3 have one; Flux's second encoder is T5, which its loader never targets.
-    if any(key.startswith(("lora_te2_", "text_encoder_2.")) for key in keys):
-        families &= {"sdxl", "sd3"}
-        evidence.append("keys for a second text encoder (lora_te2_ or text_encoder_2)")
-    if any(key.startswith(("lora_te3_", "text_encoder_3.")) for key in keys):
-        families &= {"sd3"}
-        evidence.append("keys for a third text encoder")
-    return (families or set(FAMILIES)), " and ".join(evidence)
+    """The families a LoRA's keys say it can be for, and the evidence; every family when they do not say.
+
+    Each family lists the signs its LoRAs may show (tpugen.families.base.LoraSign); a file showing a sign a
+    family lacks is not for that family."""
+    signs = {sign.evidence: sign for f in FAMILIES.values() for sign in f.lora_signs}
+    shown = [sign for sign in signs.values() if any(sign.test(key) for key in keys)]
+    families = {
+        name for name, f in FAMILIES.items() if {s.evidence for s in shown} <= {s.evidence for s in f.lora_signs}
+    }
+    implied = {evidence for sign in shown for evidence in sign.implies}
+    evidence = " and ".join(sign.evidence for sign in shown if sign.evidence not in implied)
+    return (families or set(FAMILIES)), evidence
 
 
 def _titles(families: set[str]) -> str:
@@ -135,15 +120,9 @@ def _hub_file(repo: str, filename: str, where: str) -> Path:
     try:
         return Path(hf_hub_download(repo, filename))
     except Exception as exc:  # any hub failure is one line naming the LoRA
-        names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
-        if names & {"RepositoryNotFoundError", "GatedRepoError"}:
-            why = "no such repo on the hub (or it is private or gated: set HF_TOKEN)"
-        elif "EntryNotFoundError" in names:
-            why = f"the repo has no file {filename!r} (set weight_name)"
-        elif names & {"OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectionError", "ConnectError"}:
-            why = "offline: the hub cannot be reached and the file is not in the local cache (HF_HOME)"
-        else:
-            why = (str(exc).strip().split("\n") or [type(exc).__name__])[0]
+        why = hub_failure(exc, what="file", file=filename)
+        if why.startswith("the repo has no file"):
+            why += " (set weight_name)"
         raise InputError(f"{where}.id: cannot fetch {filename!r} from {repo!r}: {why}") from None
 
 

@@ -19,7 +19,8 @@ from tpugen.config.rules import run_problems
 from tpugen.config.schema import RunConfig
 from tpugen.config.yamlio import dump_yaml, read_yaml
 from tpugen.errors import InputError
-from tpugen.models import Family, ModelSource, classify_model_id, family_of, model_defaults
+from tpugen.families import FAMILIES, Family
+from tpugen.models import ModelSource, classify_model_id, family_of, model_defaults
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,13 @@ def resolve(
         problems.append(f"model.id: {source}")
     elif source.kind == "local":
         config.model.id = source.ref
-    family = family_of(config.model.id, *(("hub", "") if isinstance(source, str) else (source.kind, source.ref)))
+    family = FAMILIES["sd"]  # the defaults other checks go on with when the model's family cannot be told
+    if not isinstance(source, str):
+        found = family_of(source, config.model)
+        if isinstance(found, str):
+            problems.append(f"model.id: {found}")
+        else:
+            family = found
     defaults = model_defaults(config.model.id, family)
     config.steps = config.steps if config.steps is not None else defaults["steps"]
     if config.guidance_scale is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tpugen.config.schema import MeshConfig, RayConfig, RunConfig
-from tpugen.models import Family
+from tpugen.families import FAMILIES, Family
 
 
 def run_problems(config: RunConfig, family: Family) -> list[str]:
@@ -25,8 +25,9 @@ def run_problems(config: RunConfig, family: Family) -> list[str]:
             "compile.torch_compile: is for the cpu and cuda backends; xla compiles through torch_xla, "
             "and torch_tpu compiles with execution.torch_tpu.mode: compile"
         )
-    if config.compile.scan_blocks and (execution.backend != "xla" or family.name not in ("flux", "sd3")):
-        problems.append("compile.scan_blocks: is built for Flux and SD3 models on execution.backend: xla")
+    if config.compile.scan_blocks and (execution.backend != "xla" or not family.scan_attributes):
+        scanned = " and ".join(f.title for f in FAMILIES.values() if f.scan_attributes)
+        problems.append(f"compile.scan_blocks: is built for {scanned} models on execution.backend: xla")
     if config.compile.flash_attention is True and execution.backend != "xla":
         problems.append(
             f"compile.flash_attention: true is torch_xla's Pallas kernel, for execution.backend: xla, "

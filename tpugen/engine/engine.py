@@ -17,7 +17,7 @@ from tpugen.config.loras import Lora, loras_key
 from tpugen.engine.loras import LoraWeights, check_fit, file_shapes, loadable_components, unet_config_of
 from tpugen.engine.pipeline import LoadedPipeline, quiet_libraries, read_shared
 from tpugen.errors import InputError, RunError, TpugenError
-from tpugen.families import family_code
+from tpugen.families import family as family_named
 from tpugen.memory import (
     attention_summary,
     fit_problem,
@@ -26,7 +26,7 @@ from tpugen.memory import (
     memory_plan_for,
     out_of_memory_advice,
 )
-from tpugen.models import ModelSource
+from tpugen.models import ModelSource, not_covered
 from tpugen.outputs.report import TimedPhase
 from tpugen.plan import Batch, RunPlan
 from tpugen.schedulers import find_scheduler
@@ -125,7 +125,7 @@ class Engine:
         backend = make_backend(execution, spec.compile, spec.cache, device_index=device_index)
         memory = _memory_plan(spec)
         _check_fit(spec, backend, memory)
-        family = family_code(spec.family)
+        family = family_named(spec.family)
         if execution.placement != "none":
             _assign_components(spec, backend, memory, family.denoiser)
         checked = _check_loras_before_loading(spec)
@@ -134,6 +134,7 @@ class Engine:
         start = time.perf_counter()
         pipe, label, scheduler_name = read_shared(spec.model, spec.source, family, ranks_in_process=ranks_in_process)
         pipe.set_progress_bar_config(disable=True)
+        _check_class(spec, pipe, family)
         weights = LoraWeights(pipe) if loadable_components(type(pipe)) else None
         if spec.loras:
             if weights is None:
@@ -184,13 +185,13 @@ class Engine:
         pipe, family = self.loaded.pipe, self.loaded.family
         route = family.flash_attention
         attention = largest_attention(
-            family.name,
+            family,
             dict(getattr(pipe, family.denoiser).config),
             plan.shape_keys,
             component=family.denoiser,
             dtype=self.spec.model.dtype,
             vae_scale=pipe.vae_scale_factor,
-            text_tokens=self.loaded.max_sequence_length() or 0,
+            text_tokens=family.text_length(pipe) or 0,
         )
         if attention is not None:
             summary["attention"] = attention_summary(
@@ -469,6 +470,15 @@ def _check_loras(spec: EngineSpec, loras, pipeline_class, shapes, unet) -> None:
         check_fit(lora, where, pipeline_class, shapes, spec.family, spec.model.id, unet_config)
 
 
+def _check_class(spec: EngineSpec, pipe, family) -> None:
+    """The loaded pipeline is of a class its family covers (the family was read from model_index.json before
+    loading, or from tpugen's table of hub ids): a RunError in one line otherwise, before anything compiles."""
+    class_name = type(pipe).__name__
+    if spec.model.custom_pipeline or class_name in family.pipeline_classes:
+        return
+    raise RunError(f"model.id: {not_covered(spec.model.id, class_name)}")
+
+
 def _check_loras_before_loading(spec: EngineSpec) -> bool:
     """model.loras checked against the model's safetensors headers before any weights are read; False when the
     model's files are not on this machine yet (a hub model not downloaded), to be checked once it is loaded."""
@@ -477,10 +487,8 @@ def _check_loras_before_loading(spec: EngineSpec) -> bool:
     quiet_libraries()
     import diffusers
 
-    from tpugen.models import FAMILIES
-
     model_dir = _model_dir(spec)
-    class_name = FAMILIES[spec.family].pipeline_class
+    class_name = family_named(spec.family).pipeline_classes[0]
     if model_dir is not None:
         class_name = json.loads((model_dir / "model_index.json").read_text()).get("_class_name", class_name)
     pipeline_class = getattr(diffusers, class_name, None)

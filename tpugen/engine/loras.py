@@ -13,7 +13,7 @@ from pathlib import Path
 from tpugen.config.loras import Lora, safetensors_header
 from tpugen.engine.pipeline import LOADER_LOCK
 from tpugen.errors import InputError
-from tpugen.models import FAMILIES
+from tpugen.families import FAMILIES
 
 # Cross-attention widths of the UNet families, which a LoRA's attn2.to_k input width gives away.
 _CROSS_ATTENTION = {768: "Stable Diffusion 1.x", 1024: "Stable Diffusion 2.x", 2048: "Stable Diffusion XL"}

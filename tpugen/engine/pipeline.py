@@ -13,8 +13,10 @@ from pathlib import Path
 
 from tpugen.engine.hooks import Hooks
 from tpugen.errors import RunError
-from tpugen.families import FamilyCode
+from tpugen.families import Family
+from tpugen.families.base import TIMESTEPS_ON_HOST
 from tpugen.memory import is_out_of_memory
+from tpugen.models import hub_failure
 from tpugen.plan import Batch
 from tpugen.schedulers import display_name, find_scheduler
 
@@ -40,7 +42,7 @@ class LoadedPipeline:
     a named hook in `hooks`; removing them all leaves the pipeline as it was loaded.
     """
 
-    def __init__(self, pipe, backend, family: FamilyCode, model_label: str, scheduler_name: str) -> None:
+    def __init__(self, pipe, backend, family: Family, model_label: str, scheduler_name: str) -> None:
         self.pipe = pipe
         self.backend = backend
         self.family = family
@@ -105,7 +107,7 @@ class LoadedPipeline:
         scheduler = self.pipe.scheduler
         self.family.scheduler_hooks(scheduler, self.hooks)
         if hasattr(scheduler, "set_begin_index"):
-            self.hooks.wrap(scheduler, "set_timesteps", "scheduler starts at step 0", _from_step_zero(scheduler))
+            self.hooks.wrap(scheduler, "set_timesteps", FROM_STEP_ZERO, _from_step_zero(scheduler))
 
     def use_scheduler(self, name: str | None) -> None:
         """Switch to the scheduler a user names (None: the one loaded), its hooks moved with it; the graphs
@@ -114,7 +116,7 @@ class LoadedPipeline:
         wanted = choice.name if choice else next(iter(self._schedulers))
         if wanted == self.scheduler_name:
             return
-        for hook in ("scheduler starts at step 0", "timesteps on the host"):
+        for hook in (FROM_STEP_ZERO, TIMESTEPS_ON_HOST):
             if hook in self.hooks.names():
                 self.hooks.remove(hook)
         if wanted not in self._schedulers:
@@ -170,24 +172,13 @@ class LoadedPipeline:
             "output_type": "latent" if self.decodes_itself else "pt",
             "callback_on_step_end": self._step_end,
         }
-        arguments.update(self.family.call_arguments(self.pipe, rows, self.max_sequence_length()))
+        arguments.update(self.family.call_arguments(self.pipe, rows, batch.guidance_scale))
         return arguments
-
-    def max_sequence_length(self) -> int | None:
-        """T5 tokens: the family's default, capped by what the tokenizer takes (None: no T5)."""
-        wanted = self.family.info.max_sequence_length
-        if not wanted:
-            return None
-        tokenizer = getattr(self.pipe, "tokenizer_3", None) or getattr(self.pipe, "tokenizer_2", None)
-        limit = getattr(tokenizer, "model_max_length", None) or wanted
-        return min(wanted, limit)
 
     def _decode(self, latents, batch: Batch):
         """Latents to pixels in [0, 1], as each family's pipeline would, as one graph."""
-        vae = self.pipe.vae
-        latents = self.family.vae_latents(self.pipe, latents, batch.shape.height, batch.shape.width)
-        image = vae.decode(latents.to(device=self.backend.device_for("vae"), dtype=vae.dtype), return_dict=False)[0]
-        return (image / 2 + 0.5).clamp(0, 1)
+        shape = batch.shape
+        return self.family.decode(self.pipe, latents, shape.height, shape.width, self.backend.device_for("vae"))
 
     def generate(self, batch: Batch, census: bool = False):
         """Run one batch; returns uint8 HxWx3 arrays for its real (unpadded) rows.
@@ -239,6 +230,9 @@ class LoadedPipeline:
         }
 
 
+FROM_STEP_ZERO = "scheduler starts at step 0"
+
+
 def _from_step_zero(scheduler):
     def make(set_timesteps):
         @functools.wraps(set_timesteps)
@@ -269,7 +263,7 @@ _HOST_COPIES: dict[tuple, tuple] = {}
 LOADER_LOCK = threading.Lock()
 
 
-def read_from_disk(model, source, family: FamilyCode) -> tuple:
+def read_from_disk(model, source, family: Family) -> tuple:
     """(pipeline on the host CPU, model label, scheduler name) for the config's model section."""
     quiet_libraries()
     from diffusers import DiffusionPipeline
@@ -295,7 +289,7 @@ def read_from_disk(model, source, family: FamilyCode) -> tuple:
         with contextlib.redirect_stdout(io.StringIO()):
             pipe = DiffusionPipeline.from_pretrained(location, **options)
     except Exception as exc:  # any loader failure becomes one line naming the model
-        raise RunError(f"model.id: cannot load {model.id!r}: {load_failure(exc)}") from exc
+        raise RunError(f"model.id: cannot load {model.id!r}: {hub_failure(exc)}") from exc
 
     if model.scheduler:
         import diffusers
@@ -309,7 +303,7 @@ def read_from_disk(model, source, family: FamilyCode) -> tuple:
     return pipe, label, scheduler_name
 
 
-def read_shared(model, source, family: FamilyCode, *, ranks_in_process: int = 1) -> tuple:
+def read_shared(model, source, family: Family, *, ranks_in_process: int = 1) -> tuple:
     """read_from_disk, once per process when several ranks share it (each rank gets its own deep copy)."""
     with LOADER_LOCK:
         if ranks_in_process <= 1:
@@ -319,22 +313,3 @@ def read_shared(model, source, family: FamilyCode, *, ranks_in_process: int = 1)
             _HOST_COPIES[key] = read_from_disk(model, source, family)
         shared, label, scheduler_name = _HOST_COPIES[key]
         return copy.deepcopy(shared), label, scheduler_name
-
-
-def load_failure(exc: BaseException) -> str:
-    """Why a model did not load, in the words a user can act on: offline, gated, missing, or as raised."""
-    chain, seen = [], exc
-    while seen is not None and len(chain) < 10:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    names = {type(e).__name__ for e in chain}
-    if "GatedRepoError" in names:
-        if not os.environ.get("HF_TOKEN"):
-            return "gated on the hub and HF_TOKEN is not set (accept the licence, then set HF_TOKEN)"
-        return "gated on the hub and HF_TOKEN's account has no access (accept the licence on the model page)"
-    if "RepositoryNotFoundError" in names:
-        return "no such model on the hub (or it is private: set HF_TOKEN)"
-    offline = {"OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectionError", "ConnectError"}
-    if names & offline or os.environ.get("HF_HUB_OFFLINE") == "1":
-        return "offline: the hub cannot be reached and the model is not in the local cache (HF_HOME)"
-    return (str(exc).strip().split("\n") or [type(exc).__name__])[0]

@@ -285,6 +285,7 @@ class RunSession:
         kept and how to go on."""
         kept = f"{made} new images, the manifest and report.json are in {self.run_dir}"
         resume = f"resume with: tpugen resume {self.run_dir}"
+        write_incomplete = self._never_failing(write_incomplete)
         if isinstance(exc, (Interrupted, KeyboardInterrupt)):
             signum = exc.signum if isinstance(exc, Interrupted) else ((stop and stop.signum) or signal.SIGINT)
             name = signal.Signals(signum).name
@@ -304,6 +305,23 @@ class RunSession:
         reason = one_line(exc)
         write_incomplete(reason)
         raise RunError(f"the run failed: {reason}", kept, resume) from exc
+
+
+    def _never_failing(self, write_incomplete):
+        """`write_incomplete`, or where building the full report fails too (a pipeline that broke before the
+        report's figures exist), a report.json that still says the run is incomplete, why, and why the full
+        report could not be written."""
+
+        def write(error: str) -> None:
+            try:
+                write_incomplete(error)
+            except Exception as exc:
+                write_json(
+                    self.run_dir / "report.json",
+                    {"complete": False, "error": error, "report_error": one_line(exc), "run_dir": str(self.run_dir)},
+                )
+
+        return write
 
 
 # ---------------------------------------------------------------- what made a run, and resuming it

@@ -1,17 +1,47 @@
-"""Each model family's code in a module of its own; `family_code(name)` gives the one a run needs."""
+"""The model families, one folder each; this registry is the only list of them.
 
-from tpugen.families.base import FamilyCode, FlashRoute
-from tpugen.families.flux import Flux
-from tpugen.families.sd import StableDiffusion
-from tpugen.families.sd3 import StableDiffusion3
-from tpugen.families.sdxl import StableDiffusionXL
+A family's folder owns everything about its models (tpugen.families.base.Family). Adding a family is its
+folder and one line in FAMILIES below."""
 
-_CODE: dict[str, FamilyCode] = {c.name: c for c in (StableDiffusion(), StableDiffusionXL(), StableDiffusion3(), Flux())}
+from __future__ import annotations
+
+from tpugen.families.base import Builtin, Family, FlashRoute, KnownModel
+from tpugen.families.flux import FAMILY as FLUX
+from tpugen.families.sd import FAMILY as SD
+from tpugen.families.sd3 import FAMILY as SD3
+from tpugen.families.sdxl import FAMILY as SDXL
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (SD, SDXL, SD3, FLUX)}
+
+_BY_CLASS = {cls: f for f in FAMILIES.values() for cls in f.pipeline_classes}
+BUILTINS: dict[str, tuple[Builtin, Family]] = {b.name: (b, f) for f in FAMILIES.values() for b in f.builtins}
+KNOWN_MODELS: dict[str, tuple[KnownModel, Family]] = {m.id: (m, f) for f in FAMILIES.values() for m in f.known_models}
 
 
-def family_code(name: str) -> FamilyCode:
-    """The code for a family named in tpugen.models.FAMILIES."""
-    return _CODE[name]
+def family(name: str) -> Family:
+    """The family of that name (a name in FAMILIES)."""
+    return FAMILIES[name]
 
 
-__all__ = ["FamilyCode", "FlashRoute", "family_code"]
+def family_for_class(class_name: str) -> Family | None:
+    """The family whose pipelines have this diffusers class name, or None when no family covers it."""
+    return _BY_CLASS.get(class_name)
+
+
+def covered_classes() -> str:
+    """The pipeline classes tpugen knows, for a message."""
+    return ", ".join(f"{f.title} ({', '.join(f.pipeline_classes)})" for f in FAMILIES.values())
+
+
+__all__ = [
+    "BUILTINS",
+    "FAMILIES",
+    "KNOWN_MODELS",
+    "Builtin",
+    "Family",
+    "FlashRoute",
+    "KnownModel",
+    "covered_classes",
+    "family",
+    "family_for_class",
+]

@@ -1,11 +1,16 @@
-"""What every family shares, with Stable Diffusion 1.x/2.x's behaviour as the default."""
+"""What a family is: its models' defaults and built-ins, and how tpugen drives its pipelines, with Stable
+Diffusion 1.x/2.x's behaviour as the default that each family's folder changes where it differs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from tpugen.models import FAMILIES, Family
 from tpugen.sharding import ATTENTION, FEED_FORWARD
+
+# The scheduler hooks a family installs under these names (LoadedPipeline moves them when it switches schedulers).
+TIMESTEPS_ON_HOST = "timesteps on the host"
 
 
 @dataclass(frozen=True)
@@ -24,26 +29,110 @@ class FlashRoute:
     unsupported: str | None = None  # why there is no route
 
 
-class FamilyCode:
-    """How tpugen drives one family's diffusers pipelines: the noise it starts from, what its pipeline call
-    needs, how its latents are decoded, which patches it needs on XLA, and how its denoiser is split or
-    scanned. Subclasses change what their family does differently."""
+@dataclass(frozen=True)
+class Builtin:
+    """A tiny built-in model: a real architecture with small random weights, built offline by `build`."""
+
+    name: str
+    description: str
+    build_version: int  # bumped whenever the builder changes, so stale caches are rebuilt
+    build: Callable[[Path], None]  # saves the pipeline to the folder it is given (imports model code itself)
+    size: int = 64
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A hub model tpugen knows by id: where it differs from its family's defaults, what it needs, and its
+    components' configs for planning memory without a download."""
+
+    id: str
+    steps: int | None = None
+    guidance_scale: float | None = None
+    size: int | None = None
+    note: str = ""
+    # component -> (class name, config): built on the meta device to count parameters (tpugen.memory).
+    components: dict[str, tuple[str, dict]] = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class LoraSign:
+    """Something a LoRA file's keys may show about the model it was trained for. A family lists the signs its
+    LoRAs can carry; a file showing a sign a family does not list is not for that family."""
+
+    evidence: str  # how the keys show it, in a user's words
+    test: Callable[[str], bool]  # whether one key shows it
+    implies: tuple[str, ...] = ()  # weaker signs' evidence it makes redundant in a message
+
+
+def keys_start(*prefixes: str) -> Callable[[str], bool]:
+    return lambda key: key.startswith(prefixes)
+
+
+def keys_contain(*markers: str) -> Callable[[str], bool]:
+    return lambda key: any(marker in key for marker in markers)
+
+
+UNET_KEYS = LoraSign("UNet block names", keys_start("unet.", "lora_unet_"))
+TRANSFORMER_KEYS = LoraSign("transformer block names", keys_start("transformer.", "lora_transformer_"))
+SECOND_TEXT_ENCODER = LoraSign(
+    "keys for a second text encoder (lora_te2_ or text_encoder_2)", keys_start("lora_te2_", "text_encoder_2.")
+)
+THIRD_TEXT_ENCODER = LoraSign("keys for a third text encoder", keys_start("lora_te3_", "text_encoder_3."))
+
+
+class Family:
+    """One model family: the pipeline classes it covers and their defaults, its built-ins and known hub models,
+    and how tpugen drives its pipelines (the noise they start from, what their call needs, how their latents
+    are decoded, the patches they need on XLA, how the denoiser is split, scanned or put on flash attention,
+    and how big its attention gets). Stable Diffusion 1.x/2.x's behaviour is the default."""
 
     name = "sd"
+    title = "Stable Diffusion 1.x/2.x"
+    pipeline_classes: tuple[str, ...] = ("StableDiffusionPipeline",)  # the diffusers classes of model_index.json
+    size = 512  # default height and width
+    steps = 30
+    guidance_scale = 7.5
+    cfg = True  # classifier-free guidance above guidance 1 (it doubles the denoiser's batch: another shape)
+    negative_prompt = True
+    flow_matching = False  # keeps its own flow-matching scheduler
+    max_sequence_length: int | None = None  # text tokens the pipeline is called with, for families that take it
+    # Height and width must be multiples of this: the VAE's 8, times the 2x2 patches of a DiT's latents.
+    size_multiple = 8
+    builtins: tuple[Builtin, ...] = ()
+    known_models: tuple[KnownModel, ...] = ()
+    lora_signs: tuple[LoraSign, ...] = (UNET_KEYS,)
+
     denoiser = "unet"  # the pipeline component that runs every denoising step
     # The denoiser's blocks that compile.scan_blocks runs through torch_xla's scan (none: not built).
     scan_attributes: tuple[str, ...] = ()
     # SPMD: how the denoiser's linear layers are split over the model axis, by architecture (tpugen.sharding).
     denoiser_rules: dict[str, list[tuple[str, str]]] = {"UNet2DConditionModel": ATTENTION + FEED_FORWARD}
+    # SPMD: this family's own text encoders, beyond the CLIP and T5 every family shares.
+    text_encoder_rules: dict[str, list[tuple[str, str]]] = {}
     # Timesteps computed on the host and moved to the device at the denoiser's door (see install_hooks).
     timesteps_on_host = False
     # compile.flash_attention: XLAFlashAttnProcessor2_0 on every attention of the UNet, which runs the kernel
     # only from 4096 tokens (SD 1.5 at 512x512, SDXL at 1024x1024: the largest self-attentions).
     flash_attention = FlashRoute(("unet",), min_tokens=4096)
 
-    @property
-    def info(self) -> Family:
-        return FAMILIES[self.name]
+    # ---------------------------------------------------------------- planning (pure)
+
+    def attention_geometry(
+        self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int
+    ) -> tuple[int, int]:
+        """(tokens, heads) of the denoiser's largest attention for one image size, from its config.
+
+        A UNet: the self-attention of the first down block that has attention, at the latent size halved once
+        per block before it; its heads are `attention_head_dim` (diffusers' old name for the head count)
+        unless `num_attention_heads` is set."""
+        blocks = config.get("down_block_types") or _UNET_DOWN_BLOCKS
+        level = next((i for i, block in enumerate(blocks) if "Attn" in block), 0)
+        heads = config.get("num_attention_heads") or config.get("attention_head_dim") or 8
+        heads = heads[level] if isinstance(heads, (list, tuple)) else heads
+        side = vae_scale * 2**level
+        return (height // side) * (width // side), heads
+
+    # ---------------------------------------------------------------- loading and calling (import torch lazily)
 
     def load_options(self, model) -> dict:
         """Extra from_pretrained arguments for this family (model: the config's model section)."""
@@ -57,13 +146,24 @@ class FamilyCode:
         shape = (1, getattr(pipe, self.denoiser).config.in_channels, height // scale, width // scale)
         return [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
 
-    def call_arguments(self, pipe, rows, max_sequence_length: int | None) -> dict:
+    def text_length(self, pipe) -> int | None:
+        """The text tokens the pipeline is called with: the family's, capped by what its tokenizer takes (None:
+        the pipeline's own fixed length)."""
+        wanted = self.max_sequence_length
+        if not wanted:
+            return None
+        tokenizer = getattr(pipe, "tokenizer_3", None) or getattr(pipe, "tokenizer_2", None)
+        limit = getattr(tokenizer, "model_max_length", None) or wanted
+        return min(wanted, limit)
+
+    def call_arguments(self, pipe, rows, guidance_scale: float) -> dict:
         """Arguments this family's pipeline call takes beyond the common ones."""
         arguments = {}
-        if self.info.negative_prompt:
+        if self.negative_prompt:
             arguments["negative_prompt"] = [row.negative_prompt for row in rows]
-        if max_sequence_length:
-            arguments["max_sequence_length"] = max_sequence_length
+        length = self.text_length(pipe)
+        if length:
+            arguments["max_sequence_length"] = length
         return arguments
 
     def vae_latents(self, pipe, latents, height: int, width: int):
@@ -76,6 +176,13 @@ class FamilyCode:
             std = torch.tensor(config.latents_std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
             return latents * std / config.scaling_factor + mean
         return latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
+
+    def decode(self, pipe, latents, height: int, width: int, device):
+        """Latents to pixels in [0, 1], as the family's pipeline would (`device`: where the VAE is)."""
+        vae = pipe.vae
+        latents = self.vae_latents(pipe, latents, height, width)
+        image = vae.decode(latents.to(device=device, dtype=vae.dtype), return_dict=False)[0]
+        return (image / 2 + 0.5).clamp(0, 1)
 
     def install_hooks(self, pipe, device, hooks) -> None:
         """This family's patches on the pipeline, each added to `hooks` under a name so it can be removed.
@@ -101,7 +208,31 @@ class FamilyCode:
     def scheduler_hooks(self, scheduler, hooks) -> None:
         """This family's patches on a scheduler (installed again whenever the scheduler changes)."""
         if self.timesteps_on_host:
-            hooks.wrap(scheduler, "set_timesteps", "timesteps on the host", _on_host)
+            hooks.wrap(scheduler, "set_timesteps", TIMESTEPS_ON_HOST, _on_host)
+
+
+# diffusers' UNet2DConditionModel default, for configs that leave it out (tpugen's own SD 1.5 config does).
+_UNET_DOWN_BLOCKS = ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"]
+
+
+class TransformerFamily(Family):
+    """A DiT family: a transformer over patches of a flow-matching latent, no scheduler choice."""
+
+    denoiser = "transformer"
+    flow_matching = True
+    size = 1024
+    size_multiple = 16
+    lora_signs = (TRANSFORMER_KEYS,)
+    timesteps_on_host = True
+    patch: int | None = None  # latent pixels per token side (None: the denoiser config's patch_size, else 2)
+    extra_text_tokens = 0  # text tokens joined to the latent tokens beyond text_tokens (SD3's CLIP tokens)
+
+    def attention_geometry(
+        self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int
+    ) -> tuple[int, int]:
+        """(tokens, heads): the latent's patches joined by the text tokens in one joint attention."""
+        side = vae_scale * (self.patch or config.get("patch_size") or 2)
+        return (height // side) * (width // side) + text_tokens + self.extra_text_tokens, config["num_attention_heads"]
 
 
 def _on_host(set_timesteps):

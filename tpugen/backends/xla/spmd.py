@@ -55,7 +55,7 @@ class SpmdBackend(XlaBackend):
         from torch import nn
 
         # From names and shapes, while the weights are on the host.
-        plan = plan_sharding(pipe, self.model, family.denoiser_rules)
+        plan = plan_sharding(pipe, self.model, {**family.text_encoder_rules, **family.denoiser_rules})
         specs = {(p.component, p.parameter): p.spec for p in plan.parameters}
         self._specs = specs  # a weight replaced later (a LoRA switch) is split the same way
         tensors, moved = [], {}

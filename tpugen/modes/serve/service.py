@@ -17,8 +17,8 @@ from tpugen.config.schema import LORA_SCALE_MAX, LoraConfig
 from tpugen.engine import Display, Engine, StopSignals, Topology
 from tpugen.engine.session import run_id_for
 from tpugen.errors import InputError, Interrupted, TpugenError, one_line
+from tpugen.families import FAMILIES
 from tpugen.lines import unpaired_surrogate
-from tpugen.models import FAMILIES
 from tpugen.modes.serve.metrics import Metrics
 from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, Request
 from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, image_count, plan_run

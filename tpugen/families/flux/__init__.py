@@ -1,0 +1,129 @@
+"""Flux.1: double- and single-stream transformer blocks over packed 2x2 latents, CLIP and T5, no CFG."""
+
+from __future__ import annotations
+
+from tpugen.families.base import (
+    TRANSFORMER_KEYS,
+    Builtin,
+    FlashRoute,
+    KnownModel,
+    LoraSign,
+    TransformerFamily,
+    keys_contain,
+)
+from tpugen.families.components import CLIP_L, T5_XXL, VAE_16
+from tpugen.sharding import ADALN, ATTENTION, COLUMN, FEED_FORWARD, ROW
+
+FLUX_BLOCK_KEYS = LoraSign(
+    "Flux's double- and single-stream block names",
+    keys_contain("double_blocks", "single_blocks", "single_transformer_blocks"),
+    implies=(TRANSFORMER_KEYS.evidence,),
+)
+
+_TRANSFORMER = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+}
+
+
+def _components(guidance_embeds: bool) -> dict:
+    return {
+        "text_encoder": ("CLIPTextModel", CLIP_L),
+        "text_encoder_2": ("T5EncoderModel", T5_XXL),
+        "transformer": ("FluxTransformer2DModel", {**_TRANSFORMER, "guidance_embeds": guidance_embeds}),
+        "vae": ("AutoencoderKL", VAE_16),
+    }
+
+
+def _build(target):
+    from tpugen.families.flux.tiny import build
+
+    build(target)
+
+
+def _build_deep(target):
+    from tpugen.families.flux.tiny import build
+
+    build(target, double_blocks=19, single_blocks=38)
+
+
+class Flux(TransformerFamily):
+    name = "flux"
+    title = "Flux.1 (schnell, dev)"
+    pipeline_classes = ("FluxPipeline",)
+    steps = 4
+    # Flux.1 has no classifier-free guidance: schnell ignores guidance_scale, dev embeds it as a number.
+    guidance_scale = 0.0
+    cfg = False
+    negative_prompt = False
+    max_sequence_length = 512  # T5 tokens
+    patch = 2  # 2x2 patches of the latent packed into one token
+    lora_signs = (TRANSFORMER_KEYS, FLUX_BLOCK_KEYS)
+    builtins = (
+        Builtin(
+            "tiny-flux",
+            "Flux.1-schnell architecture (double and single stream blocks, CLIP and T5) with tiny random weights; noise",
+            1,
+            _build,
+        ),
+        # Flux.1's real depth at a tiny width: what compile time (and scan_blocks) is measured on.
+        Builtin(
+            "tiny-flux-deep",
+            "Flux.1's real depth (19 double + 38 single blocks) at a tiny width, for compile-time work; noise",
+            1,
+            _build_deep,
+        ),
+    )
+    known_models = (
+        KnownModel(
+            "black-forest-labs/FLUX.1-schnell",
+            note="not gated; ~34 GB in bfloat16 with T5: more than one v5e or v6e chip",
+            components=_components(False),
+        ),
+        KnownModel(
+            "black-forest-labs/FLUX.1-dev",
+            steps=28,
+            guidance_scale=3.5,
+            note="gated (HF_TOKEN); ~34 GB in bfloat16 with T5: more than one chip",
+            components=_components(True),
+        ),
+    )
+    scan_attributes = ("transformer_blocks", "single_transformer_blocks")
+    denoiser_rules = {
+        "FluxTransformer2DModel": ATTENTION
+        + FEED_FORWARD
+        + ADALN
+        + [
+            (r"^single_transformer_blocks\.\d+\.proj_mlp$", COLUMN),
+            (r"^single_transformer_blocks\.\d+\.proj_out$", ROW),
+            (r"^single_transformer_blocks\.\d+\.norm\.linear$", COLUMN),
+        ]
+    }
+    # diffusers 0.42 keeps Flux's timesteps on the device, so every step's value is baked into its graph.
+    timesteps_on_host = True
+    # Flux's own processors on diffusers' "_native_xla" attention backend: the kernel for every attention, at any
+    # size, but with no SPMD partition spec (diffusers 0.42 ignores the one it is given).
+    flash_attention = FlashRoute(("transformer",), is_flux=True, takes_partition_spec=False)
+
+    def noise(self, pipe, generators, height: int, width: int) -> list:
+        """Flux's latents are packed: 2x2 patches of a 16-channel latent become one token of 64 channels."""
+        import torch
+
+        scale = pipe.vae_scale_factor
+        channels = pipe.transformer.config.in_channels // 4
+        h, w = 2 * (height // (scale * 2)), 2 * (width // (scale * 2))
+        noise = [torch.randn((1, channels, h, w), generator=g, dtype=torch.float32) for g in generators]
+        return [pipe._pack_latents(n, 1, channels, h, w) for n in noise]
+
+    def vae_latents(self, pipe, latents, height: int, width: int):
+        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+        return super().vae_latents(pipe, latents, height, width)
+
+
+FAMILY = Flux()

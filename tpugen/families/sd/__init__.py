@@ -1,0 +1,49 @@
+"""Stable Diffusion 1.x and 2.x: a UNet over 4-channel latents, one CLIP text encoder, CFG."""
+
+from __future__ import annotations
+
+from tpugen.families.base import Builtin, Family, KnownModel
+from tpugen.families.components import CLIP_H, CLIP_L, VAE_4
+
+
+def _build(target):
+    from tpugen.families.sd.tiny import build
+
+    build(target)
+
+
+class StableDiffusion(Family):
+    """Everything in Family is SD's own behaviour; this adds its models."""
+
+    builtins = (
+        Builtin(
+            "tiny-sd", "SD 1.x architecture with tiny random weights, built offline; its images are noise", 1, _build
+        ),
+    )
+    known_models = (
+        KnownModel(
+            "stable-diffusion-v1-5/stable-diffusion-v1-5",
+            note="fits one v5e chip",
+            components={
+                "text_encoder": ("CLIPTextModel", CLIP_L),
+                "unet": ("UNet2DConditionModel", {"cross_attention_dim": 768, "attention_head_dim": 8}),
+                "vae": ("AutoencoderKL", VAE_4),
+            },
+        ),
+        KnownModel(
+            "stabilityai/stable-diffusion-2-1",
+            size=768,
+            note="fits one v5e chip",
+            components={
+                "text_encoder": ("CLIPTextModel", CLIP_H),
+                "unet": (
+                    "UNet2DConditionModel",
+                    {"cross_attention_dim": 1024, "attention_head_dim": [5, 10, 20, 20], "use_linear_projection": True},
+                ),
+                "vae": ("AutoencoderKL", VAE_4),
+            },
+        ),
+    )
+
+
+FAMILY = StableDiffusion()

@@ -1,0 +1,69 @@
+"""Stable Diffusion XL: SD's UNet layout at a larger size, two CLIP encoders and text-time embeddings."""
+
+from __future__ import annotations
+
+from tpugen.families.base import SECOND_TEXT_ENCODER, UNET_KEYS, Builtin, Family, KnownModel, LoraSign, keys_start
+from tpugen.families.components import CLIP_G, CLIP_L, VAE_4
+
+# kohya names SDXL's UNet blocks by the original model's layout (input/middle/output blocks).
+SDXL_UNET_KEYS = LoraSign(
+    "SDXL UNet block names (lora_unet_input_blocks_*)",
+    keys_start("lora_unet_input_blocks", "lora_unet_middle_block", "lora_unet_output_blocks"),
+    implies=(UNET_KEYS.evidence,),
+)
+
+_UNET = {
+    "block_out_channels": [320, 640, 1280],
+    "transformer_layers_per_block": [1, 2, 10],
+    "attention_head_dim": [5, 10, 20],
+    "cross_attention_dim": 2048,
+    "addition_embed_type": "text_time",
+    "addition_time_embed_dim": 256,
+    "projection_class_embeddings_input_dim": 2816,
+    "use_linear_projection": True,
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    "sample_size": 128,
+}
+
+
+def _build(target):
+    from tpugen.families.sdxl.tiny import build
+
+    build(target)
+
+
+class StableDiffusionXL(Family):
+    name = "sdxl"
+    title = "Stable Diffusion XL"
+    pipeline_classes = ("StableDiffusionXLPipeline",)
+    size = 1024
+    guidance_scale = 5.0
+    lora_signs = (UNET_KEYS, SDXL_UNET_KEYS, SECOND_TEXT_ENCODER)
+    builtins = (
+        Builtin(
+            "tiny-sdxl",
+            "SDXL architecture (two CLIP encoders, text-time embeddings) with tiny random weights; noise",
+            1,
+            _build,
+        ),
+    )
+    known_models = (
+        KnownModel(
+            "stabilityai/stable-diffusion-xl-base-1.0",
+            note="fits one v5e chip in bfloat16",
+            components={
+                "text_encoder": ("CLIPTextModel", CLIP_L),
+                "text_encoder_2": ("CLIPTextModelWithProjection", CLIP_G),
+                "unet": ("UNet2DConditionModel", _UNET),
+                "vae": ("AutoencoderKL", VAE_4),
+            },
+        ),
+    )
+
+    def load_options(self, model) -> dict:
+        # The invisible watermark runs on the host and is not saved in model_index.json: off unless asked.
+        return {"add_watermarker": model.watermark}
+
+
+FAMILY = StableDiffusionXL()
