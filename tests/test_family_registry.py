@@ -69,7 +69,12 @@ def test_a_local_pipeline_is_read_by_its_class(tmp_path):
     result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
     assert result.exit_code == 0, result.output
     resolved = yaml.safe_load(result.output)
-    assert (resolved["height"], resolved["width"], resolved["steps"], resolved["guidance_scale"]) == (1024, 1024, 30, 5.0)
+    assert (resolved["height"], resolved["width"], resolved["steps"], resolved["guidance_scale"]) == (
+        1024,
+        1024,
+        30,
+        5.0,
+    )
 
 
 def _in_hub_cache(cache: Path, repo: str, index: dict) -> None:

@@ -306,7 +306,6 @@ class RunSession:
         write_incomplete(reason)
         raise RunError(f"the run failed: {reason}", kept, resume) from exc
 
-
     def _never_failing(self, write_incomplete):
         """`write_incomplete`, or where building the full report fails too (a pipeline that broke before the
         report's figures exist), a report.json that still says the run is incomplete, why, and why the full
