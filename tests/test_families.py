@@ -198,3 +198,80 @@ def test_unipc_reads_the_host_once_per_batch_on_xla(tmp_path):
     assert report["compiles_after_warmup"] == 0
     assert report["xla_counters"]["timed_phase"]["transfers_to_host"] == report["batches"] == 1
     assert_same_images(runs["xla"], runs["cpu"], COMPILED_VS_EAGER)
+
+
+# ---------------------------------------------------------------- the 2026 families against plain diffusers
+
+NEW_FAMILY_MODELS = ["tiny-qwen-image"]
+# Two prompts of very different lengths in one batch and a third alone (padded): the text is padded to a fixed
+# length, so neither a length nor a step count compiles anything after warmup.
+LENGTHS = ["a red cat", "a small blue dog riding a skateboard down a long hill at sunset, oil on canvas", "x"]
+
+
+def plain_diffusers_images(model: str, run_dir) -> dict[str, object]:
+    """Each image of `run_dir` made again by the family's plain diffusers pipeline on the CPU (no tpugen patch),
+    from the same noise, decoded by the pipeline itself."""
+    import numpy as np
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from tpugen.families import BUILTINS
+    from tpugen.tiny import builtin_path
+
+    family = BUILTINS[model][1]
+    pipe = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
+    pipe.set_progress_bar_config(disable=True)
+    images = {}
+    for line in (run_dir / "manifest.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        generator = torch.Generator("cpu").manual_seed(record["seed"])
+        (noise,) = family.noise(pipe, [generator], record["height"], record["width"])
+        row = WorkItemRow(record["negative_prompt"])
+        arguments = {"guidance_scale": record["guidance_scale"]}
+        for key, value in family.call_arguments(pipe, [row], record["guidance_scale"]).items():
+            if key != "max_sequence_length":  # the pipeline's own text handling, not tpugen's fixed length
+                arguments[key] = value[0] if isinstance(value, list) else value
+        with torch.no_grad():
+            image = pipe(
+                prompt=record["prompt"],
+                height=record["height"],
+                width=record["width"],
+                num_inference_steps=record["steps"],
+                latents=noise,
+                generator=generator,
+                output_type="np",
+                **arguments,
+            ).images[0]
+        images[record["file"]] = (image * 255).round().clip(0, 255).astype(np.uint8)
+    return images
+
+
+class WorkItemRow:
+    def __init__(self, negative_prompt: str) -> None:
+        self.negative_prompt = negative_prompt
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("model", NEW_FAMILY_MODELS)
+def test_new_family_has_three_graphs_one_transfer_and_diffusers_pixels(model, tmp_path):
+    import numpy as np
+
+    config = tiny_config(tmp_path, model={"id": model}, prompts=LENGTHS, steps=3, batch_size=2)
+    result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
+    assert result.exit_code == 0, result.output
+    run_dir = tmp_path / "outputs" / "run"
+    report = json.loads((run_dir / "report.json").read_text())
+    (warm,) = report["warmup"]
+    assert warm["graphs_per_phase"] == {
+        "text encoding": 1,
+        "first denoising step": 1,
+        "later denoising steps": 0,
+        "decoding": 1,
+    }
+    assert report["compiles_after_warmup"] == 0
+    assert [b["transfers_to_host"] for b in report["timed_phase"]["batches"]] == [1, 1]
+    reference = plain_diffusers_images(model, run_dir)
+    assert len(reference) == 3
+    for name, expected in reference.items():
+        ours = np.asarray(Image.open(run_dir / name).convert("RGB"), dtype=np.int16)
+        assert int(np.abs(ours - expected.astype(np.int16)).max()) <= COMPILED_VS_EAGER, name

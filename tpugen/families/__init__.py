@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from tpugen.families.base import Builtin, Family, FlashRoute, KnownModel
 from tpugen.families.flux import FAMILY as FLUX
+from tpugen.families.qwenimage import FAMILY as QWEN_IMAGE
 from tpugen.families.sd import FAMILY as SD
 from tpugen.families.sd3 import FAMILY as SD3
 from tpugen.families.sdxl import FAMILY as SDXL
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (SD, SDXL, SD3, FLUX)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (SD, SDXL, SD3, FLUX, QWEN_IMAGE)}
 
 _BY_CLASS = {cls: f for f in FAMILIES.values() for cls in f.pipeline_classes}
 BUILTINS: dict[str, tuple[Builtin, Family]] = {b.name: (b, f) for f in FAMILIES.values() for b in f.builtins}

@@ -133,3 +133,64 @@ TINY_UNET = dict(
     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
     up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
 )
+
+
+# Qwen's chat template (Qwen3's), text only: what Qwen3-based pipelines (FLUX.2 [klein], Z-Image) apply to a prompt.
+# With enable_thinking false the generation prompt gets an empty think block, as Qwen3's own template does.
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# The split transformers' Qwen2Tokenizer makes before byte-level BPE (tokenization_qwen2.py's pretokenize regex).
+_QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def qwen_tokenizer(
+    special_tokens: tuple[str, ...] = QWEN_SPECIAL_TOKENS,
+    *,
+    words_of: str = "",
+    chat_template: str | None = QWEN_CHAT_TEMPLATE,
+):
+    """A Qwen2Tokenizer over the 256 byte symbols: every byte is a token; merges only for the words of
+    `words_of` (a prompt template whose length in tokens a pipeline relies on), then the special tokens.
+
+    Returns (tokenizer, vocabulary size)."""
+    import regex  # a dependency of transformers
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    symbols = byte_symbols()
+    vocab = {symbol: i for i, symbol in enumerate(symbols)}
+    merges: list[tuple[str, str]] = []
+    texts = [t for t in regex.split("|".join(regex.escape(s) for s in special_tokens), words_of) if t]
+    for piece in (p for text in texts for p in regex.findall(_QWEN_SPLIT, text)):
+        word = "".join(symbols[b] for b in piece.encode("utf-8"))
+        done = word[0]
+        for char in word[1:]:
+            if done + char not in vocab:
+                merges.append((done, char))
+                vocab[done + char] = len(vocab)
+            done += char
+    for token in special_tokens:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=131072,
+        padding_side="right",
+        chat_template=chat_template,
+    )
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens], special_tokens=True)
+    return tokenizer, len(vocab)
