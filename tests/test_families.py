@@ -202,7 +202,7 @@ def test_unipc_reads_the_host_once_per_batch_on_xla(tmp_path):
 
 # ---------------------------------------------------------------- the 2026 families against plain diffusers
 
-NEW_FAMILY_MODELS = ["tiny-qwen-image"]
+NEW_FAMILY_MODELS = ["tiny-qwen-image", "tiny-z-image"]
 # Two prompts of very different lengths in one batch and a third alone (padded): the text is padded to a fixed
 # length, so neither a length nor a step count compiles anything after warmup.
 LENGTHS = ["a red cat", "a small blue dog riding a skateboard down a long hill at sunset, oil on canvas", "x"]

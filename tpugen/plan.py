@@ -108,7 +108,7 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
                         guidance_scale=spec.guidance_scale,
                         height=height,
                         width=width,
-                        cfg=family.cfg and spec.guidance_scale > 1.0,
+                        cfg=family.uses_cfg(spec.guidance_scale),
                     )
                 )
                 k += 1

@@ -11,8 +11,9 @@ from tpugen.families.qwenimage import FAMILY as QWEN_IMAGE
 from tpugen.families.sd import FAMILY as SD
 from tpugen.families.sd3 import FAMILY as SD3
 from tpugen.families.sdxl import FAMILY as SDXL
+from tpugen.families.zimage import FAMILY as Z_IMAGE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (SD, SDXL, SD3, FLUX, QWEN_IMAGE)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (SD, SDXL, SD3, FLUX, QWEN_IMAGE, Z_IMAGE)}
 
 _BY_CLASS = {cls: f for f in FAMILIES.values() for cls in f.pipeline_classes}
 BUILTINS: dict[str, tuple[Builtin, Family]] = {b.name: (b, f) for f in FAMILIES.values() for b in f.builtins}

@@ -132,6 +132,10 @@ class Family:
         side = vae_scale * 2**level
         return (height // side) * (width // side), heads
 
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        """Whether a call at this guidance runs classifier-free guidance (a second pass, another shape key)."""
+        return self.cfg and guidance_scale > 1.0
+
     # ---------------------------------------------------------------- loading and calling (import torch lazily)
 
     def load_options(self, model) -> dict:

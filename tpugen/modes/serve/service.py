@@ -88,7 +88,7 @@ class Service:
         self.batch_size = config.batch_size
         self.serve = config.serve
         self.sizes = [tuple(s) for s in self.serve.sizes] if self.serve.sizes else list(run_sizes(config))
-        self.cfg = self.family.cfg and config.guidance_scale > 1.0
+        self.cfg = self.family.uses_cfg(config.guidance_scale)
         self.schedulers = [None, *(find_scheduler(name).name for name in self.serve.schedulers)]
         self.queue = BatchQueue(self.batch_size, self.serve.batch_window_ms / 1000, self.serve.max_queue)
         self.metrics = Metrics()
@@ -178,7 +178,7 @@ class Service:
     # ---------------------------------------------------------------- images for requests
 
     def key_for(self, image: ImageSpec) -> BatchKey:
-        cfg = self.family.cfg and image.guidance_scale > 1.0
+        cfg = self.family.uses_cfg(image.guidance_scale)
         return BatchKey(
             image.height, image.width, cfg, image.steps, image.guidance_scale, image.scheduler, loras_key(image.loras)
         )

@@ -1,0 +1,115 @@
+"""Z-Image and Z-Image-Turbo: a single-stream DiT (image and text tokens in one sequence, after noise and context
+refiners), a Qwen3 text encoder, Flux.1's 16-channel VAE; CFG whenever guidance is above 0."""
+
+from __future__ import annotations
+
+from tpugen.families.base import TRANSFORMER_KEYS, UNET_KEYS, Builtin, FlashRoute, KnownModel, TransformerFamily
+from tpugen.families.components import VAE_16
+from tpugen.sharding import COLUMN, ROW
+
+_TRANSFORMER = {
+    "all_patch_size": [2],
+    "all_f_patch_size": [1],
+    "in_channels": 16,
+    "dim": 3840,
+    "n_layers": 30,
+    "n_refiner_layers": 2,
+    "n_heads": 30,
+    "n_kv_heads": 30,
+    "cap_feat_dim": 2560,
+    "axes_dims": [32, 48, 48],
+    "axes_lens": [1536, 512, 512],
+}
+# Qwen3-4B; Z-Image reads its second-to-last hidden state.
+_QWEN3_4B = {
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+
+
+def _build(target):
+    from tpugen.families.zimage.tiny import build
+
+    build(target)
+
+
+class ZImage(TransformerFamily):
+    name = "zimage"
+    title = "Z-Image"
+    pipeline_classes = ("ZImagePipeline",)
+    steps = 50
+    guidance_scale = 5.0
+    max_sequence_length = 512  # text padded to this many tokens (the pipeline's default), masked as keys
+    # diffusers' converter also reads kohya files, which name the transformer's layers lora_unet_*.
+    lora_signs = (TRANSFORMER_KEYS, UNET_KEYS)
+    builtins = (
+        Builtin(
+            "tiny-z-image",
+            "Z-Image architecture (Qwen3 text encoder, single-stream DiT with refiners) with tiny random weights; noise",
+            1,
+            _build,
+        ),
+    )
+    known_models = (
+        KnownModel(
+            "Tongyi-MAI/Z-Image-Turbo",
+            steps=9,
+            guidance_scale=0.0,
+            note="distilled: 9 steps, no CFG; ~20.4 GB in bfloat16 (6.15B DiT, Qwen3-4B): a v6e chip, or SPMD on a v5e-2",
+            components={
+                "text_encoder": ("Qwen3Model", _QWEN3_4B),
+                "transformer": ("ZImageTransformer2DModel", _TRANSFORMER),
+                "vae": ("AutoencoderKL", VAE_16),
+            },
+        ),
+    )
+    denoiser_rules = {
+        "ZImageTransformer2DModel": [
+            (r"(^|\.)attention\.(to_q|to_k|to_v)$", COLUMN),
+            (r"(^|\.)attention\.to_out\.0$", ROW),
+            (r"(^|\.)feed_forward\.(w1|w3)$", COLUMN),
+            (r"(^|\.)feed_forward\.w2$", ROW),
+            (r"(^|\.)adaLN_modulation\.0$", COLUMN),
+        ]
+    }
+    # Text of a fixed length needs a key mask, and diffusers 0.42's XLA attention backend refuses masks.
+    flash_attention = FlashRoute(
+        (), unsupported="diffusers 0.42's XLA flash attention takes no mask, and Z-Image's padded text needs one"
+    )
+
+    def attention_geometry(
+        self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int
+    ) -> tuple[int, int]:
+        side = vae_scale * 2
+        return (height // side) * (width // side) + text_tokens, config["n_heads"]
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        return guidance_scale > 0  # ZImagePipeline's own rule: g = 1 still runs the negative pass
+
+    def text_length(self, pipe) -> int | None:
+        return self.max_sequence_length
+
+    def install_hooks(self, pipe, device, hooks) -> None:
+        """The timestep (the transformer's second positional argument) moved to the device at its door, and the
+        text at a fixed length (tpugen.families.zimage.static; measured on XLA:CPU, diffusers 0.42.1: as shipped
+        8 compiles and 10 host reads for a first call, and every new prompt length or step count compiled
+        again; with both, 3 and 1)."""
+        from tpugen.families.zimage import static
+
+        def to_device(module, args, kwargs):
+            if len(args) > 1 and str(args[1].device) != str(device):
+                args = (args[0], args[1].to(device), *args[2:])
+            return args, kwargs
+
+        handle = pipe.transformer.register_forward_pre_hook(to_device, with_kwargs=True)
+        hooks.add("timesteps at the denoiser's door", handle.remove)
+        static.install(pipe, hooks)
+
+
+FAMILY = ZImage()

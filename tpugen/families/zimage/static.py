@@ -1,0 +1,178 @@
+"""Z-Image with its text at a fixed length: one step graph for every prompt, nothing read back to the host.
+
+diffusers 0.42 picks each prompt's real tokens out with a boolean mask (a read to the host, and a length that
+depends on the prompt), and its transformer pads each caption to a multiple of 32 of its own length and starts the
+image's position ids after it: every distinct length was a new step graph. Here each prompt keeps the tokenizer's
+padded rows, tagged with its real length (known on the host from the tokenizer's mask); the transformer gives the
+padding its learned pad token and masks it as keys, with position ids built on the host. For every real token
+the computation is diffusers'. Imported only when a Z-Image pipeline is loaded (it imports diffusers)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers.transformer_z_image import SEQ_MULTI_OF
+from diffusers.utils.peft_utils import apply_lora_scale
+
+REAL_TOKENS = "_tpugen_real_tokens"  # the attribute of a caption row that holds its real length
+
+
+def _to_multiple(n: int) -> int:
+    return n + (-n) % SEQ_MULTI_OF
+
+
+def encode_prompt(pipe, prompt, device=None, prompt_embeds=None, max_sequence_length: int = 512):
+    """ZImagePipeline._encode_prompt with rows of a fixed length (and the caller's list left as it was). The text
+    encoder runs without a mask: it is causal and the padding is on the right, so the real tokens' states are the
+    same (and transformers would read the mask on the host)."""
+    device = device or pipe._execution_device
+    if prompt_embeds is not None:
+        return prompt_embeds
+    prompt = [prompt] if isinstance(prompt, str) else prompt
+    texts = [
+        pipe.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, enable_thinking=True
+        )
+        for p in prompt
+    ]
+    tokens = pipe.tokenizer(
+        texts,
+        padding="max_length",
+        max_length=max_sequence_length,
+        truncation=True,
+        padding_side="right",
+        return_tensors="pt",
+    )
+    hidden = pipe.text_encoder(input_ids=tokens.input_ids.to(device), output_hidden_states=True).hidden_states[-2]
+    rows = []
+    for i, real in enumerate(tokens.attention_mask.sum(dim=1).tolist()):  # the host's own mask: no device read
+        row = hidden[i]
+        setattr(row, REAL_TOKENS, int(real))
+        rows.append(row)
+    return rows
+
+
+def static_forward(original):
+    """ZImageTransformer2DModel.forward for text rows of one fixed length (the basic, text-to-image path); anything
+    else (omni mode, ControlNet, embeddings a caller made, mixed sizes) goes to `original`."""
+
+    @apply_lora_scale("joint_attention_kwargs")
+    def forward(
+        self,
+        x,
+        t,
+        cap_feats,
+        return_dict: bool = True,
+        controlnet_block_samples=None,
+        siglip_feats=None,
+        image_noise_mask=None,
+        patch_size: int = 2,
+        f_patch_size: int = 1,
+        joint_attention_kwargs=None,
+    ):
+        lengths = [getattr(c, REAL_TOKENS, None) for c in cap_feats]
+        static = (
+            not isinstance(x[0], list)
+            and controlnet_block_samples is None
+            and None not in lengths
+            and len({tuple(c.shape) for c in cap_feats}) == 1
+            and len({tuple(i.shape) for i in x}) == 1
+        )
+        if not static:
+            return original(
+                x,
+                t,
+                cap_feats,
+                return_dict=return_dict,
+                controlnet_block_samples=controlnet_block_samples,
+                siglip_feats=siglip_feats,
+                image_noise_mask=image_noise_mask,
+                patch_size=patch_size,
+                f_patch_size=f_patch_size,
+                joint_attention_kwargs=joint_attention_kwargs,
+            )
+        return _forward(self, x, t, cap_feats, lengths, return_dict, patch_size, f_patch_size)
+
+    return forward
+
+
+def _forward(self, x, t, cap_feats, lengths, return_dict, patch_size, f_patch_size):
+    key = f"{patch_size}-{f_patch_size}"
+    device, rows = x[0].device, len(x)
+    adaln = self.t_embedder(t * self.t_scale).type_as(x[0])
+
+    # Image tokens, all of one shape, padded to a multiple of 32 as diffusers pads them.
+    patches, sizes = [], []
+    for image in x:
+        patch, size, grid = self._patchify_image(image, patch_size, f_patch_size)
+        patches.append(patch)
+        sizes.append(size)
+    image_tokens = patches[0].shape[0]
+    image_pad = (-image_tokens) % SEQ_MULTI_OF
+    if image_pad:
+        patches = [torch.cat([p, p[-1:].repeat(image_pad, 1)], dim=0) for p in patches]
+    padded_image = image_tokens + image_pad
+    text = _to_multiple(cap_feats[0].shape[0])
+    caption = [_to_multiple(n) for n in lengths]  # what diffusers would pad each caption to
+
+    def host_tables():
+        image_ids = []
+        for c in caption:
+            grid_ids = self.create_coordinate_grid(size=grid, start=(c + 1, 0, 0), device="cpu").flatten(0, 2)
+            if image_pad:
+                grid_ids = torch.cat([grid_ids, torch.zeros((image_pad, 3), dtype=grid_ids.dtype)], dim=0)
+            image_ids.append(grid_ids)
+        text_ids = self.create_coordinate_grid(size=(text, 1, 1), start=(1, 0, 0), device="cpu").flatten(0, 2)
+        image_padding = torch.zeros(padded_image, dtype=torch.bool)
+        image_padding[image_tokens:] = True
+        j = torch.arange(text)
+        text_padding = torch.stack([j >= n for n in lengths])  # rows that get the pad token
+        text_keys = torch.stack([j < c for c in caption])  # keys attended, as diffusers' own padding would be
+        keys = torch.cat([torch.ones((rows, padded_image), dtype=torch.bool), text_keys], dim=1)
+        tables = (torch.cat(image_ids), text_ids, image_padding.repeat(rows), text_padding, text_keys, keys)
+        return tuple(table.to(device) for table in tables)
+
+    cache = self.__dict__.setdefault("_tpugen_tables", {})
+    table_key = (tuple(caption), tuple(lengths), text, grid, rows, str(device))
+    if table_key not in cache:
+        if len(cache) > 64:
+            cache.clear()
+        cache[table_key] = host_tables()
+    image_ids, text_ids, image_padding, text_padding, text_keys, keys = cache[table_key]
+
+    hidden = self.all_x_embedder[key](torch.cat(patches, dim=0))
+    hidden = torch.where(image_padding.unsqueeze(-1), self.x_pad_token, hidden).view(rows, padded_image, -1)
+    image_freqs = self.rope_embedder(image_ids).view(rows, padded_image, -1)
+    for layer in self.noise_refiner:
+        hidden = layer(hidden, None, image_freqs, adaln, None, None, None)
+
+    captions = torch.stack(list(cap_feats), dim=0)
+    if captions.shape[1] < text:
+        captions = torch.cat([captions, captions[:, -1:].expand(-1, text - captions.shape[1], -1)], dim=1)
+    captions = self.cap_embedder(captions.flatten(0, 1)).view(rows, text, -1)
+    captions = torch.where(text_padding.unsqueeze(-1), self.cap_pad_token, captions)
+    text_freqs = self.rope_embedder(text_ids).unsqueeze(0).expand(rows, -1, -1)
+    for layer in self.context_refiner:
+        captions = layer(captions, text_keys, text_freqs)
+
+    joint = torch.cat([hidden, captions], dim=1)
+    freqs = torch.cat([image_freqs, text_freqs], dim=1)
+    for layer in self.layers:
+        joint = layer(joint, keys, freqs, adaln, None, None, None)
+    joint = self.all_final_layer[key](joint, c=adaln)
+    out = self.unpatchify(list(joint.unbind(dim=0)), sizes, patch_size, f_patch_size)
+    return (out,) if not return_dict else Transformer2DModelOutput(sample=out)
+
+
+def install(pipe, hooks) -> None:
+    """The fixed-length text path on this pipeline and its transformer, as removable hooks."""
+    hooks.wrap(pipe, "_encode_prompt", "text of a fixed length", lambda _: types.MethodType(encode_prompt, pipe))
+    transformer = pipe.transformer
+    hooks.wrap(
+        transformer,
+        "forward",
+        "captions of a fixed length",
+        lambda original: types.MethodType(static_forward(original), transformer),
+    )
