@@ -202,7 +202,7 @@ def test_unipc_reads_the_host_once_per_batch_on_xla(tmp_path):
 
 # ---------------------------------------------------------------- the 2026 families against plain diffusers
 
-NEW_FAMILY_MODELS = ["tiny-qwen-image", "tiny-z-image"]
+NEW_FAMILY_MODELS = ["tiny-flux2-klein", "tiny-flux2-klein-distilled", "tiny-flux2", "tiny-z-image", "tiny-qwen-image"]
 # Two prompts of very different lengths in one batch and a third alone (padded): the text is padded to a fixed
 # length, so neither a length nor a step count compiles anything after warmup.
 LENGTHS = ["a red cat", "a small blue dog riding a skateboard down a long hill at sunset, oil on canvas", "x"]
@@ -256,7 +256,9 @@ class WorkItemRow:
 def test_new_family_has_three_graphs_one_transfer_and_diffusers_pixels(model, tmp_path):
     import numpy as np
 
-    config = tiny_config(tmp_path, model={"id": model}, prompts=LENGTHS, steps=3, batch_size=2)
+    # A width of its own per model: models that share a VAE (FLUX.2's built-ins) would share its decoding graph.
+    width = 64 + 16 * NEW_FAMILY_MODELS.index(model)
+    config = tiny_config(tmp_path, model={"id": model}, prompts=LENGTHS, steps=3, width=width, batch_size=2)
     result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
     assert result.exit_code == 0, result.output
     run_dir = tmp_path / "outputs" / "run"

@@ -17,10 +17,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tpugen" / "families"
 
 def test_every_family_is_a_folder_in_the_registry():
     folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
-    assert sorted(FAMILIES) == folders
+    # Every family is defined in a folder of its own family's (FLUX.2's folder holds [dev] and [klein]).
+    assert sorted({type(f).__module__.rsplit(".", 1)[-1] for f in FAMILIES.values()}) == folders
     for name, family in FAMILIES.items():
         assert isinstance(family, Family) and family.name == name
-        assert type(family).__module__ == f"tpugen.families.{name}"
+        assert type(family).__module__.startswith("tpugen.families.")
         # Each built-in and known model belongs to exactly one family, and each class to one.
         for cls in family.pipeline_classes:
             assert family_for_class(cls) is family

@@ -1,4 +1,4 @@
-"""compile.scan_blocks: Flux's repeated blocks through torch_xla's scan give the unrolled model's images."""
+"""compile.scan_blocks: each family's repeated blocks through torch_xla's scan give the unrolled model's images."""
 
 from __future__ import annotations
 
@@ -31,8 +31,34 @@ def test_scan_blocks_is_for_flux_on_xla(tmp_path, model, backend):
     result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
     assert result.exit_code == 2
     assert result.stderr == (
-        "error: compile.scan_blocks: is built for Stable Diffusion 3 / 3.5 and Flux.1 (schnell, dev) models on execution.backend: xla\n"
+        "error: compile.scan_blocks: is built for Stable Diffusion 3 / 3.5, Flux.1 (schnell, dev), FLUX.2 [klein], "
+        "FLUX.2 [dev], Z-Image and Qwen-Image models on execution.backend: xla\n"
     )
+
+
+# Each 2026 family's built-in, its blocks scanned: (model, blocks in a scan). Z-Image's tiny refiners have one
+# block each (nothing to stack), its two main layers are one stack.
+NEW_FAMILY_SCANS = [("tiny-flux2-klein", 4), ("tiny-flux2", 4), ("tiny-z-image", 2), ("tiny-qwen-image", 2)]
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("model,blocks", NEW_FAMILY_SCANS)
+def test_each_new_family_scans_its_blocks_with_the_unrolled_images(tmp_path, model, blocks):
+    runs = {}
+    for scan in (False, True):
+        lines = ['{"prompt": "a cat"}', '{"prompt": "a long prompt about a dog on a skateboard"}']
+        lines.append('{"prompt": "an owl", "steps": 3}')
+        base = tiny_config(tmp_path / str(scan), model={"id": model}, steps=2, compile={"scan_blocks": scan})
+        config = with_prompts_file(tmp_path / str(scan), base, lines, "p.jsonl")
+        result = run_cli("generate", write_config(tmp_path / str(scan) / "c.yaml", config), "--quiet")
+        assert result.exit_code == 0, result.output
+        runs[scan] = tmp_path / str(scan) / "outputs" / "run"
+    report = json.loads((runs[True] / "report.json").read_text())
+    assert report["device"]["scanned_blocks"] == blocks
+    assert report["compiles_after_warmup"] == 0 and [b["steps"] for b in report["timed_phase"]["batches"]] == [2, 3]
+    assert report["warmup"][0]["graphs_per_phase"]["later denoising steps"] == 0
+    assert len(list(runs[False].glob("[0-9]*.png"))) == 3
+    assert_same_images(runs[True], runs[False], OTHER_GRAPH)
 
 
 @pytest.mark.xla

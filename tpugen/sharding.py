@@ -32,11 +32,23 @@ _T5 = [
     (r"DenseReluDense\.(wi|wi_0|wi_1)$", COLUMN),
     (r"DenseReluDense\.wo$", ROW),
 ]
-# The text encoders every family shares; each family's module has its denoiser's table.
+# The decoder language models the 2026 families read text with (Qwen3, Qwen2.5-VL, Mistral 3): the vision towers
+# some of them carry have other names, and stay whole.
+_DECODER = [
+    (r"self_attn\.(q_proj|k_proj|v_proj)$", COLUMN),
+    (r"self_attn\.o_proj$", ROW),
+    (r"mlp\.(gate_proj|up_proj)$", COLUMN),
+    (r"mlp\.down_proj$", ROW),
+]
+# The text encoders several families share; each family's folder has its denoiser's table.
 TEXT_ENCODER_RULES: dict[str, list[tuple[str, str]]] = {
     "CLIPTextModel": _CLIP,
     "CLIPTextModelWithProjection": _CLIP,
     "T5EncoderModel": _T5,
+    "Qwen3Model": _DECODER,
+    "Qwen3ForCausalLM": _DECODER,
+    "Qwen2_5_VLForConditionalGeneration": _DECODER,
+    "Mistral3ForConditionalGeneration": _DECODER,
 }
 
 DENOISERS = ("unet", "transformer")

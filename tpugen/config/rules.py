@@ -26,7 +26,8 @@ def run_problems(config: RunConfig, family: Family) -> list[str]:
             "and torch_tpu compiles with execution.torch_tpu.mode: compile"
         )
     if config.compile.scan_blocks and (execution.backend != "xla" or not family.scan_attributes):
-        scanned = " and ".join(f.title for f in FAMILIES.values() if f.scan_attributes)
+        titles = [f.title for f in FAMILIES.values() if f.scan_attributes]
+        scanned = ", ".join(titles[:-1]) + f" and {titles[-1]}"
         problems.append(f"compile.scan_blocks: is built for {scanned} models on execution.backend: xla")
     if config.compile.flash_attention is True and execution.backend != "xla":
         problems.append(

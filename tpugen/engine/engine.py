@@ -157,6 +157,9 @@ class Engine:
         loaded = LoadedPipeline(pipe, backend, family, label, scheduler_name)
         backend.prepare_on_device(pipe, family, spec.compile, loaded.hooks)
         loaded.out_of_memory_advice = advice
+        # Whatever moving the weights left pending (FLUX.2's VAE has an int64 BatchNorm counter) is run now; left
+        # lazy, it joined the first call's text graph, and every later call compiled that graph again.
+        backend.sync()
         backend.wait()
         engine = cls(spec, backend, loaded, time.perf_counter() - start, memory, weights)
         engine._say_flash_attention(display)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from tpugen.families.base import Builtin, Family, FlashRoute, KnownModel
 from tpugen.families.flux import FAMILY as FLUX
+from tpugen.families.flux2 import FLUX2, FLUX2_KLEIN
 from tpugen.families.qwenimage import FAMILY as QWEN_IMAGE
 from tpugen.families.sd import FAMILY as SD
 from tpugen.families.sd3 import FAMILY as SD3
 from tpugen.families.sdxl import FAMILY as SDXL
 from tpugen.families.zimage import FAMILY as Z_IMAGE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (SD, SDXL, SD3, FLUX, QWEN_IMAGE, Z_IMAGE)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (SD, SDXL, SD3, FLUX, FLUX2_KLEIN, FLUX2, Z_IMAGE, QWEN_IMAGE)}
 
 _BY_CLASS = {cls: f for f in FAMILIES.values() for cls in f.pipeline_classes}
 BUILTINS: dict[str, tuple[Builtin, Family]] = {b.name: (b, f) for f in FAMILIES.values() for b in f.builtins}

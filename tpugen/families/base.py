@@ -103,11 +103,12 @@ class Family:
     lora_signs: tuple[LoraSign, ...] = (UNET_KEYS,)
 
     denoiser = "unet"  # the pipeline component that runs every denoising step
-    # The denoiser's blocks that compile.scan_blocks runs through torch_xla's scan (none: not built).
-    scan_attributes: tuple[str, ...] = ()
+    # The denoiser's block lists that compile.scan_blocks runs through torch_xla's scan (none: not built), each
+    # with the arguments its blocks return new values of, in their order.
+    scan_attributes: dict[str, tuple[str, ...]] = {}
     # SPMD: how the denoiser's linear layers are split over the model axis, by architecture (tpugen.sharding).
     denoiser_rules: dict[str, list[tuple[str, str]]] = {"UNet2DConditionModel": ATTENTION + FEED_FORWARD}
-    # SPMD: this family's own text encoders, beyond the CLIP and T5 every family shares.
+    # SPMD: text encoders of this family that tpugen.sharding.TEXT_ENCODER_RULES lacks.
     text_encoder_rules: dict[str, list[tuple[str, str]]] = {}
     # Timesteps computed on the host and moved to the device at the denoiser's door (see install_hooks).
     timesteps_on_host = False

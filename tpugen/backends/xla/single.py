@@ -31,12 +31,14 @@ class XlaBackend(OneDeviceBackend):
         self.device = torch_xla.device() if device_index is None else torch_xla.device(device_index)
         solve_small_systems_on_xla()
 
+    scanned_blocks = 0  # blocks that run inside a scan (compile.scan_blocks)
+
     def prepare_on_host(self, pipe, family, compile_config) -> None:
         if compile_config.scan_blocks:
             from tpugen.backends.xla.scan import scan_repeated_blocks
 
             # Weights are stacked on the host, before they move to the device.
-            scan_repeated_blocks(getattr(pipe, family.denoiser), family.scan_attributes)
+            self.scanned_blocks = scan_repeated_blocks(getattr(pipe, family.denoiser), family.scan_attributes)
 
     def place(self, pipe, *, offload: bool, family) -> None:
         if offload:
@@ -119,4 +121,5 @@ class XlaBackend(OneDeviceBackend):
             "device": str(self.device),
             "device_kind": kind,
             "pjrt_device": os.environ.get("PJRT_DEVICE"),
+            **({"scanned_blocks": self.scanned_blocks} if self.scanned_blocks else {}),
         }

@@ -94,7 +94,10 @@ class Flux(TransformerFamily):
             components=_components(True),
         ),
     )
-    scan_attributes = ("transformer_blocks", "single_transformer_blocks")
+    scan_attributes = {
+        "transformer_blocks": ("encoder_hidden_states", "hidden_states"),
+        "single_transformer_blocks": ("encoder_hidden_states", "hidden_states"),
+    }
     denoiser_rules = {
         "FluxTransformer2DModel": ATTENTION
         + FEED_FORWARD

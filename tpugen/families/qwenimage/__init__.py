@@ -81,6 +81,7 @@ class QwenImage(TransformerFamily):
             },
         ),
     )
+    scan_attributes = {"transformer_blocks": ("encoder_hidden_states", "hidden_states")}
     denoiser_rules = {
         "QwenImageTransformer2DModel": ATTENTION
         + ADALN

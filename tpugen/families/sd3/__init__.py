@@ -98,7 +98,7 @@ class StableDiffusion3(TransformerFamily):
     )
     # The joint blocks; the last one differs (context_pre_only) and stays outside the stack; SD 3.5's blocks
     # with and without dual attention form separate stacks.
-    scan_attributes = ("transformer_blocks",)
+    scan_attributes = {"transformer_blocks": ("encoder_hidden_states", "hidden_states")}
     denoiser_rules = {"SD3Transformer2DModel": ATTENTION + FEED_FORWARD + ADALN}
     # diffusers 0.42 leaves SD3's timesteps on the host and hands them to the transformer, which fails on XLA.
     timesteps_on_host = True

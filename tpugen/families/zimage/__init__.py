@@ -69,6 +69,8 @@ class ZImage(TransformerFamily):
             },
         ),
     )
+    # The refiners and the main layers are blocks of one kind, each returning the sequence it was given.
+    scan_attributes = {"noise_refiner": ("x",), "context_refiner": ("x",), "layers": ("x",)}
     denoiser_rules = {
         "ZImageTransformer2DModel": [
             (r"(^|\.)attention\.(to_q|to_k|to_v)$", COLUMN),

@@ -1,0 +1,246 @@
+"""FLUX.2: [dev] (Flux2Pipeline: a Mistral 3 text encoder, embedded guidance) and [klein] (Flux2KleinPipeline: a
+Qwen3 text encoder; the distilled models ignore guidance, the base ones run CFG against an empty prompt), on one
+transformer (double- then single-stream blocks over 2x2 patches of a 32-channel latent) and one VAE whose latents
+are batch-normalised."""
+
+from __future__ import annotations
+
+from tpugen.families.base import TRANSFORMER_KEYS, UNET_KEYS, Builtin, FlashRoute, KnownModel, TransformerFamily
+from tpugen.sharding import ATTENTION, COLUMN, ROW
+
+_VAE = {"latent_channels": 32}  # AutoencoderKLFlux2's defaults are the real VAE's
+
+
+def _transformer(double: int, single: int, heads: int, text_width: int, guidance: bool) -> dict:
+    return {
+        "patch_size": 1,
+        "in_channels": 128,
+        "num_layers": double,
+        "num_single_layers": single,
+        "attention_head_dim": 128,
+        "num_attention_heads": heads,
+        "joint_attention_dim": 3 * text_width,  # three of the text encoder's layers side by side
+        "guidance_embeds": guidance,
+    }
+
+
+def _qwen3(width: int, mlp: int) -> dict:
+    return {
+        "hidden_size": width,
+        "intermediate_size": mlp,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": width < 4096,
+    }
+
+
+# Mistral Small 3.2 24B with its Pixtral vision tower (loaded, never run: tpugen gives it no image).
+_MISTRAL_SMALL = {
+    "text_config": {
+        "model_type": "mistral",
+        "hidden_size": 5120,
+        "intermediate_size": 32768,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 131072,
+        "sliding_window": None,
+    },
+    "vision_config": {
+        "model_type": "pixtral",
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "head_dim": 64,
+        "image_size": 1540,
+        "patch_size": 14,
+    },
+}
+
+
+def _build_dev(target):
+    from tpugen.families.flux2.tiny import build_dev
+
+    build_dev(target)
+
+
+def _build_klein(target):
+    from tpugen.families.flux2.tiny import build_klein
+
+    build_klein(target)
+
+
+def _build_klein_distilled(target):
+    from tpugen.families.flux2.tiny import build_klein
+
+    build_klein(target, distilled=True)
+
+
+class Flux2(TransformerFamily):
+    name = "flux2"
+    title = "FLUX.2 [dev]"
+    pipeline_classes = ("Flux2Pipeline",)
+    steps = 50
+    guidance_scale = 4.0  # embedded in the transformer, as FLUX.1-dev's: no CFG
+    cfg = False
+    negative_prompt = False
+    max_sequence_length = 512  # the pipelines pad their text to this many tokens
+    # diffusers' converter also reads kohya and BFL files (lora_unet_double_blocks_*, diffusion_model.*).
+    lora_signs = (TRANSFORMER_KEYS, UNET_KEYS)
+    builtins = (
+        Builtin(
+            "tiny-flux2",
+            "FLUX.2 [dev] architecture (Mistral 3 text encoder, embedded guidance) with tiny random weights; noise",
+            1,
+            _build_dev,
+        ),
+    )
+    known_models = (
+        KnownModel(
+            "black-forest-labs/FLUX.2-dev",
+            note="gated (HF_TOKEN); ~112 GB in bfloat16 (32.2B transformer, 24B Mistral): SPMD over a v5p-8 or v6e-8",
+            components={
+                "text_encoder": ("Mistral3ForConditionalGeneration", _MISTRAL_SMALL),
+                "transformer": ("Flux2Transformer2DModel", _transformer(8, 48, 48, 5120, True)),
+                "vae": ("AutoencoderKLFlux2", _VAE),
+            },
+        ),
+    )
+    # The double blocks return both streams; the single blocks, given the streams joined, return them joined.
+    scan_attributes = {
+        "transformer_blocks": ("encoder_hidden_states", "hidden_states"),
+        "single_transformer_blocks": ("hidden_states",),
+    }
+    denoiser_rules = {
+        "Flux2Transformer2DModel": ATTENTION
+        + [
+            (r"(^|\.)ff(_context)?\.linear_in$", COLUMN),
+            (r"(^|\.)ff(_context)?\.linear_out$", ROW),
+            # The single blocks' fused projections: [q, k, v, MLP in] out, and [attention, MLP out] in.
+            (r"(^|\.)attn\.to_qkv_mlp_proj$", COLUMN),
+            (r"^single_transformer_blocks\.\d+\.attn\.to_out$", ROW),
+            # The modulation every block shares, computed once per step.
+            (r"^(double_stream_modulation_img|double_stream_modulation_txt|single_stream_modulation)\.linear$", COLUMN),
+        ]
+    }
+    # FLUX.2's processors on diffusers' "_native_xla" backend (enable_xla_flash_attention), as Flux.1's; diffusers
+    # 0.42 gives the kernel no partition spec.
+    flash_attention = FlashRoute(("transformer",), is_flux=True, takes_partition_spec=False)
+
+    def noise(self, pipe, generators, height: int, width: int) -> list:
+        """The latent in 2x2 patches (channels x 4), not yet packed into tokens: what `latents=` takes."""
+        import torch
+
+        side = pipe.vae_scale_factor * 2
+        channels = pipe.transformer.config.in_channels
+        shape = (1, channels, height // side, width // side)
+        return [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
+
+    def text_length(self, pipe) -> int | None:
+        return self.max_sequence_length
+
+    def call_arguments(self, pipe, rows, guidance_scale: float) -> dict:
+        return {"max_sequence_length": self.max_sequence_length}
+
+    def decode(self, pipe, latents, height: int, width: int, device):
+        """[dev] returns its tokens packed and batch-normalised: unpacked (row-major, as its position ids lay them
+        out), de-normalised by the VAE's running statistics, un-patched, decoded."""
+        import torch
+
+        vae = pipe.vae
+        side = pipe.vae_scale_factor * 2
+        rows, _, channels = latents.shape
+        latents = latents.to(device).permute(0, 2, 1).reshape(rows, channels, height // side, width // side)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device)
+        latents = pipe._unpatchify_latents(latents * std.to(latents.dtype) + mean)
+        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return (image / 2 + 0.5).clamp(0, 1)
+
+    def install_hooks(self, pipe, device, hooks) -> None:
+        """Timesteps at the door (TransformerFamily), and the text encoder's padding mask handed over as the 4-D
+        causal mask it would build: transformers reads a 2-D mask on the host to decide whether it can skip it
+        (masking_utils `_ignore_causal_mask_sdpa`, 2 host reads per encoder call); a 4-D one it takes as given.
+        Measured on XLA:CPU, diffusers 0.42.1: as shipped a graph per step and 3 to 5 host reads per call; with
+        both, 3 graphs and 1 host read."""
+        super().install_hooks(pipe, device, hooks)
+        handle = pipe.text_encoder.register_forward_pre_hook(_four_dimensional_mask, with_kwargs=True)
+        hooks.add("text mask in four dimensions", handle.remove)
+
+
+class Flux2Klein(Flux2):
+    name = "flux2_klein"
+    title = "FLUX.2 [klein]"
+    pipeline_classes = ("Flux2KleinPipeline",)
+    # The base models: CFG against an empty prompt above guidance 1 (a second pass); the distilled ones ignore it.
+    cfg = True
+    builtins = (
+        Builtin(
+            "tiny-flux2-klein",
+            "FLUX.2 [klein] base architecture (Qwen3 text encoder, CFG) with tiny random weights; noise",
+            1,
+            _build_klein,
+        ),
+        Builtin(
+            "tiny-flux2-klein-distilled",
+            "FLUX.2 [klein] distilled architecture (Qwen3 text encoder, no guidance) with tiny random weights; noise",
+            1,
+            _build_klein_distilled,
+            size=64,
+        ),
+    )
+    known_models = (
+        KnownModel(
+            "black-forest-labs/FLUX.2-klein-4B",
+            steps=4,
+            guidance_scale=1.0,
+            note="distilled: 4 steps; ~16 GB in bfloat16 (3.9B transformer, Qwen3-4B): a v6e chip, or SPMD on a v5e-2",
+            components={
+                "text_encoder": ("Qwen3ForCausalLM", _qwen3(2560, 9728)),
+                "transformer": ("Flux2Transformer2DModel", _transformer(5, 20, 24, 2560, False)),
+                "vae": ("AutoencoderKLFlux2", _VAE),
+            },
+        ),
+        KnownModel(
+            "black-forest-labs/FLUX.2-klein-9B",
+            steps=4,
+            guidance_scale=1.0,
+            note="distilled: 4 steps; ~35 GB in bfloat16 (9.1B transformer, Qwen3-8B): SPMD over a v6e-2 or v5e-4",
+            components={
+                "text_encoder": ("Qwen3ForCausalLM", _qwen3(4096, 12288)),
+                "transformer": ("Flux2Transformer2DModel", _transformer(8, 24, 32, 4096, False)),
+                "vae": ("AutoencoderKLFlux2", _VAE),
+            },
+        ),
+    )
+
+    def decode(self, pipe, latents, height: int, width: int, device):
+        """[klein] returns its latents already unpacked, de-normalised and un-patched: only the VAE is left."""
+        vae = pipe.vae
+        image = vae.decode(latents.to(device=device, dtype=vae.dtype), return_dict=False)[0]
+        return (image / 2 + 0.5).clamp(0, 1)
+
+
+def _four_dimensional_mask(module, args, kwargs):
+    import torch
+
+    mask = kwargs.get("attention_mask")
+    if mask is None or mask.dim() != 2:
+        return args, kwargs
+    tokens = mask.shape[-1]
+    causal = torch.ones((tokens, tokens), dtype=torch.bool, device=mask.device).tril()
+    full = causal[None, None] & mask.bool()[:, None, None, :]
+    if getattr(module.config, "_attn_implementation", "sdpa") != "sdpa":  # eager attention adds a float mask
+        dtype = module.dtype
+        full = torch.where(full, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+    kwargs["attention_mask"] = full
+    return args, kwargs
+
+
+FLUX2 = Flux2()
+FLUX2_KLEIN = Flux2Klein()
