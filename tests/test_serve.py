@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -55,6 +56,35 @@ def serve_config(tmp: Path, **serve) -> Path:
     return write_config(tmp / "serve.yaml", config)
 
 
+@contextlib.contextmanager
+def running_server(config: Path, runs: Path, key: str | None):
+    """`tpugen serve` of `config` in this process (sharing its compile cache), uvicorn on a thread of its own on
+    a free loopback port; stopped, and its thread joined, on the way out."""
+    import uvicorn
+
+    from tpugen.config import load_config
+    from tpugen.engine import Display
+    from tpugen.modes.serve.http import build_app
+    from tpugen.modes.serve.server import check_start, open_engines
+    from tpugen.modes.serve.service import Service
+
+    run = load_config(config, prompts_required=False)
+    check_start(run, "127.0.0.1", key)
+    service = Service(run, open_engines(run, Display()), output_root=runs, display=Display())
+    port = free_port()
+    uvicorn_server = uvicorn.Server(
+        uvicorn.Config(build_app(service, key), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=uvicorn_server.run, name="test-server")
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}", service
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(120)
+        assert not thread.is_alive()
+
+
 def wait_ready(url: str, seconds: float = 180, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -72,36 +102,14 @@ def wait_ready(url: str, seconds: float = 180, proc: subprocess.Popen | None = N
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """The session's server, in this process (so it shares the compile cache), on a thread of its own."""
-    import uvicorn
-
-    from tpugen.config import load_config
-    from tpugen.engine import Display
-    from tpugen.modes.serve.http import build_app
-    from tpugen.modes.serve.server import check_start, open_engines
-    from tpugen.modes.serve.service import Service
-
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "loras").mkdir()
     make_lora(tmp / "loras" / "style.safetensors", "kohya", seed=1)
     make_lora(tmp / "loras" / "subject.safetensors", "peft", seed=2)
     path = serve_config(tmp, max_images_per_request=8, lora_dir="loras", schedulers=["Euler a"])
-    run = load_config(path, prompts_required=False)
-    check_start(run, "127.0.0.1", KEY)
-    service = Service(run, open_engines(run, Display()), output_root=tmp / "runs", display=Display())
-    port = free_port()
-    uvicorn_server = uvicorn.Server(
-        uvicorn.Config(build_app(service, KEY), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=uvicorn_server.run, name="test-server")
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with running_server(path, tmp / "runs", KEY) as (url, service):
         wait_ready(url)
         yield url, service
-    finally:
-        uvicorn_server.should_exit = True
-        thread.join(120)
-        assert not thread.is_alive()
 
 
 @pytest.fixture

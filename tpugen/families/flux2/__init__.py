@@ -90,6 +90,7 @@ class Flux2(TransformerFamily):
     cfg = False
     negative_prompt = False
     max_sequence_length = 512  # the pipelines pad their text to this many tokens
+    patch = 2  # 2x2 patches of the latent are one token (the transformer's own patch_size is 1)
     # diffusers' converter also reads kohya and BFL files (lora_unet_double_blocks_*, diffusion_model.*).
     lora_signs = (TRANSFORMER_KEYS, UNET_KEYS)
     builtins = (
