@@ -133,6 +133,31 @@ LORA_TARGETS = {
         *("attn.add_v_proj", "attn.to_add_out", "proj_mlp", "ff.net.0.proj", "ff.net.2", "ff_context.net.2"),
     ),
 }
+# The new transformer families' modules, by built-in (transformer only: their text encoders are not CLIP, and
+# diffusers' loaders for them load LoRAs into the transformer alone). Other models take LORA_TARGETS.
+_FLUX2 = (
+    *("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj"),
+    *("attn.add_v_proj", "attn.to_add_out", "ff.linear_in", "ff.linear_out", "ff_context.linear_in"),
+    "ff_context.linear_out",
+    *("attn.to_qkv_mlp_proj", "attn.to_out"),  # the single-stream blocks' fused projections
+)
+MODEL_LORA_TARGETS = {
+    "tiny-flux2-klein": {"transformer": _FLUX2},
+    "tiny-flux2": {"transformer": _FLUX2},
+    "tiny-z-image": {
+        "transformer": (
+            *("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"),
+            *("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"),
+        ),
+    },
+    "tiny-qwen-image": {
+        "transformer": (
+            *("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj"),
+            *("attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj"),
+            "txt_mlp.net.2",
+        ),
+    },
+}
 # sd-scripts' prefixes: one text encoder is lora_te_, two are lora_te1_ and lora_te2_.
 _KOHYA_ONE = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
 _KOHYA_TWO = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
@@ -143,8 +168,8 @@ def make_lora(path: Path, fmt: str, *, seed: int, model: str = "tiny-sd", rank: 
     non-zero factors, named after the model's own modules and shaped by their weights (read from its safetensors
     headers). `fmt`: "peft" (diffusers/PEFT: unet.X.lora_A.weight, text_encoder.text_model.X.lora_B.weight,
     transformer.X...) or "kohya" (sd-scripts, UNet models: lora_unet_X.lora_down.weight,
-    lora_te_text_model_X.lora_up.weight or lora_te1_/lora_te2_ with two encoders, X.alpha). Builds the model
-    if needed."""
+    lora_te_text_model_X.lora_up.weight or lora_te1_/lora_te2_ with two encoders, X.alpha). The modules are
+    MODEL_LORA_TARGETS' for the built-ins it names, else LORA_TARGETS'. Builds the model if needed."""
     from safetensors.numpy import save_file
 
     from tpugen.config.loras import safetensors_header
@@ -152,9 +177,10 @@ def make_lora(path: Path, fmt: str, *, seed: int, model: str = "tiny-sd", rank: 
 
     rng = np.random.default_rng(seed)
     root = builtin_path(model)
+    targets = MODEL_LORA_TARGETS.get(model, LORA_TARGETS)
     headers = {
         component: safetensors_header(next((root / component).glob("*.safetensors")))
-        for component in LORA_TARGETS
+        for component in targets
         if (root / component).is_dir()
     }
     # CLIP encoders only (they hold a position embedding): Flux's T5 has none.
@@ -164,7 +190,7 @@ def make_lora(path: Path, fmt: str, *, seed: int, model: str = "tiny-sd", rank: 
     for component, header in headers.items():
         for key, info in sorted(header.items()):
             module = key.removesuffix(".weight")
-            if not key.endswith(".weight") or not module.endswith(LORA_TARGETS[component]):
+            if not key.endswith(".weight") or not module.endswith(targets[component]):
                 continue
             shape = info["shape"]
             down = rng.normal(0, std, (rank, shape[1], *shape[2:])).astype(np.float32)

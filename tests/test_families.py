@@ -142,7 +142,7 @@ def test_models_lists_builtins_and_families():
     result = run_cli("models")
     assert result.exit_code == 0
     first_words = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
-    for model in ("tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-deep"):
+    for model in ("tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-deep", *NEW_FAMILY_MODELS):
         assert first_words.count(model) == 1, model
     classes = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("  ") and "Pipeline" in line}
     assert {
@@ -150,6 +150,10 @@ def test_models_lists_builtins_and_families():
         "StableDiffusionXLPipeline",
         "StableDiffusion3Pipeline",
         "FluxPipeline",
+        "Flux2Pipeline",
+        "Flux2KleinPipeline",
+        "ZImagePipeline",
+        "QwenImagePipeline",
     } <= classes
 
 

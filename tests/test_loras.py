@@ -395,8 +395,20 @@ def _weights(pipe, components) -> dict[str, dict]:
     return {c: {k: v.detach().clone() for k, v in getattr(pipe, c).state_dict().items()} for c in components}
 
 
+# The components each model's LoRA files name (the newer families' loaders take the transformer alone).
+LORA_COMPONENTS = {
+    "tiny-sdxl": ["unet", "text_encoder", "text_encoder_2"],
+    "tiny-flux": ["transformer", "text_encoder"],
+    **dict.fromkeys(["tiny-flux2-klein", "tiny-flux2", "tiny-z-image", "tiny-qwen-image"], ["transformer"]),
+}
+
+
 @pytest.mark.xla
-@pytest.mark.parametrize("model,fmt", [("tiny-sdxl", "peft"), ("tiny-sdxl", "kohya"), ("tiny-flux", "peft")])
+@pytest.mark.parametrize(
+    "model,fmt",
+    [("tiny-sdxl", "peft"), ("tiny-sdxl", "kohya"), ("tiny-flux", "peft"), ("tiny-flux2-klein", "peft"),
+     ("tiny-flux2", "peft"), ("tiny-z-image", "peft"), ("tiny-qwen-image", "peft")],
+)  # fmt: skip
 def test_sdxl_and_flux_loras_fuse_every_component_as_diffusers_does_and_switch_back(tmp_path, model, fmt):
     # The image path is the one the SD tests check against diffusers; here, each family's LoRA files reach every
     # component they name (both CLIP encoders of SDXL, Flux's transformer), fused as diffusers' own
@@ -411,7 +423,7 @@ def test_sdxl_and_flux_loras_fuse_every_component_as_diffusers_does_and_switch_b
         tmp_path, model={"id": model, "loras": [{"id": str(lora), "scale": 0.8}]}, execution={"backend": "cpu"}
     )
     run = load_config(write_config(tmp_path / "c.yaml", config))
-    components = ["unet", "text_encoder", "text_encoder_2"] if model == "tiny-sdxl" else ["transformer", "text_encoder"]
+    components = LORA_COMPONENTS[model]
 
     reference = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
     base = _weights(reference, components)
@@ -428,6 +440,7 @@ def test_sdxl_and_flux_loras_fuse_every_component_as_diffusers_does_and_switch_b
             assert changed, f"diffusers changed nothing in {component}"
             assert ours[component].keys() == fused[component].keys()
             worst = max(float((ours[component][k] - fused[component][k]).abs().max()) for k in changed)
+            print(f"{model} {fmt} {component}: {len(changed)} tensors fused, max difference {worst:.2e}")
             assert worst <= 1e-5, (component, worst)
             assert all(torch_equal(ours[component][k], base[component][k]) for k in base[component] if k not in changed)
         engine.use_loras([])

@@ -372,17 +372,17 @@ def models() -> None:
     entries += [(model_id, f, known.note) for model_id, (known, f) in KNOWN_MODELS.items()]
     for model_id, f, note in entries:
         d = model_defaults(model_id, f)
+        size = f"{d['height']}x{d['width']}"
         typer.echo(
-            f"  {model_id:45} {f.name:10} {d['height']}x{d['width']:<5} {d['steps']:>3} steps  "
-            f"guidance {d['guidance_scale']:<4}  {note}"
+            f"  {model_id:45} {f.name:12} {size:10} {d['steps']:>3} steps  guidance {d['guidance_scale']:<4}  {note}"
         )
     typer.echo("families (a pipeline is read by its model_index.json class; a class none of these covers is refused):")
     for f in FAMILIES.values():
         scheduler = "keeps its flow-matching scheduler" if f.flow_matching else "any model.scheduler name"
-        cfg = "CFG above guidance 1" if f.cfg else "no CFG"
+        size = f"{f.size}x{f.size}"
         typer.echo(
-            f"  {f.name:10} {', '.join(f.pipeline_classes):26} {f.size}x{f.size:<5} {f.steps:>3} steps  "
-            f"guidance {f.guidance_scale:<4}  {cfg}; {scheduler}"
+            f"  {f.name:12} {', '.join(f.pipeline_classes):26} {size:10} {f.steps:>3} steps  "
+            f"guidance {f.guidance_scale:<4}  {f.guidance_note}; {scheduler}"
         )
 
 

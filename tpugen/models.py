@@ -109,8 +109,9 @@ def model_defaults(model_id: str, family: Family) -> dict:
     known = KNOWN_MODELS.get(model_id, (None,))[0]
     builtin = BUILTINS.get(model_id, (None,))[0]
     size = (known and known.size) or (builtin and builtin.size) or family.size
-    steps = (known and known.steps) or family.steps
-    guidance = known.guidance_scale if known and known.guidance_scale is not None else family.guidance_scale
+    steps = (known and known.steps) or (builtin and builtin.steps) or family.steps
+    given = [m.guidance_scale for m in (known, builtin) if m is not None and m.guidance_scale is not None]
+    guidance = given[0] if given else family.guidance_scale
     return {"height": size, "width": size, "steps": steps, "guidance_scale": guidance}
 
 

@@ -38,6 +38,8 @@ class Builtin:
     build_version: int  # bumped whenever the builder changes, so stale caches are rebuilt
     build: Callable[[Path], None]  # saves the pipeline to the folder it is given (imports model code itself)
     size: int = 64
+    steps: int | None = None  # where it differs from its family's default
+    guidance_scale: float | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,11 @@ class Family:
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Whether a call at this guidance runs classifier-free guidance (a second pass, another shape key)."""
         return self.cfg and guidance_scale > 1.0
+
+    @property
+    def guidance_note(self) -> str:
+        """What guidance does for this family, for `tpugen models`."""
+        return "CFG above guidance 1" if self.cfg else "no CFG"
 
     # ---------------------------------------------------------------- loading and calling (import torch lazily)
 

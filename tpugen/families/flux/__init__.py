@@ -61,6 +61,7 @@ class Flux(TransformerFamily):
     # Flux.1 has no classifier-free guidance: schnell ignores guidance_scale, dev embeds it as a number.
     guidance_scale = 0.0
     cfg = False
+    guidance_note = "no CFG; dev embeds guidance, schnell ignores it"
     negative_prompt = False
     max_sequence_length = 512  # T5 tokens
     patch = 2  # 2x2 patches of the latent packed into one token

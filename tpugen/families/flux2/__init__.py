@@ -37,8 +37,11 @@ def _qwen3(width: int, mlp: int) -> dict:
     }
 
 
-# Mistral Small 3.2 24B with its Pixtral vision tower (loaded, never run: tpugen gives it no image).
+# Mistral Small 3.2 24B with its Pixtral vision tower (loaded, never run: tpugen gives it no image). Its lm_head is
+# a weight of its own (the checkpoint holds both); transformers 5's Mistral3Config ties it to the embeddings by
+# default, which would count 0.67B parameters too few.
 _MISTRAL_SMALL = {
+    "tie_word_embeddings": False,
     "text_config": {
         "model_type": "mistral",
         "hidden_size": 5120,
@@ -89,6 +92,7 @@ class Flux2(TransformerFamily):
     guidance_scale = 4.0  # embedded in the transformer, as FLUX.1-dev's: no CFG
     cfg = False
     negative_prompt = False
+    guidance_note = "no CFG; guidance embedded in the transformer"
     max_sequence_length = 512  # the pipelines pad their text to this many tokens
     patch = 2  # 2x2 patches of the latent are one token (the transformer's own patch_size is 1)
     # diffusers' converter also reads kohya and BFL files (lora_unet_double_blocks_*, diffusion_model.*).
@@ -180,6 +184,7 @@ class Flux2Klein(Flux2):
     pipeline_classes = ("Flux2KleinPipeline",)
     # The base models: CFG against an empty prompt above guidance 1 (a second pass); the distilled ones ignore it.
     cfg = True
+    guidance_note = "base: CFG against an empty prompt above guidance 1; distilled: guidance ignored"
     builtins = (
         Builtin(
             "tiny-flux2-klein",
@@ -192,7 +197,8 @@ class Flux2Klein(Flux2):
             "FLUX.2 [klein] distilled architecture (Qwen3 text encoder, no guidance) with tiny random weights; noise",
             1,
             _build_klein_distilled,
-            size=64,
+            steps=4,
+            guidance_scale=1.0,
         ),
     )
     known_models = (

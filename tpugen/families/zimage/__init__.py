@@ -94,6 +94,8 @@ class ZImage(TransformerFamily):
     def uses_cfg(self, guidance_scale: float) -> bool:
         return guidance_scale > 0  # ZImagePipeline's own rule: g = 1 still runs the negative pass
 
+    guidance_note = "CFG above guidance 0 (Turbo: guidance 0, no CFG)"
+
     def text_length(self, pipe) -> int | None:
         return self.max_sequence_length
 
