@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -281,3 +282,70 @@ def test_new_family_has_three_graphs_one_transfer_and_diffusers_pixels(model, tm
     for name, expected in reference.items():
         ours = np.asarray(Image.open(run_dir / name).convert("RGB"), dtype=np.int16)
         assert int(np.abs(ours - expected.astype(np.int16)).max()) <= COMPILED_VS_EAGER, name
+
+
+# ---------------------------------------------------------------- what a failed load says
+
+
+def test_a_gated_model_without_any_token_says_to_log_in(monkeypatch):
+    import huggingface_hub
+
+    from tpugen.models import hub_failure
+
+    class GatedRepoError(Exception):
+        pass
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    assert hub_failure(GatedRepoError("403")) == (
+        "gated on the hub and no token is set (accept the licence on the model page, then `hf auth login` or set "
+        "HF_TOKEN)"
+    )
+    # A user who ran `hf auth login` has a token without HF_TOKEN: the account is what lacks access.
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_saved_by_login")
+    assert hub_failure(GatedRepoError("403")) == (
+        "gated on the hub and your token's account has no access (accept the licence on the model page)"
+    )
+
+
+@pytest.mark.xla
+def test_a_local_folder_that_fails_to_load_offline_says_its_own_reason(tmp_path, monkeypatch):
+    import shutil
+
+    from tpugen.tiny import builtin_path
+
+    folder = tmp_path / "broken"
+    shutil.copytree(builtin_path("tiny-sd"), folder)
+    (folder / "unet" / "config.json").write_text("{not json")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = tiny_config(tmp_path, model={"id": str(folder)}, execution={"backend": "cpu"})
+    result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
+    assert result.exit_code == 1
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: model.id: cannot load '{folder}': ")
+    assert "offline" not in line and "hub" not in line, line
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.xla
+def test_the_first_screen_of_the_demo_is_tpugens_own(tmp_path):
+    """A fresh cache builds tiny-sd first: nothing of the libraries' own (save_pretrained's progress bar,
+    transformers' missing-torchvision notices) reaches the screen."""
+    import os
+    import subprocess
+
+    from conftest import TPUGEN
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+    proc = subprocess.run(
+        [TPUGEN, "generate", str(config), f"output.dir={tmp_path / 'out'}", "prompts=[a cat]", "steps=2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PJRT_DEVICE": "CPU", "TPUGEN_CACHE": str(tmp_path / "cache")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    screen = proc.stdout + proc.stderr
+    for foreign in ("Writing model shards", "torchvision", "it/s]", "Loading pipeline components"):
+        assert foreign not in screen, (foreign, screen)
+    assert proc.stderr.lstrip().startswith("loading tiny-sd onto xla"), proc.stderr[:300]

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpugen.errors import one_line
 from tpugen.families import BUILTINS, KNOWN_MODELS, Family, covered_classes, family_for_class
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -124,22 +125,37 @@ _MISSING_FILE = "EntryNotFoundError"
 _OFFLINE = ("OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectionError", "ConnectError", "ConnectTimeout")
 
 
-def hub_failure(exc: BaseException, *, what: str = "model", file: str | None = None) -> str:
-    """Why `what` (a model, a LoRA) could not be had from the hub, in the words a user can act on: offline,
-    gated, missing, or as raised. `file`: the file asked for, named when the repo lacks it."""
+def hub_failure(exc: BaseException, *, what: str = "model", file: str | None = None, from_hub: bool = True) -> str:
+    """Why `what` (a model, a LoRA) could not be had, in the words a user can act on: offline, gated, missing,
+    or as raised. `file`: the file asked for, named when the repo lacks it. `from_hub`: False for a local folder,
+    whose failure is its own (HF_HUB_OFFLINE then explains nothing)."""
     chain, seen = [], exc
     while seen is not None and len(chain) < 10:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
     names = {type(e).__name__ for e in chain}
     if _GATED in names:
-        if not os.environ.get("HF_TOKEN"):
-            return "gated on the hub and HF_TOKEN is not set (accept the licence, then set HF_TOKEN)"
-        return "gated on the hub and HF_TOKEN's account has no access (accept the licence on the model page)"
+        if not _hub_token():
+            return (
+                "gated on the hub and no token is set (accept the licence on the model page, then "
+                "`hf auth login` or set HF_TOKEN)"
+            )
+        return "gated on the hub and your token's account has no access (accept the licence on the model page)"
     if names & set(_MISSING_REPO):
-        return f"no such {what} on the hub (or it is private: set HF_TOKEN)"
+        return f"no such {what} on the hub (or it is private: `hf auth login` or set HF_TOKEN)"
     if _MISSING_FILE in names and file:
         return f"the repo has no file {file!r}"
-    if names & set(_OFFLINE) or os.environ.get("HF_HUB_OFFLINE") == "1":
+    offline_set = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    if names & set(_OFFLINE) or (from_hub and offline_set):
         return f"offline: the hub cannot be reached and the {what} is not in the local cache (HF_HOME)"
-    return (str(exc).strip().split("\n") or [type(exc).__name__])[0]
+    return one_line(exc)
+
+
+def _hub_token() -> str | None:
+    """The token huggingface_hub would send: HF_TOKEN, else the one `hf auth login` saved."""
+    try:
+        from huggingface_hub import get_token
+
+        return get_token()
+    except Exception:  # an unreadable token file counts as none
+        return os.environ.get("HF_TOKEN")

@@ -28,6 +28,7 @@ def builtin_path(name: str) -> Path:
     # Build beside the target and rename, so an interrupted build never looks finished.
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
+        _without_progress_bars()  # save_pretrained's "Writing model shards" bar is not tpugen's output
         BUILTINS[name][0].build(staging / "pipeline")
         try:
             (staging / "pipeline").rename(target)
@@ -37,3 +38,11 @@ def builtin_path(name: str) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _without_progress_bars() -> None:
+    import diffusers
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.disable_progress_bar()

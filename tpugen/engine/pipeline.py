@@ -289,7 +289,8 @@ def read_from_disk(model, source, family: Family) -> tuple:
         with contextlib.redirect_stdout(io.StringIO()):
             pipe = DiffusionPipeline.from_pretrained(location, **options)
     except Exception as exc:  # any loader failure becomes one line naming the model
-        raise RunError(f"model.id: cannot load {model.id!r}: {hub_failure(exc)}") from exc
+        why = hub_failure(exc, from_hub=source.kind == "hub")
+        raise RunError(f"model.id: cannot load {model.id!r}: {why}") from exc
 
     if model.scheduler:
         import diffusers
