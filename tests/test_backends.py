@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -213,7 +214,11 @@ def test_every_command_sets_defer_and_fuse_before_torch_is_imported(tmp_path, co
     assert proc.stdout.splitlines()[-2:] == ["exit 0", "torch imported with ['1']"], proc.stderr
     if command != "warmup":
         report = json.loads((run_dir / "report.json").read_text())
-        assert report["complete"] and report["device"]["environment"] == {"TORCH_TPU_DEFER_AND_FUSE": "1"}
+        assert report["complete"] and report["device"]["environment"] == {
+            "TORCH_TPU_DEFER_AND_FUSE": "1",
+            # TorchTPU's persistent cache is on by default, in tpugen's cache
+            "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": str(Path(os.environ["TPUGEN_CACHE"]) / "torch_tpu"),
+        }
 
 
 def test_cuda_without_a_gpu_is_one_line(tmp_path):
@@ -244,3 +249,45 @@ def test_compile_options_are_checked_against_the_backend(tmp_path):
         "error: compile.torch_compile: is for the cpu and cuda backends; xla compiles through torch_xla, "
         "and torch_tpu compiles with execution.torch_tpu.mode: compile",
     ]
+
+
+@pytest.mark.xla
+def test_torch_tpu_keeps_its_persistent_cache_where_cache_dir_says(tmp_path):
+    """TorchTPU reads its compiled programs back across processes (torch_xla 2.9 cannot on a TPU): tpugen sets
+    TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT before torch is imported, and the report gives the cache's counts."""
+    log = tmp_path / "torch_tpu.log"
+    config = tiny_config(
+        tmp_path,
+        prompts=["a cat"],
+        steps=2,
+        batch_size=1,
+        execution={"backend": "torch_tpu"},
+        cache={"dir": str(tmp_path / "compiled")},
+    )
+    path = write_config(tmp_path / "c.yaml", config)
+    env = {**os.environ, "PYTHONPATH": str(FAKES), "FAKE_TORCH_TPU_LOG": str(log)}
+    env.pop("TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT", None)
+    proc = subprocess.run([TPUGEN, "generate", str(path), "--quiet"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    imports = [json.loads(line) for line in log.read_text().splitlines() if '"import"' in line]
+    assert imports[0]["TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"] == str(tmp_path / "compiled")
+    assert not imports[0]["torch_already_imported"]
+    report = json.loads((tmp_path / "outputs" / "run" / "report.json").read_text())
+    assert report["device"]["compile_cache"] == {
+        "enabled": True,
+        "dir": str(tmp_path / "compiled"),
+        "stats": {"hits": 0, "requests": 0},
+        "note": "on",
+    }
+
+
+def test_a_gs_cache_is_for_torch_tpu_only(tmp_path):
+    config = tiny_config(tmp_path, cache={"dir": "gs://bucket/cache"})
+    result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "error: cache.dir: 'gs://bucket/cache': a gs:// cache is for execution.backend: torch_tpu; torch_xla's "
+        "cache is a local directory\n"
+    )
+    config["execution"] = {"backend": "torch_tpu"}
+    assert run_cli("validate", write_config(tmp_path / "c.yaml", config)).exit_code == 0

@@ -54,12 +54,17 @@ def test_torchrun_command_and_environment(tmp_path):
         config = tiny_config(tmp_path, execution={"mode": "multi", **execution, "torch_tpu": {"mode": mode}})
         return rank_environment(load_config(write_config(tmp_path / "c.yaml", config)), 2, base, host_cores=4)
 
+    cache = str(Path(os.environ["TPUGEN_CACHE"]) / "torch_tpu")  # TorchTPU's persistent cache, on by default
     assert env("defer_and_fuse", {"A": "1"}, backend="torch_tpu") == {
         "A": "1",
         "TORCH_TPU_DEFER_AND_FUSE": "1",
+        "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": cache,
         "OMP_NUM_THREADS": "2",
     }
-    assert env("eager", {}, backend="torch_tpu") == {"OMP_NUM_THREADS": "2"}
+    assert env("eager", {}, backend="torch_tpu") == {
+        "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": cache,
+        "OMP_NUM_THREADS": "2",
+    }
     assert env("defer_and_fuse", {"OMP_NUM_THREADS": "3"}, backend="cpu", cores=2) == {"OMP_NUM_THREADS": "3"}
 
 

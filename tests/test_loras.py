@@ -83,7 +83,10 @@ BAD_LORAS = [
     (
         "a Flux LoRA on SD 1.x",
         {"id": "flux-style.safetensors"},
-        ["model.loras[0].id: 'flux-style' is a LoRA for Flux.1 (schnell, dev) (its keys have Flux's double- and"],
+        [
+            "model.loras[0].id: 'flux-style' is a LoRA for Flux.1 (schnell, dev) or FLUX.2 [klein] or FLUX.2 [dev] "
+            "(its keys have Flux's double- and"
+        ],
     ),
     ("negative scale", {"id": "ok.safetensors", "scale": -0.5}, ["model.loras[0].scale: must be from 0 to 4"]),
     ("absurd scale", {"id": "ok.safetensors", "scale": 12}, ["model.loras[0].scale: must be from 0 to 4"]),
@@ -115,6 +118,33 @@ def test_a_bad_lora_is_one_line_and_exit_2_before_anything_loads(tmp_path, comma
     (line,) = result.stderr.splitlines()
     assert line.startswith("error: " + expected[0].replace("{tmp}", str(tmp_path))), line
     assert not (tmp_path / "outputs").exists()
+
+
+FLUX_FAMILIES = {"flux", "flux2_klein", "flux2"}
+
+
+@pytest.mark.parametrize(
+    "keys,families,absent",
+    [
+        # kohya's Flux names start lora_unet_ as a UNet's do: both Flux loaders read them, no UNet family does.
+        (["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight", "lora_unet_single_blocks_0_linear1.alpha"],
+         FLUX_FAMILIES, {"sd", "sdxl", "zimage", "qwenimage"}),
+        # FLUX.2's diffusers names have Flux.1's single_transformer_blocks; BFL's have its double_blocks.
+        (["transformer.single_transformer_blocks.0.attn.to_qkv_mlp_proj.lora_A.weight"], FLUX_FAMILIES, {"sd3"}),
+        (["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"], FLUX_FAMILIES, {"sd", "zimage"}),
+        # Z-Image's and Qwen-Image's kohya files name their blocks lora_unet_*: the door lets them (and SD's) by.
+        (["lora_unet_layers_0_attention_to_q.lora_down.weight"], {"zimage", "sd"}, {"flux", "sd3"}),
+        (["lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight"], {"qwenimage", "sd"}, {"flux", "sd3"}),
+        (["transformer.layers.0.attention.to_q.lora_A.weight"], {"zimage", "qwenimage", "flux2", "sd3"}, {"sd"}),
+        (SDXL_KEYS, {"sdxl"}, {"sd", "flux2", "zimage", "qwenimage"}),
+    ],
+    ids=["kohya Flux", "FLUX.2 diffusers", "BFL Flux", "kohya Z-Image", "kohya Qwen-Image", "Z-Image", "SDXL"],
+)  # fmt: skip
+def test_lora_keys_tell_the_families_they_can_be_for(keys, families, absent):
+    from tpugen.config.loras import lora_families
+
+    found, _ = lora_families(keys)
+    assert families <= found and not absent & found, sorted(found)
 
 
 def test_the_config_hash_follows_the_lora_set_its_scales_and_its_content(tmp_path):
@@ -203,6 +233,50 @@ def test_a_lora_that_does_not_fit_the_model_is_refused_before_any_weights_are_re
     path = write_config(tmp_path / "c.yaml", lora_config(tmp_path, "odd", [{"id": "odd.safetensors"}]))
 
     result = run_cli("generate", path, "--quiet")
+
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: {expected}"]
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize(
+    "model,fmt,expected",
+    [
+        (
+            "tiny-z-image",
+            "kohya",
+            # Z-Image lists UNet block names (its kohya files are lora_unet_layers_*): the module names tell.
+            "model.loras[0].id: 'sd-kohya': 102 of its 102 modules match no module of tiny-z-image (e.g. "
+            "transformer.lora.te.text.model.encoder.layers.0.mlp.fc1); it is a LoRA for another model",
+        ),
+        (
+            "tiny-z-image",
+            "peft",
+            "model.loras[0].id: 'sd-peft': 204 of its tensors are for no component this pipeline loads LoRAs into "
+            "(transformer), e.g. text_encoder.text_model.encoder.layers.0.mlp.fc1.lora_A.weight; it is not a LoRA "
+            "for tiny-z-image",
+        ),
+        (
+            "tiny-flux2-klein",
+            "kohya",
+            # FLUX.2's kohya converter drops every key it does not know: nothing is left to load.
+            "model.loras[0].id: 'sd-kohya': diffusers' Flux2KleinPipeline loader reads none of its tensors as LoRA "
+            "factors for the transformer; it is not a LoRA for tiny-flux2-klein (FLUX.2 [klein])",
+        ),
+    ],
+    ids=["SD kohya on Z-Image", "SD peft on Z-Image", "SD kohya on FLUX.2 klein"],
+)
+def test_an_sd_lora_on_a_new_family_is_refused_in_one_line_before_any_weights_are_read(
+    tmp_path, monkeypatch, model, fmt, expected
+):
+    import tpugen.engine.engine
+
+    lora = make_lora(tmp_path / f"sd-{fmt}.safetensors", fmt, seed=1)  # builds tiny-sd's files if needed
+    monkeypatch.setattr(tpugen.engine.engine, "read_shared", lambda *a, **k: pytest.fail("weights were read"))
+    config = tiny_config(tmp_path, model={"id": model, "loras": [{"id": str(lora)}]}, prompts=PROMPTS, steps=2)
+
+    result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
 
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines() == [f"error: {expected}"]
@@ -388,6 +462,37 @@ def test_images_manifest_and_report_name_each_lora_with_its_scale_and_hash(warm_
     assert f"style-kohya at 0.7 (hash {kohya}" in (run_dir / "report.md").read_text()
 
 
+@pytest.mark.xla
+def test_a_lora_on_z_image_compiles_the_base_models_three_graphs_and_nothing_after_warmup(tmp_path):
+    # A 2026 family through the whole run: the LoRA fused on the host, its graphs the base model's (the base run
+    # after it, in this process, compiles nothing at the same shape key) and none after warmup.
+    lora = make_lora(tmp_path / "z-peft.safetensors", "peft", seed=6, model="tiny-z-image")
+    reports, images = {}, {}
+    for name, loras in (("lora", [{"id": str(lora), "scale": 0.8}]), ("base", [])):
+        config = tiny_config(
+            tmp_path,
+            model={"id": "tiny-z-image", "loras": loras},
+            prompts=PROMPTS,
+            steps=2,
+            height=48,  # a shape key no other test compiles for tiny-z-image, so the counts are exact
+            output={"run_id": name},
+        )
+        result = run_cli("generate", write_config(tmp_path / f"{name}.yaml", config), "--quiet")
+        assert result.exit_code == 0, result.output
+        run_dir = tmp_path / "outputs" / name
+        reports[name] = json.loads((run_dir / "report.json").read_text())
+        images[name] = [np.asarray(Image.open(p)) for p in sorted(run_dir.glob("[0-9]*.png"))]
+    (warm,) = reports["lora"]["warmup"]
+    assert warm["graphs_per_phase"] == {"text encoding": 1, "first denoising step": 1, "later denoising steps": 0,
+                                        "decoding": 1}  # fmt: skip
+    assert warm["compiles"] == 3 and reports["lora"]["compiles_after_warmup"] == 0
+    assert [entry["name"] for entry in reports["lora"]["model"]["loras"]] == ["z-peft"]
+    assert reports["base"]["warmup"][0]["compiles"] == 0 and reports["base"]["compiles_after_warmup"] == 0
+    assert len(images["lora"]) == len(images["base"]) == 2
+    diffs = [int(np.abs(a.astype(int) - b).max()) for a, b in zip(images["lora"], images["base"], strict=True)]
+    assert min(diffs) > 10, diffs  # the LoRA is in the weights
+
+
 # ---------------------------------------------------------------- SDXL and Flux (eager CPU: the weights are the point)
 
 
@@ -435,14 +540,18 @@ def test_sdxl_and_flux_loras_fuse_every_component_as_diffusers_does_and_switch_b
     engine = Engine.open(EngineSpec.of(run))
     try:
         ours = _weights(engine.loaded.pipe, components)
+        modules = sum(key.endswith((".lora_A.weight", ".lora_down.weight")) for key in json.loads(_header(lora)))
+        changes = 0
         for component in components:
             changed = [k for k in base[component] if not torch_equal(base[component][k], fused[component][k])]
+            changes += len(changed)
             assert changed, f"diffusers changed nothing in {component}"
             assert ours[component].keys() == fused[component].keys()
             worst = max(float((ours[component][k] - fused[component][k]).abs().max()) for k in changed)
             print(f"{model} {fmt} {component}: {len(changed)} tensors fused, max difference {worst:.2e}")
             assert worst <= 1e-5, (component, worst)
             assert all(torch_equal(ours[component][k], base[component][k]) for k in base[component] if k not in changed)
+        assert changes == modules  # every module the file names, one weight each
         engine.use_loras([])
         restored = _weights(engine.loaded.pipe, components)
         for component in components:

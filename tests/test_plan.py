@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from conftest import tiny_config, write_config
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_cli, tiny_config, write_config
 
 from tpugen.config import load_config
 from tpugen.plan import Batch, ShapeKey, WorkItem, plan_run
@@ -84,3 +89,72 @@ def test_ten_prompts_two_sizes_batch_four_compiles_two_shapes(tmp_path):
     plan = plan_run(load_config(write_config(tmp_path / "c.yaml", config)))
     assert [str(k) for k in plan.shape_keys] == ["64x64 b4 cfg", "96x64 b4 cfg"]
     assert [(len(b.items), b.padding) for b in plan.batches] == [(4, 0), (4, 0), (2, 2)] * 2
+
+
+# The shipped configs of the 2026 families: each component's parameters and bfloat16 GB as `tpugen plan` counts them
+# on the meta device (no download), and the verdicts (one chip, then the config's way of running) for the chip each
+# config names and for a v5e, where FLUX.2 [dev] and Qwen-Image need SPMD.
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+REAL_MODELS = [
+    (
+        "flux2-klein-4b.yaml",
+        {"text_encoder": ("4.022 B", "8.04"), "transformer": ("3.876 B", "7.75"), "vae": ("0.084 B", "0.17")},
+        "15.96",
+        ("v6e (32 GB per chip): fits", "this config (the whole model on each chip): fits"),
+        ("v5e (16 GB per chip): offload", "needs 19.2 GB with headroom, more than one v5e chip (16 GB)"),
+    ),
+    (
+        "z-image-turbo.yaml",
+        {"transformer": ("6.155 B", "12.31"), "text_encoder": ("4.022 B", "8.04"), "vae": ("0.084 B", "0.17")},
+        "20.52",
+        ("v6e (32 GB per chip): fits", "this config (the whole model on each chip): fits"),
+        ("v5e (16 GB per chip): offload", "needs 24.6 GB with headroom, more than one v5e chip (16 GB)"),
+    ),
+    (
+        "flux2-dev.yaml",
+        {"transformer": ("32.223 B", "64.45"), "text_encoder": ("24.011 B", "48.02"), "vae": ("0.084 B", "0.17")},
+        "112.64",
+        ("v6e (32 GB per chip): shard -- transformer alone does not fit one v6e chip", "fits a VM of 8 chips or more"),
+        ("v5e (16 GB per chip): shard -- transformer alone does not fit one v5e chip", "does not fit 8 chips"),
+    ),
+    (
+        "qwen-image.yaml",
+        {"transformer": ("20.430 B", "40.86"), "text_encoder": ("8.292 B", "16.58"), "vae": ("0.127 B", "0.25")},
+        "57.70",
+        ("v6e (32 GB per chip): shard -- transformer alone does not fit one v6e chip", "fits a VM of 4 chips or more"),
+        ("v5e (16 GB per chip): shard -- transformer alone does not fit one v5e chip", "fits a VM of 8 chips or more"),
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def counted_once():
+    """The four models counted on the meta device in one process that never imports torch_xla, into the tests'
+    TPUGEN_CACHE: a cold `tpugen plan` counts each in a process of its own (about 6 s here, mostly importing
+    diffusers and transformers), and the plans below then read the kept counts, as a second plan does."""
+    code = (
+        "import sys; from tpugen.memory import _without_torch_xla, known_components, meta_parameters; "
+        "_without_torch_xla(); [meta_parameters(known_components(m)) for m in sys.argv[1:]]; "
+        "assert 'torch_xla' not in sys.modules"
+    )
+    models = [
+        "black-forest-labs/FLUX.2-klein-4B",
+        "Tongyi-MAI/Z-Image-Turbo",
+        "black-forest-labs/FLUX.2-dev",
+        "Qwen/Qwen-Image",
+    ]
+    proc = subprocess.run([sys.executable, "-c", code, *models], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("name,components,total,own_chip,v5e", REAL_MODELS, ids=[case[0] for case in REAL_MODELS])
+def test_plan_sizes_the_real_models_of_the_new_families(counted_once, name, components, total, own_chip, v5e):
+    for chip, verdicts in ((None, own_chip), ("v5e", v5e)):
+        result = run_cli("plan", CONFIGS / name, *(("--chip", chip) if chip else ()))
+        assert result.exit_code == 0, result.output
+        text = " ".join(result.stdout.split())  # rich wraps long lines
+        assert "memory in bfloat16 (configs on the meta device)" in text
+        for component, (parameters, gb) in components.items():
+            assert f"│ {component} │ {parameters} │ {gb} │" in text, (component, text)
+        assert f"│ total │ │ {total} │" in text
+        assert all(verdict in text for verdict in verdicts), text

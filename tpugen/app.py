@@ -20,6 +20,7 @@ from tpugen.memory import (
     how_it_runs,
     largest_attention,
     memory_plan_for,
+    weights_per_chip,
 )
 from tpugen.plan import RunPlan, plan_run
 
@@ -27,7 +28,7 @@ from tpugen.plan import RunPlan, plan_run
 def prepare_environment(run: ResolvedRun) -> None:
     """Variables a backend reads when torch is imported (TORCH_TPU_DEFER_AND_FUSE), set before anything in
     this process imports torch: every command that runs a model calls this first, and the report records it."""
-    os.environ.update(backend_environment(run.config.execution))
+    os.environ.update(backend_environment(run.config.execution, run.config.cache))
 
 
 def generate(
@@ -107,21 +108,27 @@ def plan(run: ResolvedRun) -> PlanView:
         if largest is not None:
             attention = attention_summary(largest, flash_on=flash.on, min_tokens=route.min_tokens)
     if fit == "fits" and memory and attention and attention["materialised"]:
-        fit = attention_fit(memory, attention, flash_route=bool(route.components)) or fit
+        fit = attention_fit(memory, attention, execution, flash_route=bool(route.components)) or fit
     return PlanView(run_plan, memory, how_it_runs(execution), fit, flash, attention)
 
 
-def attention_fit(memory, attention: dict, *, flash_route: bool) -> str | None:
+def attention_fit(memory, attention: dict, execution, *, flash_route: bool) -> str | None:
     """Why weights that fit a chip still do not, once one layer's full attention matrix is held beside them (a
-    lower bound on what a denoiser call needs), or None."""
-    weights, held = memory.total_bytes / 1e9, attention["gb"]
+    lower bound on what a denoiser call needs), or None. Under SPMD a chip holds its share of the weights and of
+    the matrix (the mesh splits rows and heads)."""
+    devices = execution.cores or (execution.mesh.data * execution.mesh.model) or 1
+    share = devices if execution.sharding == "spmd" else 1
+    weights = weights_per_chip(memory, execution, devices) / 1e9
+    held = attention["gb"] / share
     if weights + held <= memory.chip_gb:
         return None
     remedy = "a smaller size or batch" + (", or flash attention (compile.flash_attention)" if flash_route else "")
-    return (
-        f"does not fit: the weights ({weights:.2f} GB) and the largest attention matrix ({held:.2f} GB per layer) "
-        f"are over the {memory.chip}'s {memory.chip_gb:g} GB; use {remedy}"
-    )
+    held_text = f"({weights:.2f} GB) and the largest attention matrix ({held:.2f} GB per layer)"
+    if share > 1:
+        held_text = f"a chip's share of the weights ({weights:.2f} GB) and of the largest attention matrix ({held:.2f} GB per layer)"
+    else:
+        held_text = f"the weights {held_text}"
+    return f"does not fit: {held_text} are over the {memory.chip}'s {memory.chip_gb:g} GB; use {remedy}"
 
 
 def serve(run: ResolvedRun, *, host: str, port: int, api_key: str | None, display: Display | None = None) -> None:

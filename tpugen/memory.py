@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpugen.errors import InputError
 from tpugen.families import KNOWN_MODELS, Family
 
 # HBM per chip, GB (10^9 bytes), by TPU generation.
@@ -67,12 +68,33 @@ class MemoryPlan:
 # ---------------------------------------------------------------- counting parameters
 
 
+SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors format's own limit on its JSON header (as config/loras.py)
+
+
 def safetensors_parameters(path: Path) -> int:
-    """Parameters in one .safetensors file, from its header alone."""
+    """Parameters in one .safetensors file, from its header alone. The header's length is checked before it is
+    read (at most the format's 100 MB, and inside the file): a corrupt file is an InputError naming it, not
+    gigabytes read."""
     with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    return sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
+        head, size = handle.read(8), os.fstat(handle.fileno()).st_size
+        if len(head) < 8:
+            raise InputError(f"{path}: corrupt safetensors file ({size} bytes, shorter than its 8-byte header length)")
+        (length,) = struct.unpack("<Q", head)
+        if length > SAFETENSORS_MAX_HEADER:
+            why = "over the format's 100 MB limit"
+        elif length + 8 > size:
+            why = f"more than the file's {size} bytes hold"
+        elif length < 2:
+            why = "too short for a JSON header"
+        else:
+            why = None
+        if why:
+            raise InputError(f"{path}: corrupt safetensors file (its header length says {length} bytes, {why})")
+        try:
+            header = json.loads(handle.read(length))
+            return sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
+        except (ValueError, UnicodeDecodeError, AttributeError, KeyError, TypeError):
+            raise InputError(f"{path}: corrupt safetensors file (its header is not the JSON of tensor shapes)") from None
 
 
 def component_files(model_dir: Path, variant: str | None = None) -> dict[str, list[Path]]:
@@ -392,20 +414,13 @@ def fit_problem(plan: MemoryPlan, execution, devices: int, model: str) -> str | 
     Estimates with the plan's headroom: under spmd the denoiser (and text encoders from 2 GiB) is divided
     over the model axis and the rest copied to every chip; under offload the biggest component must fit alone.
     """
-    from tpugen.sharding import DENOISERS, TEXT_ENCODER_SHARD_BYTES
-
     capacity = plan.chip_gb * 1e9
     chip = f"one {plan.chip} chip ({plan.chip_gb:g} GB)"
     if execution.placement != "none":
         return None  # decided per chip when the components are assigned
     if execution.sharding == "spmd":
-        axis = execution.mesh.model or max(1, devices // execution.mesh.data)
-
-        def split(c: ComponentSize) -> bool:
-            return c.name in DENOISERS or (c.name.startswith("text_encoder") and c.bytes >= TEXT_ENCODER_SHARD_BYTES)
-
-        whole = sum(c.bytes for c in plan.components if not split(c)) * HEADROOM
-        parts = sum(c.bytes for c in plan.components if split(c)) * HEADROOM
+        axis = model_axis(execution, devices)
+        whole, parts = (HEADROOM * n for n in spmd_bytes(plan))
         if whole + parts / axis <= capacity:
             return None
         needed = math.ceil(parts / (capacity - whole)) if capacity > whole else None
@@ -430,6 +445,30 @@ def fit_problem(plan: MemoryPlan, execution, devices: int, model: str) -> str | 
     )
 
 
+def model_axis(execution, devices: int) -> int:
+    """The chips SPMD splits the big weights over: mesh.model, else what the data axis leaves of `devices`."""
+    return execution.mesh.model or max(1, devices // execution.mesh.data)
+
+
+def spmd_bytes(plan: MemoryPlan) -> tuple[int, int]:
+    """(bytes copied to every chip, bytes split over the model axis) under SPMD: the denoiser and text encoders
+    from 2 GiB are split (tpugen.sharding), the rest copied."""
+    from tpugen.sharding import DENOISERS, TEXT_ENCODER_SHARD_BYTES
+
+    def split(c: ComponentSize) -> bool:
+        return c.name in DENOISERS or (c.name.startswith("text_encoder") and c.bytes >= TEXT_ENCODER_SHARD_BYTES)
+
+    return sum(c.bytes for c in plan.components if not split(c)), sum(c.bytes for c in plan.components if split(c))
+
+
+def weights_per_chip(plan: MemoryPlan, execution, devices: int) -> int:
+    """The weights one chip holds: all of them, or under SPMD its share (no headroom added)."""
+    if execution.sharding != "spmd":
+        return plan.total_bytes
+    whole, parts = spmd_bytes(plan)
+    return int(whole + parts / model_axis(execution, devices))
+
+
 def how_it_runs(execution) -> str:
     """The config's way of using the chips, in its own keys' words."""
     if execution.sharding == "spmd":
@@ -447,7 +486,8 @@ def config_fit(plan: MemoryPlan, execution, model: str) -> str:
         return "decided per chip by `tpugen generate` from each chip's memory"
     if execution.sharding == "spmd" and not (execution.mesh.model or execution.cores):
         fits = [n for n in (1, 2, 4, 8) if n % execution.mesh.data == 0 and not fit_problem(plan, execution, n, model)]
-        return f"fits a VM of {fits[0]} chips or more" if fits else "does not fit 8 chips"
+        chips = f"{fits[0]} chip" + ("s" if fits and fits[0] > 1 else "") if fits else ""
+        return f"fits a VM of {chips} or more" if fits else "does not fit 8 chips"
     devices = execution.cores or (execution.mesh.data * execution.mesh.model) or 1
     return fit_problem(plan, execution, devices, model) or "fits"
 

@@ -37,16 +37,17 @@ def make_backend(execution, compile_config, cache, *, device_index: int | None =
     if name == "torch_tpu":
         from tpugen.backends.torch_tpu import TorchTpuBackend
 
-        return TorchTpuBackend(execution.torch_tpu.mode, compile_spec=spec)
+        return TorchTpuBackend(execution.torch_tpu.mode, compile_spec=spec, cache=cache)
     raise ValueError(f"unknown backend {name!r}")
 
 
-def backend_environment(execution) -> dict[str, str]:
-    """Variables a backend reads when torch is imported, which must be set before that import."""
+def backend_environment(execution, cache=None) -> dict[str, str]:
+    """Variables a backend reads when torch is imported, which must be set before that import (`cache`: the
+    config's cache section, for TorchTPU's persistent cache)."""
     if execution.backend == "torch_tpu":
         from tpugen.backends.torch_tpu import torch_tpu_environment
 
-        return torch_tpu_environment(execution.torch_tpu.mode)
+        return torch_tpu_environment(execution.torch_tpu.mode, cache)
     return {}
 
 

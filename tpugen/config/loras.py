@@ -96,13 +96,13 @@ def lora_families(keys: list[str]) -> tuple[set[str], str]:
     """The families a LoRA's keys say it can be for, and the evidence; every family when they do not say.
 
     Each family lists the signs its LoRAs may show (tpugen.families.base.LoraSign); a file showing a sign a
-    family lacks is not for that family."""
+    family lacks is not for that family. A sign that another sign the file shows implies says nothing of its own
+    (kohya's Flux block names start lora_unet_ as a UNet's do): a family need not list it."""
     signs = {sign.evidence: sign for f in FAMILIES.values() for sign in f.lora_signs}
     shown = [sign for sign in signs.values() if any(sign.test(key) for key in keys)]
-    families = {
-        name for name, f in FAMILIES.items() if {s.evidence for s in shown} <= {s.evidence for s in f.lora_signs}
-    }
     implied = {evidence for sign in shown for evidence in sign.implies}
+    told = {sign.evidence for sign in shown} - implied
+    families = {name for name, f in FAMILIES.items() if told <= {s.evidence for s in f.lora_signs}}
     evidence = " and ".join(sign.evidence for sign in shown if sign.evidence not in implied)
     return (families or set(FAMILIES)), evidence
 

@@ -116,7 +116,13 @@ def resolve(
             problems.append(f"serve.lora_dir: {str(folder)!r} is not a folder")
         config.serve.lora_dir = str(folder.resolve())
 
-    if config.cache.dir is not None:
+    if config.cache.dir is not None and config.cache.dir.startswith("gs://"):
+        if config.execution.backend != "torch_tpu":  # TorchTPU's own cache reads and writes Cloud Storage
+            problems.append(
+                f"cache.dir: {config.cache.dir!r}: a gs:// cache is for execution.backend: torch_tpu; "
+                "torch_xla's cache is a local directory"
+            )
+    elif config.cache.dir is not None:
         config.cache.dir = _local_dir("cache.dir", config.cache.dir, problems)
 
     if problems:

@@ -111,6 +111,13 @@ def check_fit(
             f"{where}.id: {lora.name!r}: {len(stray)} of its tensors are for no component this pipeline loads LoRAs "
             f"into ({', '.join(components)}), e.g. {stray[0]}; it is not a LoRA for {model}"
         )
+    if not any(parts.values()):
+        # Some converters drop the keys they do not know (FLUX.2's kohya one: a whole SD 1.x file), leaving nothing
+        # to load, which diffusers' fuse_lora would only refuse later with a message about its own arguments.
+        raise InputError(
+            f"{where}.id: {lora.name!r}: diffusers' {pipeline_class.__name__} loader reads none of its tensors as "
+            f"LoRA factors for the {' or '.join(components)}; it is not a LoRA for {model} ({title})"
+        )
     missing, wrong, whole, total = [], [], [], 0
     for component, part in parts.items():
         if not component or component not in shapes:
@@ -266,6 +273,8 @@ class LoraWeights:
                         layer._parameters[name] = nn.Parameter(working[key], requires_grad=False)
                         wrapped.append((key, layer, name, stub))
             components = [c for c in self.components if any(k[0] == c for k, *_ in wrapped)]
+            if not components:  # what check_fit refuses, should a LoRA reach here without it
+                raise InputError(f"model.loras: {lora.name!r} puts LoRA layers on no module of the model")
             try:
                 view.fuse_lora(components=components, lora_scale=lora.scale, safe_fusing=True, adapter_names=[adapter])
             except ValueError as exc:  # safe fusing found infinities or NaN

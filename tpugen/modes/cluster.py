@@ -206,7 +206,7 @@ class Cluster:
     def __init__(self, run: ResolvedRun) -> None:
         self.settings = run.config.execution.ray
         self.debug = os.environ.get("TPUGEN_DEBUG") == "1"
-        env = {**backend_environment(run.config.execution)}
+        env = {**backend_environment(run.config.execution, run.config.cache)}
         runtime_env = dict(self.settings.runtime_env or {})
         if env:
             runtime_env["env_vars"] = {**env, **(runtime_env.get("env_vars") or {})}

@@ -56,7 +56,7 @@ class HostWorker:
             return {**self.started, "fresh": False}
         from tpugen.backends import versions
 
-        os.environ.update(backend_environment(self.run.config.execution))  # before this process imports torch
+        os.environ.update(backend_environment(self.run.config.execution, self.run.config.cache))  # before torch
         begin = time.perf_counter()
         engine = Engine.open(EngineSpec.of(self.run))
         warmup = engine.warmup(self.warm) if self.warm is not None else []

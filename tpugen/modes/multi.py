@@ -92,7 +92,7 @@ def rank_environment(run: ResolvedRun, processes: int, base: dict[str, str], hos
     """The rank processes' environment: the variables the backend reads when torch is imported (so they are
     there before any process of the run imports it), and each rank's share of the host's cores unless the
     user chose (torchrun would otherwise set OMP_NUM_THREADS=1)."""
-    env = {**base, **backend_environment(run.config.execution)}
+    env = {**base, **backend_environment(run.config.execution, run.config.cache)}
     env.setdefault("OMP_NUM_THREADS", str(max(1, host_cores // processes)))
     return env
 

@@ -16,6 +16,7 @@ _IMPORTED = {
     "event": "import",
     "torch_already_imported": "torch" in sys.modules,
     "TORCH_TPU_DEFER_AND_FUSE": os.environ.get("TORCH_TPU_DEFER_AND_FUSE"),
+    "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": os.environ.get("TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"),
 }
 
 import torch  # noqa: E402
@@ -79,6 +80,8 @@ def install(patch=setattr) -> None:
         device_module.set_device = _set_device_index
         device_module.synchronize = lambda device=None: None
         device_module.empty_cache = lambda: None
+        # The persistent cache's counts, as torch.tpu._get_cache_stats() gives them: nothing is compiled here.
+        device_module._get_cache_stats = lambda: {"hits": 0, "requests": 0}
         torch._register_device_module("tpu", device_module)
         dist.Backend.register_backend("tpu_dist", _process_group, devices=["cpu"])
     patch(_state, "installed", True)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from tpugen.families.base import (
     TRANSFORMER_KEYS,
+    UNET_KEYS,
     Builtin,
     FlashRoute,
     KnownModel,
     LoraSign,
     TransformerFamily,
     keys_contain,
+    keys_start,
 )
 from tpugen.families.components import CLIP_L, T5_XXL, VAE_16
 from tpugen.sharding import ADALN, ATTENTION, COLUMN, FEED_FORWARD, ROW
@@ -18,6 +20,12 @@ FLUX_BLOCK_KEYS = LoraSign(
     "Flux's double- and single-stream block names",
     keys_contain("double_blocks", "single_blocks", "single_transformer_blocks"),
     implies=(TRANSFORMER_KEYS.evidence,),
+)
+# kohya's (sd-scripts') Flux files, which diffusers' Flux.1 and FLUX.2 loaders both read: lora_unet_ as a UNet's.
+FLUX_KOHYA_KEYS = LoraSign(
+    "kohya's Flux block names (lora_unet_double_blocks_*, lora_unet_single_blocks_*)",
+    keys_start("lora_unet_double_blocks_", "lora_unet_single_blocks_"),
+    implies=(UNET_KEYS.evidence, FLUX_BLOCK_KEYS.evidence),
 )
 
 _TRANSFORMER = {
@@ -65,7 +73,7 @@ class Flux(TransformerFamily):
     negative_prompt = False
     max_sequence_length = 512  # T5 tokens
     patch = 2  # 2x2 patches of the latent packed into one token
-    lora_signs = (TRANSFORMER_KEYS, FLUX_BLOCK_KEYS)
+    lora_signs = (TRANSFORMER_KEYS, FLUX_BLOCK_KEYS, FLUX_KOHYA_KEYS)
     builtins = (
         Builtin(
             "tiny-flux",

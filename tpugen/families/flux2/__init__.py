@@ -6,6 +6,7 @@ are batch-normalised."""
 from __future__ import annotations
 
 from tpugen.families.base import TRANSFORMER_KEYS, UNET_KEYS, Builtin, FlashRoute, KnownModel, TransformerFamily
+from tpugen.families.flux import FLUX_BLOCK_KEYS, FLUX_KOHYA_KEYS
 from tpugen.sharding import ATTENTION, COLUMN, ROW
 
 _VAE = {"latent_channels": 32}  # AutoencoderKLFlux2's defaults are the real VAE's
@@ -95,8 +96,9 @@ class Flux2(TransformerFamily):
     guidance_note = "no CFG; guidance embedded in the transformer"
     max_sequence_length = 512  # the pipelines pad their text to this many tokens
     patch = 2  # 2x2 patches of the latent are one token (the transformer's own patch_size is 1)
-    # diffusers' converter also reads kohya and BFL files (lora_unet_double_blocks_*, diffusion_model.*).
-    lora_signs = (TRANSFORMER_KEYS, UNET_KEYS)
+    # diffusers' converter also reads kohya and BFL files (lora_unet_double_blocks_*, diffusion_model.*); its own
+    # names have Flux.1's single_transformer_blocks.
+    lora_signs = (TRANSFORMER_KEYS, UNET_KEYS, FLUX_BLOCK_KEYS, FLUX_KOHYA_KEYS)
     builtins = (
         Builtin(
             "tiny-flux2",
@@ -108,7 +110,10 @@ class Flux2(TransformerFamily):
     known_models = (
         KnownModel(
             "black-forest-labs/FLUX.2-dev",
-            note="gated (HF_TOKEN); ~112 GB in bfloat16 (32.2B transformer, 24B Mistral): SPMD over a v5p-8 or v6e-8",
+            note=(
+                "gated (HF_TOKEN); 112.6 GB in bfloat16 (32.2B transformer 64.4 GB, 24.0B Mistral Small 3.2 48.0 GB): "
+                "no single chip; SPMD over 8 v6e chips or 2+ v5p chips (8 v5e chips are too few)"
+            ),
             components={
                 "text_encoder": ("Mistral3ForConditionalGeneration", _MISTRAL_SMALL),
                 "transformer": ("Flux2Transformer2DModel", _transformer(8, 48, 48, 5120, True)),
@@ -206,7 +211,10 @@ class Flux2Klein(Flux2):
             "black-forest-labs/FLUX.2-klein-4B",
             steps=4,
             guidance_scale=1.0,
-            note="distilled: 4 steps; ~16 GB in bfloat16 (3.9B transformer, Qwen3-4B): a v6e chip, or SPMD on a v5e-2",
+            note=(
+                "distilled: 4 steps; 16.0 GB in bfloat16 (3.88B transformer 7.8 GB, Qwen3-4B 8.0 GB): fits one v6e "
+                "or v5p chip; on v5e offload, or SPMD over 2+ chips"
+            ),
             components={
                 "text_encoder": ("Qwen3ForCausalLM", _qwen3(2560, 9728)),
                 "transformer": ("Flux2Transformer2DModel", _transformer(5, 20, 24, 2560, False)),
@@ -217,7 +225,10 @@ class Flux2Klein(Flux2):
             "black-forest-labs/FLUX.2-klein-9B",
             steps=4,
             guidance_scale=1.0,
-            note="distilled: 4 steps; ~35 GB in bfloat16 (9.1B transformer, Qwen3-8B): SPMD over a v6e-2 or v5e-4",
+            note=(
+                "distilled: 4 steps; 34.7 GB in bfloat16 (9.08B transformer 18.2 GB, Qwen3-8B 16.4 GB): fits one v5p "
+                "chip; on v6e offload, or SPMD over 2+ chips; on v5e SPMD over 4+ chips"
+            ),
             components={
                 "text_encoder": ("Qwen3ForCausalLM", _qwen3(4096, 12288)),
                 "transformer": ("Flux2Transformer2DModel", _transformer(8, 24, 32, 4096, False)),

@@ -73,7 +73,10 @@ class QwenImage(TransformerFamily):
     known_models = (
         KnownModel(
             "Qwen/Qwen-Image",
-            note="~57 GB in bfloat16 (20.4B transformer, 8.3B Qwen2.5-VL): split it over a v5e-8 or v6e-4 with SPMD",
+            note=(
+                "57.7 GB in bfloat16 (20.4B transformer 40.9 GB, 8.29B Qwen2.5-VL 16.6 GB): fits one v5p chip; "
+                "SPMD over 4+ v6e chips or 8 v5e chips"
+            ),
             components={
                 "text_encoder": ("Qwen2_5_VLForConditionalGeneration", _TEXT_ENCODER),
                 "transformer": ("QwenImageTransformer2DModel", _TRANSFORMER),

@@ -61,7 +61,10 @@ class ZImage(TransformerFamily):
             "Tongyi-MAI/Z-Image-Turbo",
             steps=9,
             guidance_scale=0.0,
-            note="distilled: 9 steps, no CFG; ~20.4 GB in bfloat16 (6.15B DiT, Qwen3-4B): a v6e chip, or SPMD on a v5e-2",
+            note=(
+                "distilled: 9 steps, no CFG; 20.5 GB in bfloat16 (6.15B DiT 12.3 GB, Qwen3-4B 8.0 GB): fits one v6e "
+                "or v5p chip; on v5e offload, or SPMD over 2+ chips"
+            ),
             components={
                 "text_encoder": ("Qwen3Model", _QWEN3_4B),
                 "transformer": ("ZImageTransformer2DModel", _TRANSFORMER),
