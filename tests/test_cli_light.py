@@ -96,3 +96,24 @@ def test_plan_counts_the_largest_attention_matrix_beside_the_weights(tmp_path):
         "(549.76 GB per layer) are over the v5e's 16 GB; use a smaller size or batch, or flash attention "
         "(compile.flash_attention)"
     )
+
+
+def test_every_execution_mode_is_one_mode_of_the_registry():
+    import typing
+
+    from tpugen.config.schema import ExecutionConfig
+    from tpugen.modes import MODES
+
+    modes = typing.get_args(ExecutionConfig.model_fields["mode"].annotation)
+    assert sorted(MODES) == sorted(modes)
+    assert all(mode.name == name and callable(mode.run) for name, mode in MODES.items())
+
+
+def test_skip_warmup_in_multi_mode_is_refused_in_one_line(tmp_path):
+    from conftest import run_cli, tiny_config, write_config
+
+    config = tiny_config(tmp_path, execution={"mode": "multi", "backend": "cpu", "cores": 2})
+    result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--skip-warmup", "--quiet")
+    assert result.exit_code == 2
+    assert result.stderr == "error: --skip-warmup: execution.mode: multi warms every rank up first; leave it out\n"
+    assert not (tmp_path / "outputs").exists()

@@ -34,24 +34,17 @@ def prepare_environment(run: ResolvedRun) -> None:
 def generate(
     run: ResolvedRun, *, display: Display | None = None, skip_warmup: bool = False, resume_dir: Path | None = None
 ) -> dict:
-    """`tpugen generate`: the config's way of running: one chip, all chips of the VM, or a Ray cluster."""
-    if run.config.execution.mode == "ray":
-        from tpugen.modes.cluster import run_cluster
+    """`tpugen generate`: the config's way of running (tpugen.modes.MODES): one chip, all chips of the VM, or a
+    Ray cluster."""
+    from tpugen.modes import mode_for
 
-        prepare_environment(run)
-        return run_cluster(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)
-    if run.config.output.dir.startswith("gs://"):
+    mode = mode_for(run)
+    if run.config.output.dir.startswith("gs://") and mode.name != "ray":  # the ray driver words its own refusal
         raise InputError(
             "output.dir: gs:// destinations are written by tpugen pod-run's workers; give a local directory"
         )
     prepare_environment(run)
-    if run.config.execution.mode == "multi":
-        from tpugen.modes.multi import run_multi
-
-        return run_multi(run, display=display, resume_dir=resume_dir)
-    from tpugen.modes.single import run_single
-
-    return run_single(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)
+    return mode.run(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)
 
 
 def resume(run_dir: Path, *, display: Display | None = None) -> dict:

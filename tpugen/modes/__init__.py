@@ -1,1 +1,61 @@
-"""Ways of running: each only arranges engines and run sessions (single, multi, pod, and the server)."""
+"""Ways of running: each only arranges engines and run sessions. `generate`'s ways (execution.mode) are one
+interface, Mode, chosen from MODES; pod-run and the server are commands of their own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from tpugen.errors import InputError
+
+
+class Mode(Protocol):
+    """One way of making a run's images; `run` returns the run's report, also written to its run directory."""
+
+    name: str  # execution.mode's value
+
+    def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> dict: ...
+
+
+class Single:
+    """One chip (or, with SPMD or placement, one process driving every chip of the VM)."""
+
+    name = "single"
+
+    def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> dict:
+        from tpugen.modes.single import run_single
+
+        return run_single(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)
+
+
+class Multi:
+    """One replica per chip of the VM: torch_xla.launch on xla, torchrun on the other backends."""
+
+    name = "multi"
+
+    def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> dict:
+        if skip_warmup:  # each rank compiles its own shapes before its timed phase, always
+            raise InputError("--skip-warmup: execution.mode: multi warms every rank up first; leave it out")
+        from tpugen.modes.multi import run_multi
+
+        return run_multi(run, display=display, resume_dir=resume_dir)
+
+
+class Ray:
+    """Batches handed out over a Ray cluster's workers, each with an engine of its own."""
+
+    name = "ray"
+
+    def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> dict:
+        from tpugen.modes.cluster import run_cluster
+
+        return run_cluster(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)
+
+
+# execution.mode -> its way of running; a new mode is a class and a line here.
+MODES: dict[str, Mode] = {mode.name: mode for mode in (Single(), Multi(), Ray())}
+
+
+def mode_for(run) -> Mode:
+    """The way of running the run's config names."""
+    return MODES[run.config.execution.mode]
