@@ -6,7 +6,6 @@ import contextlib
 import copy
 import functools
 import io
-import logging
 import os
 import threading
 from pathlib import Path
@@ -31,7 +30,6 @@ def quiet_libraries() -> None:
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    logging.getLogger("root").setLevel(logging.ERROR)
 
 
 class LoadedPipeline:

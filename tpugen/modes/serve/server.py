@@ -9,6 +9,9 @@ from pathlib import Path
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display, Engine, EngineSpec
 from tpugen.errors import InputError
+from tpugen.logs import logger, to_console
+
+log = logger("serve")
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -69,6 +72,7 @@ def serve(
     SIGTERM or SIGINT drain: new requests get 503, batches in flight finish, runs stop resumable; exit 0."""
     display = display or Display()
     check_start(run, host, api_key)
+    to_console()  # the server's own lines: tpugen serve: ...
     import uvicorn
 
     from tpugen.modes.serve.http import build_app
@@ -99,6 +103,6 @@ def serve(
             threading.Thread(target=stop_when_drained, name="tpugen-drain", daemon=True).start()
 
     config = uvicorn.Config(build_app(service, api_key), host=host, port=port, log_level="warning", access_log=False)
-    print(f"tpugen serve: listening on http://{host}:{port} (warming up; GET /readyz says when ready)", flush=True)
+    log.info(f"listening on http://{host}:{port} (warming up; GET /readyz says when ready)")
     DrainingServer(config).run()
-    print("tpugen serve: stopped", flush=True)
+    log.info("stopped")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import re
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,10 +18,13 @@ from tpugen.engine.session import run_id_for
 from tpugen.errors import InputError, Interrupted, TpugenError, one_line
 from tpugen.families import FAMILIES
 from tpugen.lines import unpaired_surrogate
+from tpugen.logs import logger
 from tpugen.modes.serve.metrics import Metrics
 from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, Request
 from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, image_count, plan_run
 from tpugen.schedulers import find_scheduler
+
+log = logger("serve")
 
 MAX_PROMPT_CHARACTERS = 10_000
 LORA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._ -]{0,127}")  # a file stem in serve.lora_dir, no path
@@ -126,7 +128,7 @@ class Service:
         except BaseException as exc:  # the server stays up to say why, never ready
             self.failure = one_line(exc)
             self.state = "failed"
-            print(f"tpugen serve: warmup failed: {self.failure}", file=sys.stderr, flush=True)
+            log.error(f"warmup failed: {self.failure}")
             return
         for number, engine in enumerate(self.engines):
             loop = threading.Thread(target=self._device_loop, args=(engine,), name=f"tpugen-device-{number}")
@@ -134,7 +136,7 @@ class Service:
             self._loops.append(loop)
         if self.state == "warming":
             self.state = "ready"
-        print(f"tpugen serve: ready, {len(self.engines)} device loop(s), warm: {self.warm_summary()}", flush=True)
+        log.info(f"ready, {len(self.engines)} device loop(s), warm: {self.warm_summary()}")
 
     def warm_plan(self) -> RunPlan:
         """One batch per warm size, at the config's steps and guidance."""
@@ -323,18 +325,16 @@ class Service:
             # refused it at the door) or, if a count shows up for a warm one, a shape planning missed.
             before = engine.backend.counters()
             if not engine.is_warm(batch.shape, key.scheduler):
-                print(f"tpugen serve: compiling {batch.shape} for a request (serve.new_shapes: compile)", flush=True)
+                log.info(f"compiling {batch.shape} for a request (serve.new_shapes: compile)")
                 compile_start = time.perf_counter()
                 engine.warmup(RunPlan(items, (batch,)), scheduler=key.scheduler)
-                print(
-                    f"tpugen serve: compiled {batch.shape} in {time.perf_counter() - compile_start:.1f} s", flush=True
-                )
+                log.info(f"compiled {batch.shape} in {time.perf_counter() - compile_start:.1f} s")
             start = time.perf_counter()
             pixels = engine.generate(batch, scheduler=key.scheduler, loras=jobs[0].loras)
             seconds = time.perf_counter() - start
             after = engine.backend.counters()
         except BaseException as exc:  # a request's failure never stops the loop
-            print(f"tpugen serve: batch {number} failed: {one_line(exc)}", file=sys.stderr, flush=True)
+            log.error(f"batch {number} failed: {one_line(exc)}")
             for job in jobs:
                 job.request.fail(exc)
             return
@@ -344,10 +344,9 @@ class Service:
         self.metrics.batch(seconds, len(jobs), batch.padding)
         for job, image in zip(jobs, pixels, strict=True):
             job.request.deliver(job.position, image)
-        print(
-            f"tpugen serve: batch {number}: {batch.shape}, {len(jobs)} images (+{batch.padding} padding), "
-            f"{seconds:.2f} s, {self.queue.depth()} images waiting",
-            flush=True,
+        log.info(
+            f"batch {number}: {batch.shape}, {len(jobs)} images (+{batch.padding} padding), "
+            f"{seconds:.2f} s, {self.queue.depth()} images waiting"
         )
 
     # ---------------------------------------------------------------- runs
@@ -492,7 +491,7 @@ class Service:
             handle.state, handle.error = "failed", exc.lines
         except BaseException as exc:
             handle.state, handle.error = "failed", [one_line(exc)]
-        print(f"tpugen serve: run {handle.id} {handle.state}", flush=True)
+        log.info(f"run {handle.id} {handle.state}")
 
     def stop_run(self, run_id: str) -> RunHandle:
         handle = self.runs[run_id]
