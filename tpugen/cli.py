@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -14,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tpugen import __version__
+from tpugen import __version__, settings
 from tpugen.errors import TpugenError, is_known, one_line
 
 app = typer.Typer(
@@ -51,7 +50,7 @@ def _boundary(command):
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        debug = os.environ.get("TPUGEN_DEBUG") == "1"
+        debug = settings.debug()
         try:
             return command(*args, **kwargs)
         except TpugenError as exc:

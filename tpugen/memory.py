@@ -12,7 +12,7 @@ import math
 import os
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tpugen.errors import InputError
@@ -94,7 +94,9 @@ def safetensors_parameters(path: Path) -> int:
             header = json.loads(handle.read(length))
             return sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
         except (ValueError, UnicodeDecodeError, AttributeError, KeyError, TypeError):
-            raise InputError(f"{path}: corrupt safetensors file (its header is not the JSON of tensor shapes)") from None
+            raise InputError(
+                f"{path}: corrupt safetensors file (its header is not the JSON of tensor shapes)"
+            ) from None
 
 
 def component_files(model_dir: Path, variant: str | None = None) -> dict[str, list[Path]]:
@@ -134,7 +136,7 @@ def _without_torch_xla() -> None:
 
 
 def _counts_cache() -> Path:
-    from tpugen.models import cache_root
+    from tpugen.settings import cache_root
 
     return cache_root() / "parameter-counts.json"
 
@@ -304,6 +306,9 @@ class AttentionSize:
     heads: int
     rows: int  # batch rows the denoiser sees: the batch, doubled by classifier-free guidance
     dtype_bytes: int
+    # Per image size of the run: (height, width, the attention calls of one denoiser call that reach the flash
+    # kernel's threshold, all its attention calls); empty where they are not counted. Not part of the size.
+    kernel_calls: tuple[tuple[int, int, int, int], ...] = field(default=(), compare=False)
 
     @property
     def bytes(self) -> int:
@@ -321,7 +326,102 @@ def largest_attention(
         )
         rows = shape.batch_size * (2 if shape.cfg else 1)
         sizes.append(AttentionSize(component, tokens, heads, rows, DTYPE_BYTES[dtype]))
-    return max(sizes, key=lambda a: a.bytes, default=None)
+    largest = max(sizes, key=lambda a: a.bytes, default=None)
+    if largest is None or not family.flash_attention.components:
+        return largest
+    counted = []
+    for height, width in dict.fromkeys((shape.height, shape.width) for shape in shapes):
+        calls = attention_calls(family, config, height, width, vae_scale=vae_scale, text_tokens=text_tokens)
+        if calls is None:
+            return largest
+        counted.append((height, width, kernel_reach(calls, family.flash_attention.min_tokens), len(calls)))
+    return replace(largest, kernel_calls=tuple(counted))
+
+
+# A UNet's cross-attention attends over the prompt's CLIP tokens, padded to 77.
+UNET_TEXT_TOKENS = 77
+# diffusers' UNet2DConditionModel defaults, for configs that leave them out (tpugen's own SD 1.5 config does).
+_UNET_DOWN = ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D")
+_UNET_UP = ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D")
+
+
+def attention_calls(
+    family: Family, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int
+) -> list[tuple[int, int]] | None:
+    """(query tokens, key tokens) of each attention call in one call of the denoiser at this image size, from its
+    config; None where they are not counted (a denoiser with no flash route, or blocks tpugen does not know).
+
+    A UNet: each transformer layer of a block with attention runs a self-attention over its level's latent
+    (halved per level) and a cross-attention over the 77 text tokens, in the down blocks, the mid block and the
+    up blocks (one layer more per block than down). Flux: one joint attention per block over patches and text."""
+    if family.denoiser == "unet":
+        return _unet_attention_calls(config, -(-height // vae_scale), -(-width // vae_scale))
+    if family.flash_attention.is_flux and "num_layers" in config:
+        tokens, _ = family.attention_geometry(config, height, width, vae_scale=vae_scale, text_tokens=text_tokens)
+        return [(tokens, tokens)] * (config["num_layers"] + config.get("num_single_layers", 0))
+    return None
+
+
+def _unet_attention_calls(config: dict, height: int, width: int) -> list[tuple[int, int]] | None:
+    down = list(config.get("down_block_types") or _UNET_DOWN)
+    up = list(config.get("up_block_types") or _UNET_UP)
+    mid = config.get("mid_block_type", "UNetMidBlock2DCrossAttn")
+    known = {"DownBlock2D", "CrossAttnDownBlock2D", "UpBlock2D", "CrossAttnUpBlock2D"}
+    if len(up) != len(down) or not set(down + up) <= known or mid not in ("UNetMidBlock2DCrossAttn", "UNetMidBlock2D"):
+        return None
+
+    def each(value, count: int) -> list:
+        return list(value) if isinstance(value, (list, tuple)) else [value] * count
+
+    levels = len(down)
+    layers = each(config.get("layers_per_block", 2), levels)
+    depth = each(config.get("transformer_layers_per_block", 1), levels)
+    up_depth = config.get("reverse_transformer_layers_per_block") or depth[::-1]
+    tokens = []
+    for _ in range(levels):
+        tokens.append(height * width)
+        height, width = -(-height // 2), -(-width // 2)  # a stride-2 convolution between levels
+    calls: list[tuple[int, int]] = []
+
+    def transformers(level: int, depths: list[int]) -> None:  # one Transformer2DModel per attention of a block
+        for layer_count in depths:
+            calls.extend([(tokens[level], tokens[level]), (tokens[level], UNET_TEXT_TOKENS)] * layer_count)
+
+    for i, block in enumerate(down):
+        if block.startswith("CrossAttn"):
+            transformers(i, each(depth[i], layers[i]))
+    if mid == "UNetMidBlock2DCrossAttn":
+        transformers(levels - 1, each(depth[-1], 1))
+    for i, block in enumerate(up):
+        if block.startswith("CrossAttn"):
+            transformers(levels - 1 - i, each(up_depth[i], layers[::-1][i] + 1))
+    return calls
+
+
+def kernel_reach(calls: list[tuple[int, int]], min_tokens: int) -> int:
+    """How many of these attention calls diffusers hands to the flash kernel: those whose query and key (and so
+    value) have `min_tokens` tokens or more."""
+    return sum(1 for query, key in calls if min(query, key) >= min_tokens)
+
+
+def kernel_route_text(calls: int | None, min_tokens: int) -> str:
+    """What the flash kernel takes before the run's sizes are known (an engine opens for any size): `, for those
+    of its 12 attention calls per step that have 4096 tokens or more` (`calls`: None where not counted)."""
+    if calls is None:
+        return f", for attentions of {min_tokens} tokens or more" if min_tokens else ""
+    if min_tokens:
+        return f", for those of its {calls} attention calls per step that have {min_tokens} tokens or more"
+    return f", for all {calls} of its attention calls per step"
+
+
+def kernel_calls_text(kernel_calls, min_tokens: int) -> str:
+    """`0 of 12 attention calls per step at 64x64 reach the kernel's 4096 tokens`, each size of the run in turn
+    (`kernel_calls`: (height, width, reaching, all) per size)."""
+    sizes = ", ".join(
+        f"{reach} of {total}{' attention calls per step' if i == 0 else ''} at {height}x{width}"
+        for i, (height, width, reach, total) in enumerate(kernel_calls)
+    )
+    return sizes + (f" reach the kernel's {min_tokens} tokens" if min_tokens else " use the kernel")
 
 
 def attention_summary(attention: AttentionSize, *, flash_on: bool, min_tokens: int) -> dict:
@@ -350,6 +450,17 @@ def attention_summary(attention: AttentionSize, *, flash_on: bool, min_tokens: i
         "gb": gb,
         "materialised": materialised,
         "note": note,
+        **(
+            {
+                "kernel_min_tokens": min_tokens,
+                "kernel_calls": [
+                    {"height": h, "width": w, "reach": reach, "calls": total}
+                    for h, w, reach, total in attention.kernel_calls
+                ],
+            }
+            if attention.kernel_calls
+            else {}
+        ),
     }
 
 

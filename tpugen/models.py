@@ -4,13 +4,13 @@ ids read by their model_index.json; and what a hub failure means in a user's wor
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from tpugen.errors import one_line
 from tpugen.families import BUILTINS, KNOWN_MODELS, Family, covered_classes, family_for_class
+from tpugen.settings import hub_offline, hub_token
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -18,11 +18,6 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 def is_hub_id(text: str) -> bool:
     """Whether `text` has the form of a hub repository's id, org/name."""
     return _HUB_ID.fullmatch(text) is not None
-
-
-def cache_root() -> Path:
-    """tpugen's cache directory: TPUGEN_CACHE, else ~/.cache/tpugen."""
-    return Path(os.environ.get("TPUGEN_CACHE") or Path.home() / ".cache" / "tpugen").expanduser()
 
 
 @dataclass(frozen=True)
@@ -95,7 +90,7 @@ def _hub_class(repo: str, revision: str | None, *, download: bool) -> tuple[str]
     cached = try_to_load_from_cache(repo, "model_index.json", revision=revision)
     if isinstance(cached, str):
         return _class_in(Path(cached))
-    if not download or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+    if not download or hub_offline():
         return f"cannot tell which family {repo!r} is: its model_index.json is not in the local cache (HF_HOME) and HF_HUB_OFFLINE is set"
     from huggingface_hub import hf_hub_download
 
@@ -135,7 +130,7 @@ def hub_failure(exc: BaseException, *, what: str = "model", file: str | None = N
         seen = seen.__cause__ or seen.__context__
     names = {type(e).__name__ for e in chain}
     if _GATED in names:
-        if not _hub_token():
+        if not hub_token():
             return (
                 "gated on the hub and no token is set (accept the licence on the model page, then "
                 "`hf auth login` or set HF_TOKEN)"
@@ -145,17 +140,6 @@ def hub_failure(exc: BaseException, *, what: str = "model", file: str | None = N
         return f"no such {what} on the hub (or it is private: `hf auth login` or set HF_TOKEN)"
     if _MISSING_FILE in names and file:
         return f"the repo has no file {file!r}"
-    offline_set = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-    if names & set(_OFFLINE) or (from_hub and offline_set):
+    if names & set(_OFFLINE) or (from_hub and hub_offline()):
         return f"offline: the hub cannot be reached and the {what} is not in the local cache (HF_HOME)"
     return one_line(exc)
-
-
-def _hub_token() -> str | None:
-    """The token huggingface_hub would send: HF_TOKEN, else the one `hf auth login` saved."""
-    try:
-        from huggingface_hub import get_token
-
-        return get_token()
-    except Exception:  # an unreadable token file counts as none
-        return os.environ.get("HF_TOKEN")

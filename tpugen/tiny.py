@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from tpugen.families import BUILTINS
-from tpugen.models import cache_root
+from tpugen.settings import cache_root
 
 
 def _target(name: str) -> Path:

@@ -30,7 +30,7 @@ def torch_tpu_cache_dir(cache) -> str | None:
     `auto` is on: TorchTPU reads its cache back on a TPU."""
     if cache is None or cache.enabled is False:
         return None
-    from tpugen.models import cache_root
+    from tpugen.settings import cache_root
 
     return cache.dir or str(cache_root() / "torch_tpu")
 

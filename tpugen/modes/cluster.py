@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from tpugen import settings
 from tpugen.backends import Counters, backend_environment
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display, RunSession, StopSignals
@@ -205,7 +206,7 @@ class Cluster:
 
     def __init__(self, run: ResolvedRun) -> None:
         self.settings = run.config.execution.ray
-        self.debug = os.environ.get("TPUGEN_DEBUG") == "1"
+        self.debug = settings.debug()
         env = {**backend_environment(run.config.execution, run.config.cache)}
         runtime_env = dict(self.settings.runtime_env or {})
         if env:
@@ -498,7 +499,7 @@ class ClusterRun:
 
     def _raised(self, call: Call, cause: BaseException, exc) -> None:
         worker = call.worker
-        if os.environ.get("TPUGEN_DEBUG") == "1":
+        if settings.debug():
             print(f"worker {worker.index}: {exc}", flush=True)
         if isinstance(cause, NotStarted):  # restarted between batches, unseen: start it again
             self._lost(call, cause)

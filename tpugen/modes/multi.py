@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from tpugen import settings
 from tpugen.backends import Counters, backend_environment, versions
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display, RunSession, StopSignals, Topology, worker_topology
@@ -271,7 +272,7 @@ def run_multi(run: ResolvedRun, *, display: Display | None = None, resume_dir: P
     results = [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank-*.json"))]
     for path in run_dir.glob("rank-*.json"):
         path.unlink()
-    if os.environ.get("TPUGEN_DEBUG") == "1":  # the ranks' tracebacks, as the CLI shows its own
+    if settings.debug():  # the ranks' tracebacks, as the CLI shows its own
         for r in results:
             if r.get("traceback"):
                 print(f"rank {r['rank']}:\n{r['traceback']}", file=sys.stderr)

@@ -39,7 +39,7 @@ def start_cache(torch_xla, enabled: bool | str, directory: str | None) -> dict:
 
 
 def _open(torch_xla, directory: str | None, pjrt: str) -> dict:
-    from tpugen.models import cache_root
+    from tpugen.settings import cache_root
 
     # The process's index among the host's XLA processes, read from what torch_xla.launch sets, so that
     # asking does not start the runtime before the cache is set up.
