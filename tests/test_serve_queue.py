@@ -24,8 +24,10 @@ def test_a_full_batch_goes_at_once_and_a_partial_one_after_the_window():
     first, second, third = ask(queue, 1), ask(queue, 1), ask(queue, 1)
     key, jobs = queue.take(timeout=0)  # a full batch leaves without waiting at all
     assert key == KEY and [job.request for job in jobs] == [first, second]  # two requests, one batch
-    if time.monotonic() - third.created < 0.15:  # (a stalled machine may have used up the window already)
-        assert queue.take(timeout=0) is None  # the partial one waits for companions...
+    # The partial one waits for companions: made to arrive just now, whatever time a slow machine took so far.
+    third.created = time.monotonic() + 60
+    assert queue.take(timeout=0) is None
+    third.created = time.monotonic()
     key, jobs = queue.take(timeout=1)
     assert [job.request for job in jobs] == [third] and time.monotonic() - third.created >= 0.2  # ...the window
     assert queue.take(timeout=0.05) is None
@@ -58,7 +60,8 @@ def test_a_full_queue_refuses_and_a_settled_request_frees_its_slot():
 def test_a_busy_key_does_not_starve_an_older_partial_batch():
     queue = BatchQueue(batch_size=2, window_seconds=0.05, max_requests=8)
     first, quiet, later = ask(queue, 2, KEY), ask(queue, 1, OTHER), ask(queue, 2, KEY)
-    time.sleep(0.06)  # all due; KEY still has a full batch after the first is taken
+    for request in (first, quiet, later):  # all due, in the order they came; KEY still has a full batch after
+        request.created -= 1.0  # the first is taken
     assert [queue.take(timeout=1)[1][0].request for _ in range(3)] == [first, quiet, later]
 
 
