@@ -15,7 +15,15 @@ from conftest import SAME_SETUP, assert_same_images, run_cli, tiny_config, write
 
 from tpugen.backends.xla.flash import NO_JAX, NO_SPMD_SPEC, flash_partition_spec, flash_reason
 from tpugen.families import family as family_code
-from tpugen.memory import AttentionSize, attention_summary, largest_attention
+from tpugen.memory import (
+    AttentionSize,
+    attention_calls,
+    attention_summary,
+    kernel_calls_text,
+    kernel_reach,
+    kernel_route_text,
+    largest_attention,
+)
 from tpugen.plan import ShapeKey
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -135,6 +143,71 @@ def test_the_attention_note_says_whether_the_matrix_is_held():
     small = attention_summary(AttentionSize("unet", 1024, 8, 2, 2), flash_on=True, min_tokens=4096)
     assert small["materialised"] is True
     assert small["note"].endswith("; flash attention is on, but diffusers runs the kernel only from 4096 tokens")
+
+
+TINY_SD_UNET = {  # tiny-sd's UNet (tpugen/tiny.py): attention at one level of two, 2 layers per block
+    "attention_head_dim": 8,
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+    "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+    "layers_per_block": 2,
+    "transformer_layers_per_block": 1,
+}
+SDXL_BASE_UNET = {
+    **SDXL_UNET,
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    "transformer_layers_per_block": [1, 2, 10],
+}
+FLUX_DEV = {**FLUX, "num_layers": 19, "num_single_layers": 38}
+
+
+@pytest.mark.parametrize(
+    "family,config,size,text,expected",
+    [
+        # tiny-sd: 6 transformer layers (2 down, 1 mid, 3 up) at 1/16 of the image, each a self- and a
+        # cross-attention; 64x64 gives 16 tokens, and 1024x1024 the 4096 its self-attentions need.
+        ("sd", TINY_SD_UNET, 64, 0, (0, 12)),
+        ("sd", TINY_SD_UNET, 1024, 0, (6, 12)),
+        # SD 1.5: 16 layers; at 512x512 the top level's 2 down and 3 up self-attentions have 64*64 tokens.
+        ("sd", SD15_UNET, 512, 0, (5, 32)),
+        ("sd", SD15_UNET, 1024, 0, (10, 32)),
+        # SDXL: 70 layers, of which the 10 of the first attention level reach 4096 tokens at 1024x1024.
+        ("sdxl", SDXL_BASE_UNET, 1024, 0, (10, 140)),
+        # Flux: every block's joint attention goes to the kernel, at any size.
+        ("flux", FLUX_DEV, 64, 512, (57, 57)),
+    ],
+)
+def test_attention_calls_per_step_that_reach_the_kernel(family, config, size, text, expected):
+    code = family_code(family)
+    calls = attention_calls(code, config, size, size, vae_scale=8, text_tokens=text)
+    assert (kernel_reach(calls, code.flash_attention.min_tokens), len(calls)) == expected
+
+
+def test_the_count_of_kernel_calls_per_size_and_its_words():
+    shapes = [ShapeKey(64, 64, 1, True), ShapeKey(64, 64, 2, True), ShapeKey(1024, 1024, 1, True)]
+    found = largest_attention(
+        family_code("sd"), TINY_SD_UNET, shapes, component="unet", dtype="float32", vae_scale=8, text_tokens=0
+    )
+    assert found.kernel_calls == ((64, 64, 0, 12), (1024, 1024, 6, 12))
+    # Query and key tokens, call by call: a self-attention over the 4x4 latent of the attention level, then a
+    # cross-attention over the 77 CLIP tokens (which never reach the threshold).
+    calls = attention_calls(family_code("sd"), TINY_SD_UNET, 64, 64, vae_scale=8, text_tokens=0)
+    assert calls == [(16, 16), (16, 77)] * 6
+    # No count where the family has no route (SD3 keeps its own attention).
+    assert attention_calls(family_code("sd3"), SD35_MEDIUM, 64, 64, vae_scale=8, text_tokens=333) is None
+    assert kernel_calls_text(found.kernel_calls[:1], 4096) == (
+        "0 of 12 attention calls per step at 64x64 reach the kernel's 4096 tokens"
+    )
+    assert kernel_calls_text(found.kernel_calls, 4096) == (
+        "0 of 12 attention calls per step at 64x64, 6 of 12 at 1024x1024 reach the kernel's 4096 tokens"
+    )
+    assert kernel_calls_text(((64, 64, 57, 57),), 0) == "57 of 57 attention calls per step at 64x64 use the kernel"
+    assert kernel_route_text(12, 4096) == ", for those of its 12 attention calls per step that have 4096 tokens or more"
+    assert kernel_route_text(57, 0) == ", for all 57 of its attention calls per step"
+    summary = attention_summary(found, flash_on=True, min_tokens=4096)
+    assert (summary["kernel_min_tokens"], summary["kernel_calls"][1]) == (
+        4096,
+        {"height": 1024, "width": 1024, "reach": 6, "calls": 12},
+    )
 
 
 def test_plan_says_whether_flash_attention_is_on_and_what_attention_holds(monkeypatch):
@@ -275,6 +348,28 @@ def test_true_on_xla_cpu_falls_back_and_makes_the_images_of_a_run_without_it(tmp
     plain = _resolved(tmp_path, "plain", compile={"flash_attention": False}, **shape)
     run_single(plain, engine=Engine.open(EngineSpec.of(plain)))
     assert_same_images(run_dir, tmp_path / "outputs" / "plain", SAME_SETUP)
+
+
+@pytest.mark.xla
+def test_the_report_counts_the_attention_calls_that_reach_the_kernel(tmp_path):
+    """tiny-sd at 64x64 with flash attention forced: no attention has diffusers' 4096 tokens, so the kernel is
+    never called (nor needed: the run finishes with it on here) and the line says so (before: `on (unet)`)."""
+    from tpugen.engine import Engine, EngineSpec
+    from tpugen.modes.single import run_single
+
+    forced = _resolved(tmp_path, "small", compile={"flash_attention": True}, steps=2, prompts=["a cat"], batch_size=1)
+    display = Recording()
+    engine = Engine.open(EngineSpec.of(forced), display=display)
+    assert display.phases == [
+        "loading tiny-sd onto xla",
+        "flash attention: on (unet), for those of its 12 attention calls per step that have 4096 tokens or more",
+    ]
+    report = run_single(forced, engine=engine, display=display)
+    engine.close()
+    assert report["device"]["flash_attention"]["state"] == "on"
+    markdown = (tmp_path / "outputs" / "small" / "report.md").read_text()
+    line = "- flash attention: on (unet), 0 of 12 attention calls per step at 64x64 reach the kernel's 4096 tokens"
+    assert f"\n{line}\n" in markdown
 
 
 _SPMD_OPEN = textwrap.dedent(

@@ -114,3 +114,59 @@ def test_a_model_too_big_for_the_named_chip_stops_before_its_weights_load(tmp_pa
     last = result.stderr.splitlines()[-1]
     assert last.startswith("error: model.id: tiny-sd needs 0.00") and "more than one v5e chip (0.0001 GB): " in last
     assert not (tmp_path / "outputs").exists()
+
+
+def _safetensors(path, header_length: int, size: int):
+    """A file whose first 8 bytes say `header_length`, `size` bytes long (sparse: nothing else written)."""
+    import struct
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", header_length))
+        handle.truncate(size)
+    return path
+
+
+@pytest.mark.parametrize(
+    "header_length,size,why",
+    [
+        (300_000_000, 400_000_000, "its header length says 300000000 bytes, over the format's 100 MB limit"),
+        (2**63, 16, f"its header length says {2**63} bytes, over the format's 100 MB limit"),
+        (1000, 100, "its header length says 1000 bytes, more than the file's 100 bytes hold"),
+        (0, 8, "its header length says 0 bytes, too short for a JSON header"),
+        (4, 12, "its header is not the JSON of tensor shapes"),  # four zero bytes
+        (None, 5, "5 bytes, shorter than its 8-byte header length"),
+    ],
+    ids=["300MB-header", "2**63-header", "past-the-end", "empty-header", "not-json", "no-length"],
+)
+def test_a_corrupt_safetensors_header_is_one_error_naming_the_file(tmp_path, header_length, size, why):
+    # Before: the header's length was trusted, so the first case read 300 MB (a corrupt multi-GB file, gigabytes)
+    # and each case ended in a JSONDecodeError or struct.error that named no file.
+    from tpugen.errors import InputError
+    from tpugen.memory import safetensors_parameters
+
+    path = tmp_path / "w.safetensors"
+    if header_length is None:
+        path.write_bytes(b"\0" * size)
+    else:
+        _safetensors(path, header_length, size)
+    with pytest.raises(InputError) as caught:
+        safetensors_parameters(path)
+    assert caught.value.lines == [f"{path}: corrupt safetensors file ({why})"]
+
+
+def test_plan_of_a_model_with_a_corrupt_weights_file_says_which_file(tmp_path):
+    import json
+
+    model = tmp_path / "model"
+    (model / "unet").mkdir(parents=True)
+    (model / "model_index.json").write_text(
+        json.dumps({"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]})
+    )
+    weights = _safetensors(model / "unet" / "diffusion_pytorch_model.safetensors", 300_000_000, 400_000_000)
+    result = run_cli("plan", write_config(tmp_path / "c.yaml", tiny_config(tmp_path, model={"id": str(model)})))
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (
+        f"error: {weights}: corrupt safetensors file (its header length says 300000000 bytes, over the format's "
+        "100 MB limit)\n"
+    )

@@ -224,9 +224,14 @@ def test_resume_keeps_the_prompts_and_config_the_run_started_with(tmp_path):
         f"error: --resume: the config differs from the run in {run_dir} in keys that change images: "
         "prompts_file (its prompts)\n"
     )
-    # The run's own config resumes with the prompts the run started with, whatever the file says now.
+    # The run's own config resumes with the prompts the run started with, whatever the file says now, and says
+    # so in one line (before: nothing).
     result = run_cli("resume", run_dir, "--quiet")
     assert result.exit_code == 0, result.output
+    assert result.stderr == (
+        f"warning: prompts_file: {(tmp_path / 'p.txt').resolve()} changed since the run started; its edits are not "
+        "used: the run goes on with the 3 prompts it started with (kept in run.json)\n"
+    )
     assert image_bytes(run_dir) == reference
     records = read_manifest(run_dir / "manifest.jsonl")
     assert [r["index"] for r in records] == [0, 1, 2] and len({r["config_hash"] for r in records}) == 1

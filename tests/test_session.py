@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import PROMPTS, run_cli, tiny_config, write_config
+from conftest import PROMPTS, run_cli, tiny_config, with_prompts_file, write_config
 
 from tpugen.config import load_config
 from tpugen.engine.session import RunSession
@@ -153,3 +153,103 @@ def test_a_taken_run_id_is_refused_before_the_model_loads(tmp_path, monkeypatch)
     assert result.exit_code == 2, result.output
     assert result.stderr == f"error: output.run_id: {taken} already exists and is not empty; choose another run_id\n"
     assert sorted(p.name for p in taken.iterdir()) == ["notes.txt"]
+
+
+@pytest.fixture
+def half_done(tmp_path):
+    """A run (3 prompts read from a file, batch 2) whose first batch is on disk: (its config file, its directory)."""
+    config = with_prompts_file(tmp_path, tiny_config(tmp_path), list(PROMPTS))
+    path = write_config(tmp_path / "c.yaml", config)
+    run = load_config(path)
+    session = RunSession.create(run)
+    write_batch(session, plan_run(run).batches[0])
+    return path, session.run_dir
+
+
+def test_a_resume_takes_keys_that_change_no_pixel_and_warns_for_rounding_ones(half_done):
+    path, run_dir = half_done
+    made = read_manifest(run_dir / "manifest.jsonl")[0]["config_hash"]
+    # The chip the memory plan is for changes no pixel: resumed without a word (refused before), and the images
+    # made now carry the run's config hash, as an uninterrupted run's would.
+    run = load_config(path, ["execution.chip=v4", "execution.chip_memory_gb=8", "execution.strict_shapes=true"])
+    assert run.config_hash != made
+    session = RunSession.resume(run, run_dir)
+    assert session.problems == [] and session.run.config_hash == made
+    # Another device count or mode moves pixels by rounding only: one warning line (refused before).
+    rounding = load_config(path, ["execution.mode=multi", "execution.cores=2", "compile.flash_attention=false"])
+    assert RunSession.resume(rounding, run_dir).problems == [
+        f"--resume: the config differs from the run in {run_dir} in compile.flash_attention (auto -> False), "
+        "execution.cores (0 -> 2), execution.mode (single -> multi): the images made now may differ from those "
+        "already made by rounding (about 1/255)"
+    ]
+    # What changes pixels more than by rounding is refused as before: the backend is one of those keys.
+    with pytest.raises(InputError, match="in keys that change images: execution.backend, seed$"):
+        RunSession.resume(load_config(path, ["execution.backend=cpu", "seed=8"]), run_dir)
+    write_batch(session, plan_run(run).batches[1])
+    assert {r["config_hash"] for r in read_manifest(run_dir / "manifest.jsonl")} == {made}
+
+
+@pytest.mark.parametrize(
+    "key,old,new,effect",
+    [
+        ("execution.chip", "v5e", "v4", "none"),
+        ("output.dir", "/a", "/b", "none"),
+        ("serve.max_queue", 64, 8, "none"),
+        ("execution.sharding", "none", "spmd", "rounding"),
+        ("compile.flash_attention", "auto", False, "rounding"),
+        ("execution.backend", "xla", "cpu", "changes"),
+        ("model.dtype", "float32", "bfloat16", "changes"),
+        ("batch_size", 2, 4, "changes"),
+        ("execution.pod.num_workers", None, 2, "changes"),
+    ],
+)
+def test_which_keys_a_resume_refuses(key, old, new, effect):
+    from tpugen.engine.session import image_changing_differences, rounding_differences
+
+    def config(value):
+        section, _, name = key.rpartition(".")
+        data: dict = {"model": {"id": "tiny-sd"}}
+        inner = data
+        for part in section.split(".") if section else []:
+            inner = inner.setdefault(part, {})
+        inner[name] = value
+        return data
+
+    refused, warned = (
+        image_changing_differences(config(old), config(new)),
+        rounding_differences(config(old), config(new)),
+    )
+    assert (refused, warned) == {
+        "none": ([], []),
+        "rounding": ([], [f"{key} ({old} -> {new})"]),
+        "changes": ([key], []),
+    }[effect]
+
+
+def test_with_components_placed_by_chip_memory_a_chip_change_is_rounding():
+    from tpugen.engine.session import image_changing_differences, rounding_differences
+
+    old = {"execution": {"placement": "auto", "chip": "v5e"}}
+    new = {"execution": {"placement": "auto", "chip": "v5p"}}
+    assert image_changing_differences(old, new) == []
+    assert rounding_differences(old, new) == ["execution.chip (v5e -> v5p)"]
+
+
+def test_a_resume_says_the_prompts_file_was_edited_and_its_edits_are_not_used(half_done):
+    from tpugen.engine.session import load_run
+
+    path, run_dir = half_done
+    prompts_file = path.parent / "p.txt"
+    assert RunSession.resume(load_run(run_dir), run_dir).problems == []  # unchanged: nothing to say
+    prompts_file.write_text("a lighthouse\na different second line\n")
+    resumed = RunSession.resume(load_run(run_dir), run_dir)
+    assert [spec.prompt for spec in resumed.run.prompts] == list(PROMPTS)  # the prompts it started with
+    assert resumed.problems == [  # said nothing before
+        f"prompts_file: {prompts_file} changed since the run started; its edits are not used: the run goes on "
+        "with the 3 prompts it started with (kept in run.json)"
+    ]
+    prompts_file.unlink()
+    assert RunSession.resume(load_run(run_dir), run_dir).problems == [
+        f"prompts_file: {prompts_file} is gone since the run started: the run goes on with the 3 prompts it "
+        "started with (kept in run.json)"
+    ]

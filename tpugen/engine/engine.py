@@ -207,11 +207,22 @@ class Engine:
         off (false, or auto off a TPU)."""
         flash = self.flash_attention
         if flash.on:
-            display.phase(f"flash attention: on ({', '.join(flash.components)})")
+            display.phase(f"flash attention: on ({', '.join(flash.components)}){self._kernel_route()}")
         elif flash.setting is True:
             display.warning(f"flash attention: off -- {flash.reason}")
         elif flash.setting == "auto" and flash.reason not in (NOT_A_TPU, XLA_ONLY):
             display.phase(f"flash attention: off -- {flash.reason}")
+
+    def _kernel_route(self) -> str:
+        """Which of the denoiser's attention calls the kernel takes, counted from its config (any size has as many
+        calls; which of them reach the kernel's threshold depends on the size, which the report gives)."""
+        from tpugen.memory import attention_calls, kernel_route_text
+
+        pipe, family = self.loaded.pipe, self.loaded.family
+        config = dict(getattr(pipe, family.denoiser).config)
+        size, text = family.size, family.text_length(pipe) or 0
+        calls = attention_calls(family, config, size, size, vae_scale=pipe.vae_scale_factor, text_tokens=text)
+        return kernel_route_text(None if calls is None else len(calls), family.flash_attention.min_tokens)
 
     def _call(self, batch: Batch, display: Display, census: bool = False):
         """One pipeline call. If it fails while flash attention is on, the model's own attention processors come

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from PIL import Image
 from tpugen import __version__
 from tpugen.backends import versions
 from tpugen.config import ModelConfig, PromptSpec, ResolvedRun, RunConfig, dump_config, load_config
+from tpugen.config.prompts import planned_images, resolve_prompts
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
 from tpugen.lines import text_lines
 from tpugen.outputs.files import atomic_write_text, inside, write_json
@@ -32,9 +33,39 @@ from tpugen.outputs.report import (
 )
 from tpugen.plan import RunPlan, plan_run, plan_share
 
+# How a resume treats a key (tpugen/config/schema.py) whose value differs from the run's. Any key not named below
+# is refused: it can change an image (the model, its revision, variant, dtype, scheduler, LoRAs, watermark and
+# remote code; the prompts, sizes, steps, guidance, seed, batch_size (padding and graphs) and images_per_prompt;
+# the backend, whose noise and kernels differ; the pod share, which changes the batches).
 # Keys that never change pixels: where files go, the compile cache, the recompile guard, the server's settings,
-# and where a ray run's workers are (so a killed driver's run can be resumed from another address).
-_NOT_IMAGE_KEYS = {"output", "cache", "execution.strict_shapes", "prompts_file", "serve", "execution.ray"}
+# where a ray run's workers are (so a killed driver's run can be resumed from another address), and the chip the
+# memory plan is made for (unless execution.placement decides from it where components go).
+_NOT_IMAGE_KEYS = {
+    "output",
+    "cache",
+    "execution.strict_shapes",
+    "prompts_file",
+    "serve",
+    "execution.ray",
+    "execution.chip",
+    "execution.chip_memory_gb",
+}
+_CHIP_KEYS = {"execution.chip", "execution.chip_memory_gb"}
+# Keys that run the same computation on other devices or as other graphs: the pixels move by rounding only
+# (multi equals single within 1/255, as scanned blocks, SPMD and placed components do; tests/conftest.py), so a
+# resume goes on with a warning.
+_ROUNDING_KEYS = {
+    "execution.mode",
+    "execution.cores",
+    "execution.offload",
+    "execution.sharding",
+    "execution.mesh",
+    "execution.placement",
+    "execution.torch_tpu",
+    "compile.torch_compile",
+    "compile.scan_blocks",
+    "compile.flash_attention",
+}
 RUN_RECORD = "run.json"  # what made the run: the resolved config and its prompts, as they were at the start
 MANIFEST = "manifest.jsonl"
 
@@ -167,18 +198,24 @@ class RunSession:
     @classmethod
     def resume(cls, run: ResolvedRun, run_dir: Path) -> RunSession:
         """The run in `run_dir`, checked against `run`: refused (naming what changed) if the work would differ
-        from what made its images."""
+        from what made its images. Its `problems` (warning lines) start with what an allowed resume should know:
+        a prompts file edited since the run started, keys that change the new images by rounding only."""
         run_dir = Path(run_dir).resolve()
-        check_resumable(run, run_dir)
-        session = cls(run, run_dir, run_dir.name, resumed=True)
+        rounding = check_resumable(run, run_dir)
+        session = cls(as_recorded(run, run_dir), run_dir, run_dir.name, resumed=True)
         session.finished, session.problems = finished_records(run_dir, run)
+        if rounding and len(session.finished) < planned_images(run.prompts, run.config.images_per_prompt):
+            session.problems.insert(0, rounding)
+        edited = prompts_file_edited(run, run_dir)
+        if edited:
+            session.problems.insert(0, edited)
         session.earlier_sessions = earlier_sessions_of(run_dir)
         return session
 
     @classmethod
     def attach(cls, run: ResolvedRun, run_dir: Path, finished: frozenset[int]) -> RunSession:
         """A rank's view of a session its parent process owns: it writes its share, nothing else."""
-        session = cls(run, Path(run_dir), Path(run_dir).name, resumed=True)
+        session = cls(as_recorded(run, Path(run_dir)), Path(run_dir), Path(run_dir).name, resumed=True)
         session.finished = dict.fromkeys(finished, {})
         return session
 
@@ -394,8 +431,12 @@ def load_run(run_dir: Path) -> ResolvedRun:
     return load_config(run_dir / "config.yaml", prompts=recorded_prompts(record))
 
 
-def image_changing_differences(old_config: dict, new_config: dict) -> list[str]:
-    """The dotted keys whose values differ between two configs in a way that changes images. A key one side
+def _under(key: str, sections: set[str]) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in sections)
+
+
+def changed_keys(old_config: dict, new_config: dict) -> list[tuple[str, object, object]]:
+    """(dotted key, old value, new value) for each key whose value differs between two configs. A key one side
     lacks (a run recorded before tpugen had it) counts as that key's default."""
     defaults = _flatten(_plain(RunConfig(model=ModelConfig(id="-")).model_dump()))
     a, b = _flatten(old_config), _flatten(new_config)
@@ -405,10 +446,36 @@ def image_changing_differences(old_config: dict, new_config: dict) -> list[str]:
         found = flat.get(key, defaults.get(key))
         return None if found == [] else found
 
+    return [(key, value(a, key), value(b, key)) for key in sorted(set(a) | set(b)) if value(a, key) != value(b, key)]
+
+
+def _image_effect(key: str, old_config: dict, new_config: dict) -> str:
+    """What a change of `key` does to the images: "none", "rounding" or "changes"."""
+    placed = any(config.get("execution", {}).get("placement", "none") != "none" for config in (old_config, new_config))
+    if key in _CHIP_KEYS and placed:
+        return "rounding"  # placement: auto decides from the chip's memory where each component goes
+    if _under(key, _NOT_IMAGE_KEYS):
+        return "none"
+    return "rounding" if _under(key, _ROUNDING_KEYS) else "changes"
+
+
+def image_changing_differences(old_config: dict, new_config: dict) -> list[str]:
+    """The dotted keys whose values differ between two configs in a way that changes images (more than by
+    rounding)."""
     return [
         key
-        for key in sorted(set(a) | set(b))
-        if value(a, key) != value(b, key) and not any(key == k or key.startswith(k + ".") for k in _NOT_IMAGE_KEYS)
+        for key, _, _ in changed_keys(old_config, new_config)
+        if _image_effect(key, old_config, new_config) == "changes"
+    ]
+
+
+def rounding_differences(old_config: dict, new_config: dict) -> list[str]:
+    """`key (old -> new)` for each key that differs in a way that changes pixels by rounding only (another device
+    count, graph or placement of the same computation)."""
+    return [
+        f"{key} ({old} -> {new})"
+        for key, old, new in changed_keys(old_config, new_config)
+        if _image_effect(key, old_config, new_config) == "rounding"
     ]
 
 
@@ -421,8 +488,9 @@ def differences(run: ResolvedRun, old_config: dict, old_prompts: list[dict]) -> 
     return differing
 
 
-def check_resumable(run: ResolvedRun, run_dir: Path) -> None:
-    """Refuse, naming what changed, a resume whose work would differ from what made the run's images."""
+def check_resumable(run: ResolvedRun, run_dir: Path) -> str | None:
+    """Refuse, naming what changed, a resume whose work would differ from what made the run's images; the
+    warning for one whose images would differ by rounding only, or None."""
     if not run_dir.is_dir():
         raise InputError(f"--resume: {run_dir} is not a run directory")
     if not (run_dir / "config.yaml").is_file():
@@ -442,12 +510,51 @@ def check_resumable(run: ResolvedRun, run_dir: Path) -> None:
     if record is None:
         path = run_dir / MANIFEST
         made_by = {r.get("config_hash") for r in (read_manifest(path) if path.exists() else [])}
-        made_by -= {None, run.config_hash}
+        made_by -= {None, run.config_hash, previous.config_hash}
         if made_by:
             raise InputError(
                 f"--resume: the images in {run_dir} were made by config hash {', '.join(sorted(made_by))}, and "
                 f"this config resolves to {run.config_hash} (was config.yaml or the prompts file edited?)"
             )
+    rounding = rounding_differences(old_config, _config_data(run))
+    if rounding:
+        return (
+            f"--resume: the config differs from the run in {run_dir} in {', '.join(rounding)}: the images made now "
+            "may differ from those already made by rounding (about 1/255)"
+        )
+    return None
+
+
+def as_recorded(run: ResolvedRun, run_dir: Path) -> ResolvedRun:
+    """`run` with the config hash of the run in `run_dir` (run.json's), so that the images a resume makes carry
+    the hash the run's first images carry, whatever key that changes no image (execution.chip, say) differs."""
+    try:
+        record = read_run_record(run_dir)
+    except InputError:  # the owner of the session checked it; a rank elsewhere may not read it
+        record = None
+    if record is None or record["config_hash"] == run.config_hash:
+        return run
+    return replace(run, config_hash=record["config_hash"])
+
+
+def prompts_file_edited(run: ResolvedRun, run_dir: Path) -> str | None:
+    """The warning for a resume whose prompts file no longer holds the prompts the run goes on with (those it
+    started with, from run.json), or None."""
+    if run.config.prompts_file is None:
+        return None
+    problems: list[str] = []
+    now = resolve_prompts(run.config.model_copy(deep=True), run_dir, None, problems)
+    if not problems and _prompts_data(now) == _prompts_data(run.prompts):
+        return None
+    file = Path(run.config.prompts_file).expanduser()
+    file = file if file.is_absolute() else run_dir / file
+    what = (
+        "changed since the run started; its edits are not used" if file.is_file() else "is gone since the run started"
+    )
+    return (
+        f"prompts_file: {file} {what}: the run goes on with the {len(run.prompts)} prompts it started with (kept "
+        f"in {RUN_RECORD})"
+    )
 
 
 def _manifest_paths(run_dir: Path) -> list[Path]:

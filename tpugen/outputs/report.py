@@ -242,14 +242,22 @@ def _attention_lines(memory: dict | None) -> list[str]:
     return [f"- {attention['note']}"] if attention else []
 
 
-def _flash_lines(flash: dict | None) -> list[str]:
-    """Whether the denoiser's attention ran on the flash kernel; if not, why, as one line."""
+def _flash_lines(flash: dict | None, attention: dict | None = None) -> list[str]:
+    """Whether the denoiser's attention ran on the flash kernel, and how many of its calls per step did at each
+    size (the memory plan's count); if not, why, as one line."""
     if not flash:
         return []
     if flash["state"] == "on":
         spec = flash.get("partition_spec")
         where = f"; SPMD partition spec {tuple(spec)}" if spec else ""
-        return [f"- flash attention: on ({', '.join(flash['components'])}{where})"]
+        line = f"- flash attention: on ({', '.join(flash['components'])}{where})"
+        calls = (attention or {}).get("kernel_calls")
+        if calls:
+            from tpugen.memory import kernel_calls_text
+
+            counts = [(c["height"], c["width"], c["reach"], c["calls"]) for c in calls]
+            line += ", " + kernel_calls_text(counts, attention["kernel_min_tokens"])
+        return [line]
     lines = [f"- flash attention: off -- {flash['reason']}"]
     failed = flash.get("failed_attempt")
     if failed:
@@ -484,7 +492,7 @@ def render_markdown(report: dict) -> str:
         f"- model load: {_fmt(report['model_load_seconds'], 2)} s",
         _memory_line(report.get("memory")),
         *_attention_lines(report.get("memory")),
-        *_flash_lines(device.get("flash_attention")),
+        *_flash_lines(device.get("flash_attention"), (report.get("memory") or {}).get("attention")),
         *_sharding_lines(device.get("sharding")),
         *_placement_lines(device.get("placement")),
         "",
