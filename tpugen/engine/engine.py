@@ -27,6 +27,7 @@ from tpugen.memory import (
     out_of_memory_advice,
 )
 from tpugen.models import ModelSource, not_covered
+from tpugen.outputs.records import WarmupEntry
 from tpugen.outputs.report import TimedPhase
 from tpugen.plan import Batch, RunPlan
 from tpugen.schedulers import find_scheduler
@@ -338,21 +339,7 @@ class Engine:
         for shape, batch in first_batch.items():
             key = (str(shape), choice)
             if key in self.warm:
-                results.append(
-                    {
-                        **_shape_fields(shape),
-                        "already_warm": True,
-                        "seconds": 0.0,
-                        "compiles": 0,
-                        "compile_seconds": 0.0,
-                        "graphs_per_phase": None,
-                        "compile_seconds_per_phase": None,
-                        "device_memory_per_phase": None,
-                        "persistent_cache_hits": 0,
-                        "persistent_cache_misses": 0,
-                        "persistent_cache_load_failures": 0,
-                    }
-                )
+                results.append(WarmupEntry.warm_already(shape).as_dict())
                 continue
             checkpoint()
             display.phase(f"warmup: compiling {shape} (on a TPU the first compile can take many minutes)")
@@ -367,18 +354,7 @@ class Engine:
                     delta = _delta(self.backend, before)
                 finally:
                     self.loaded.use_scheduler(None)  # at rest, an engine has the scheduler it was loaded with
-            entry = {
-                **_shape_fields(shape),
-                "seconds": seconds,
-                "compiles": delta.compiles if delta else None,
-                "compile_seconds": delta.compile_seconds if delta else None,
-                "graphs_per_phase": census["graphs"] if census else None,
-                "compile_seconds_per_phase": census["compile_seconds"] if census else None,
-                "device_memory_per_phase": dict(self.loaded.phase_memory) or None,
-                "persistent_cache_hits": delta.persistent_cache_hits if delta else None,
-                "persistent_cache_misses": delta.persistent_cache_misses if delta else None,
-                "persistent_cache_load_failures": delta.persistent_cache_load_failures if delta else None,
-            }
+            entry = WarmupEntry.measured(shape, seconds, delta, census, dict(self.loaded.phase_memory)).as_dict()
             self.warm[key] = entry
             results.append(entry)
         return results
@@ -535,16 +511,6 @@ def _model_dir(spec: EngineSpec) -> Path | None:
         return Path(snapshot_download(source.ref, revision=spec.model.revision, local_files_only=True))
     except Exception:  # not downloaded yet: checked against the loaded modules instead
         return None
-
-
-def _shape_fields(shape) -> dict:
-    return {
-        "shape_key": str(shape),
-        "height": shape.height,
-        "width": shape.width,
-        "batch_size": shape.batch_size,
-        "cfg": shape.cfg,
-    }
 
 
 def _delta(backend, before):
