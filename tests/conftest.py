@@ -14,6 +14,8 @@ from pathlib import Path
 # Before anything imports torch_xla: tests always run on XLA:CPU, with a cache of their own.
 os.environ["PJRT_DEVICE"] = "CPU"
 os.environ.setdefault("TPUGEN_CACHE", tempfile.mkdtemp(prefix="tpugen-test-cache-"))
+# No test reaches the hub (none is reachable from CI, and a refused connection is retried for 20 s).
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -113,8 +113,8 @@ def test_a_hub_id_that_cannot_be_read_offline_is_one_line(tmp_path, monkeypatch)
     result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
     assert result.exit_code == 2
     assert result.output.strip().splitlines()[-1] == (
-        "error: model.id: cannot tell which family 'some-org/some-model' is: its model_index.json is not in the "
-        "local cache (HF_HOME) and HF_HUB_OFFLINE is set"
+        "error: model.id: cannot tell which family 'some-org/some-model' is: offline (HF_HUB_OFFLINE) and its "
+        "model_index.json is not in the local cache (HF_HOME)"
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import run_cli, tiny_config, write_config
 
@@ -170,3 +172,44 @@ def test_plan_of_a_model_with_a_corrupt_weights_file_says_which_file(tmp_path):
         f"error: {weights}: corrupt safetensors file (its header length says 300000000 bytes, over the format's "
         "100 MB limit)\n"
     )
+
+
+def test_a_hub_model_in_the_local_cache_is_sized_from_its_safetensors_headers(tmp_path, monkeypatch):
+    """Any hub model, not only those tpugen keeps configs for: its snapshot's headers, no weights read."""
+    import huggingface_hub.constants
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from tpugen.memory import hub_parameters
+
+    snapshot = tmp_path / "hub" / "models--someorg--custom-sd" / "snapshots" / ("0" * 40)
+    index = {
+        "_class_name": "StableDiffusionPipeline",
+        "unet": ["diffusers", "UNet2DConditionModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "scheduler": ["diffusers", "DDIMScheduler"],
+    }
+    sizes = {"unet": (300, 1000), "vae": (10, 100), "text_encoder": (20, 50)}
+    for name, shape in sizes.items():
+        (snapshot / name).mkdir(parents=True)
+        save_file({"w": np.zeros(shape, np.float16)}, str(snapshot / name / "model.safetensors"))
+    (snapshot / "model_index.json").write_text(json.dumps(index))
+    (tmp_path / "hub" / "models--someorg--custom-sd" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someorg--custom-sd" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    counts, how = hub_parameters("someorg/custom-sd")
+    assert counts == {"unet": 300_000, "vae": 1_000, "text_encoder": 1_000}
+    assert how == "safetensors headers (the local Hugging Face cache)"
+    # And `tpugen plan` sizes it so, its family read from the same model_index.json.
+    from tpugen import app
+    from tpugen.config import load_config
+
+    config = {"model": {"id": "someorg/custom-sd", "dtype": "bfloat16"}, "prompts": ["a cat"]}
+    run = load_config(write_config(tmp_path / "c.yaml", config))
+    view = app.plan(run)
+    assert (run.family, run.config.height) == ("sd", 512)
+    assert {c.name: c.parameters for c in view.memory.components} == counts
+    assert view.memory.source == "safetensors headers (the local Hugging Face cache)"
+    assert run_cli("plan", write_config(tmp_path / "c.yaml", config)).exit_code == 0

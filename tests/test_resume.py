@@ -278,7 +278,9 @@ def test_manifest_lines_that_are_not_this_runs_records_are_named_and_ignored(cpu
 
 @pytest.mark.parametrize("mode", ["single", "multi"])
 def test_a_model_that_cannot_load_leaves_no_run_and_says_why_in_one_line(tmp_path, mode):
-    config = tiny_config(tmp_path, model={"id": "some-org/not-in-the-cache"}, execution={"mode": mode, "cores": 2})
+    # A hub model tpugen knows (its family from tpugen's table), not in this machine's cache, offline.
+    model = "stabilityai/stable-diffusion-xl-base-1.0"
+    config = tiny_config(tmp_path, model={"id": model}, execution={"mode": mode, "cores": 2})
     if mode == "single":
         config["execution"].pop("cores")
     path = write_config(tmp_path / "c.yaml", config)
@@ -286,7 +288,18 @@ def test_a_model_that_cannot_load_leaves_no_run_and_says_why_in_one_line(tmp_pat
     proc = subprocess.run([TPUGEN, "generate", str(path), "--quiet"], capture_output=True, text=True, env=env)
     assert proc.returncode == 1
     assert proc.stderr == (
-        "error: model.id: cannot load 'some-org/not-in-the-cache': offline: the hub cannot be reached and the model "
+        f"error: model.id: cannot load '{model}': offline: the hub cannot be reached and the model "
         "is not in the local cache (HF_HOME)\n"
+    )
+    assert not (tmp_path / "outputs" / "run").exists()
+    # One it does not know cannot even be told a family of: refused at the door, before anything loads.
+    config["model"]["id"] = "some-org/not-in-the-cache"
+    proc = subprocess.run(
+        [TPUGEN, "generate", str(write_config(path, config)), "--quiet"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "error: model.id: cannot tell which family 'some-org/not-in-the-cache' is: offline (HF_HUB_OFFLINE) and its "
+        "model_index.json is not in the local cache (HF_HOME)\n"
     )
     assert not (tmp_path / "outputs" / "run").exists()

@@ -1,6 +1,7 @@
 """Memory planning: each component's size in the run's dtype, and whether the model fits a TPU chip.
 
-Sizes come from a model directory's safetensors headers (no weights are read), or, for known hub models
+Sizes come from a model directory's safetensors headers (no weights are read), a hub model's (from the local
+Hugging Face cache, or the hub's reading of them when online), or, offline, for known hub models
 that are not on disk, from each component built from its config on the meta device (no weights at all).
 """
 
@@ -103,17 +104,67 @@ def component_files(model_dir: Path, variant: str | None = None) -> dict[str, li
     """The safetensors files each component of a diffusers directory loads from (the variant's, where it has them)."""
     index = json.loads((model_dir / "model_index.json").read_text())
     found = {}
-    for name, value in index.items():
+    for name in _components_of(index):
         folder = model_dir / name
-        if name.startswith("_") or not isinstance(value, list) or not folder.is_dir():
-            continue
-        files = sorted(folder.glob("*.safetensors"))
-        wanted = [f for f in files if variant and f".{variant}." in f.name]
-        plain = [f for f in files if len(f.name.split(".")) == 2 or "-of-" in f.name.split(".")[0]]
-        chosen = wanted or plain or files
-        if chosen:
-            found[name] = chosen
+        if folder.is_dir():
+            chosen = _loaded_files(sorted(f.name for f in folder.glob("*.safetensors")), variant)
+            if chosen:
+                found[name] = [folder / f for f in chosen]
     return found
+
+
+def _components_of(index: dict) -> list[str]:
+    """The components a model_index.json lists (their [library, class] pairs; config keys start with _)."""
+    return [name for name, value in index.items() if not name.startswith("_") and isinstance(value, list)]
+
+
+def _loaded_files(names: list[str], variant: str | None) -> list[str]:
+    """Of a component folder's .safetensors files, those diffusers loads: the variant's, else the plain ones."""
+    wanted = [f for f in names if variant and f".{variant}." in f]
+    plain = [f for f in names if len(f.split(".")) == 2 or "-of-" in f.split(".")[0]]
+    return wanted or plain or names
+
+
+def hub_parameters(repo: str, revision: str | None = None, variant: str | None = None) -> tuple[dict, str] | None:
+    """(parameters of each component, where they came from) of a hub model without downloading its weights:
+    the safetensors headers of a snapshot in the local Hugging Face cache, else (online) the hub's own reading
+    of each file's header; None when neither can be had (offline and not downloaded, or no safetensors)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from tpugen.settings import hub_offline
+
+    cached = try_to_load_from_cache(repo, "model_index.json", revision=revision)
+    if isinstance(cached, str):
+        snapshot = Path(cached).parent
+        index = json.loads(Path(cached).read_text())
+        counts = directory_parameters(snapshot, variant)
+        weighted = {c for c in _components_of(index) if c != "scheduler" and "token" not in c}
+        if counts and set(counts) >= weighted:
+            return counts, "safetensors headers (the local Hugging Face cache)"
+    if hub_offline():
+        return None
+    try:
+        from huggingface_hub import HfApi, hf_hub_download
+
+        api = HfApi()
+        index = json.loads(Path(hf_hub_download(repo, "model_index.json", revision=revision)).read_text())
+        files = api.list_repo_files(repo, revision=revision)
+        counts = {}
+        for name in _components_of(index):
+            names = sorted(f.split("/", 1)[1] for f in files if f.startswith(f"{name}/") and f.count("/") == 1)
+            chosen = _loaded_files([f for f in names if f.endswith(".safetensors")], variant)
+            if chosen:
+                counts[name] = sum(
+                    sum(
+                        api.parse_safetensors_file_metadata(
+                            repo, f"{name}/{f}", revision=revision
+                        ).parameter_count.values()
+                    )
+                    for f in chosen
+                )
+        return (counts, "safetensors headers on the hub") if counts else None
+    except Exception:  # the hub's answer is a convenience: tpugen's own table, or no plan, is the fallback
+        return None
 
 
 def directory_parameters(model_dir: Path, variant: str | None = None) -> dict[str, int]:
@@ -240,7 +291,9 @@ def plan_memory(counts: dict[str, int], *, dtype: str, chip: str, chip_gb: float
     return MemoryPlan(components, source, chip, capacity / 1e9, verdict, chips, advice)
 
 
-def component_counts(source, variant: str | None = None) -> tuple[dict[str, int], str] | None:
+def component_counts(
+    source, variant: str | None = None, revision: str | None = None
+) -> tuple[dict[str, int], str] | None:
     """(parameters per component, where the counts came from), or None when the model is not known here."""
     if source.kind == "builtin":
         from tpugen.tiny import builtin_path
@@ -248,6 +301,9 @@ def component_counts(source, variant: str | None = None) -> tuple[dict[str, int]
         return directory_parameters(builtin_path(source.ref)), "safetensors headers"
     if source.kind == "local":
         return directory_parameters(Path(source.ref), variant), "safetensors headers"
+    counted = hub_parameters(source.ref, revision, variant)
+    if counted:
+        return counted
     components = known_components(source.ref)
     if components:
         return meta_parameters(components), "configs on the meta device"
@@ -264,11 +320,11 @@ def _needs_model_code(source) -> bool:
     return components is not None and _known_counts(components) is None
 
 
-def _counted_apart(source, variant: str | None) -> tuple[dict[str, int], str] | None:
+def _counted_apart(source, variant: str | None, revision: str | None) -> tuple[dict[str, int], str] | None:
     """component_counts in a process of its own that never imports torch_xla (`python -m tpugen.memory`)."""
     import subprocess
 
-    request = json.dumps({"kind": source.kind, "ref": source.ref, "variant": variant})
+    request = json.dumps({"kind": source.kind, "ref": source.ref, "variant": variant, "revision": revision})
     proc = subprocess.run([sys.executable, "-m", "tpugen.memory", request], capture_output=True, text=True)
     if proc.returncode:
         last = (proc.stderr.strip().split("\n") or [f"exit code {proc.returncode}"])[-1]
@@ -286,7 +342,11 @@ def memory_plan_for(
     `device_free` (`tpugen plan`): model code that counting needs runs in a process of its own, so this
     one never starts torch_xla (diffusers imports it whenever it is installed)."""
     apart = device_free and not {"diffusers", "torch_xla"} & set(sys.modules) and _needs_model_code(source)
-    counted = _counted_apart(source, model.variant) if apart else component_counts(source, model.variant)
+    counted = (
+        _counted_apart(source, model.variant, model.revision)
+        if apart
+        else component_counts(source, model.variant, model.revision)
+    )
     if counted is None:
         return None
     counts, how = counted
@@ -609,7 +669,9 @@ def _main(request: str) -> int:
 
     _without_torch_xla()
     wanted = json.loads(request)
-    counted = component_counts(ModelSource(wanted["kind"], wanted["ref"]), wanted.get("variant"))
+    counted = component_counts(
+        ModelSource(wanted["kind"], wanted["ref"]), wanted.get("variant"), wanted.get("revision")
+    )
     print(json.dumps({"counts": counted[0], "how": counted[1]} if counted else None))
     return 0
 

@@ -91,7 +91,10 @@ def _hub_class(repo: str, revision: str | None, *, download: bool) -> tuple[str]
     if isinstance(cached, str):
         return _class_in(Path(cached))
     if not download or hub_offline():
-        return f"cannot tell which family {repo!r} is: its model_index.json is not in the local cache (HF_HOME) and HF_HUB_OFFLINE is set"
+        return (
+            f"cannot tell which family {repo!r} is: offline (HF_HUB_OFFLINE) and its model_index.json is not in "
+            "the local cache (HF_HOME)"
+        )
     from huggingface_hub import hf_hub_download
 
     try:
