@@ -354,6 +354,111 @@ def test_a_batch_that_fails_stops_the_run_and_says_how_to_resume(ray_cluster, tm
     assert 0 not in [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")]
 
 
+# A driver whose workers misbehave once per run: the driver makes its actors of a subclass defined in its
+# __main__, which Ray pickles by value, so the workers run it as defined here (tpugen itself knows nothing of it).
+# argv: a marker file (made by the first call that misbehaves, so that a restarted process, or a second call,
+# behaves), the fault, then tpugen's own arguments.
+FAULTY_DRIVER = """
+import sys, time
+from pathlib import Path
+
+import ray
+from tpugen.modes import cluster
+
+Host = cluster._RayHost  # left in place (Ray pickles it by name); named here rather than through super()
+
+
+class Faulty(Host):
+    marker, fault = Path(sys.argv[1]), sys.argv[2]
+
+    def _first(self) -> bool:
+        try:
+            self.marker.open("x").close()
+        except FileExistsError:
+            return False
+        return True
+
+    def start(self):
+        # What the driver meets when Ray loses a worker while it starts and restarts it (a preempted node):
+        # Ray's ActorDiedError, from the start call.
+        if self.fault == "died while starting" and self._first():
+            raise ray.exceptions.ActorDiedError()
+        return Host.start(self)
+
+    def run_batch(self, batch, run_dir, done):
+        if self.fault == "hung batch" and self._first():
+            time.sleep(3600)  # hung: never answers, until the driver has it killed
+        return Host.run_batch(self, batch, run_dir, done)
+
+
+real_remote = ray.remote
+
+
+def remote(*args, **options):
+    return real_remote(*(Faulty if a is Host else a for a in args), **options)
+
+
+ray.remote = remote
+sys.argv = ["tpugen", *sys.argv[3:]]
+from tpugen.cli import main
+
+main()
+"""
+
+
+def run_faulty_driver(tmp: Path, config: dict, fault: str, timeout: float = 150) -> tuple[int, str, Path]:
+    """(exit status, stderr, run directory) of a driver whose worker misbehaves once (FAULTY_DRIVER); a driver
+    still running after `timeout` is killed (its workers go with it) and the test fails."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = write_config(tmp / "ray.yaml", config)
+    command = [sys.executable, "-c", FAULTY_DRIVER, str(tmp / "fault.marker"), fault, "generate", str(path), "--quiet"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_ray_env())
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    if proc.returncode == -signal.SIGKILL:
+        pytest.fail(f"the driver was still running after {timeout:g} s ({fault}); it printed: {err[-2000:]!r}")
+    assert (tmp / "fault.marker").exists(), "the fault never happened"
+    return proc.returncode, err, Path(config["output"]["dir"]) / config["output"]["run_id"]
+
+
+@pytest.mark.xla
+def test_a_hung_worker_misses_its_batch_deadline_is_killed_and_restarted(ray_cluster, tmp_path):
+    # One worker, whose first batch never returns: past the deadline its batches go back to the queue and the
+    # driver has Ray kill it; Ray restarts it (max_restarts 3), and the restarted process makes every image.
+    config = ray_config(tmp_path, ray_cluster["address"], workers=1, batch_timeout_s=8)
+    status, err, run_dir = run_faulty_driver(tmp_path, config, "hung batch")
+    assert status == 0, err
+    assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == list(range(len(PROMPTS)))
+    report = json.loads((run_dir / "report.json").read_text())
+    ray = report["ray"]
+    assert report["complete"] and ray["batch_timeout_s"] == 8 and ray["lost_workers"] == [0]
+    [lost] = [e for e in ray["events"] if e["event"] == "lost"]
+    assert lost["reason"] == f"batch {lost['batches'][0]} not done within 8 s" and len(lost["batches"]) == 2
+    assert ray["restarts"] == 1 and set(lost["batches"]) <= set(ray["retried_batches"])
+    [worker] = ray["per_worker"]
+    assert len(worker["pids"]) == 2 and worker["losses"] == 1 and worker["state"] == "done"
+    assert (
+        f"worker 0 lost (pid {lost['pid']}, batch {lost['batches'][0]} not done within 8 s)"
+        in (run_dir / "report.md").read_text()
+    )
+
+
+@pytest.mark.xla
+def test_a_worker_that_dies_while_it_starts_is_greeted_again_while_restarts_remain(ray_cluster, tmp_path):
+    # Ray's ActorDiedError from a worker's start, with max_restarts left, is not the end of that worker.
+    config = ray_config(tmp_path, ray_cluster["address"], workers=1)
+    status, err, run_dir = run_faulty_driver(tmp_path, config, "died while starting")
+    assert status == 0, err
+    assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == list(range(len(PROMPTS)))
+    report = json.loads((run_dir / "report.json").read_text())
+    [worker] = report["ray"]["per_worker"]
+    assert report["complete"] and worker["losses"] == 1 and worker["batches_done"] == len(PROMPTS)
+    assert [e["event"] for e in report["ray"]["events"] if e["event"] in ("lost", "gone")] == ["lost"]
+
+
 # ---------------------------------------------------------------- bad input: one line, nothing written
 
 

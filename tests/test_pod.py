@@ -82,12 +82,16 @@ def test_dry_run_prints_every_command_and_runs_none(tmp_path, fake_pod):
     assert result.exit_code == 0, result.output
     staging = tmp_path / "out" / "podrun" / ".pod-staging"
     tail = ["--zone=us-east5-b", "--project=my-proj"]
-    worker = (
-        "cd tpugen-pod/podrun && { tpugen generate config.yaml --quiet execution.pod.num_workers=2 output.dir=. "
-        "output.run_id=run $([ -f run/config.yaml ] && echo --resume run) > worker.log 2>&1; status=$?; "
-        "echo $status > worker.status; tail -n 5 worker.log; "
-        "exit $status; }"
-    )
+
+    def worker(i: int) -> str:  # pod-run tells each worker its index: none is left to guess it
+        return (
+            f"cd tpugen-pod/podrun && {{ tpugen generate config.yaml --quiet execution.pod.worker_index={i} "
+            "execution.pod.num_workers=2 output.dir=. "
+            "output.run_id=run $([ -f run/config.yaml ] && echo --resume run) > worker.log 2>&1; status=$?; "
+            "echo $status > worker.status; tail -n 5 worker.log; "
+            "exit $status; }"
+        )
+
     expected = [
         [
             "gcloud",
@@ -122,7 +126,8 @@ def test_dry_run_prints_every_command_and_runs_none(tmp_path, fake_pod):
             "--worker=all",
             *tail,
         ],
-        ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu", "--worker=all", f"--command={worker}", *tail],
+        ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu", "--worker=0", f"--command={worker(0)}", *tail],
+        ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu", "--worker=1", f"--command={worker(1)}", *tail],
         [
             "gcloud",
             "compute",
@@ -276,6 +281,33 @@ def test_bucket_output_is_uploaded_by_the_workers_with_the_pod_report(tmp_path, 
         f"worker-0/run/{NAMES[2]}",
     ]
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_worker_without_tpu_worker_id_that_fails_uploads_into_its_own_folder(tmp_path, fake_pod, monkeypatch):
+    # On a TPU VM, gcloud ssh sets no TPU_WORKER_ID: a worker that failed before its report used to upload
+    # into worker-0/, over worker 0's status and log. Nothing here compiles: worker 0 never runs (preempted)
+    # and worker 1's config is broken.
+    monkeypatch.setenv("FAKE_GCS_ROOT", str(tmp_path / "gcs"))
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    monkeypatch.setenv("FAKE_POD_NO_WORKER_ID", "all")
+    monkeypatch.setenv("FAKE_POD_PREEMPT_WORKER", "0")
+    monkeypatch.setenv("FAKE_POD_BREAK_WORKER", "1")
+    _scratch(tmp_path, monkeypatch)
+    config = tiny_config(tmp_path, prompts=PROMPTS[:2], output={"dir": "gs://my-bucket/runs", "run_id": "podrun"})
+    path = write_config(tmp_path / "c.yaml", config)
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--quiet")
+    assert result.exit_code == 1
+    run = tmp_path / "gcs" / "my-bucket" / "runs" / "podrun"
+    assert sorted(p.name for p in run.glob("worker-*")) == ["worker-1"]
+    assert (run / "worker-1" / "worker.status").read_text() == "2\n"
+    lines = result.stderr.splitlines()
+    assert lines[0] == (
+        "error: worker 0 failed (not gathered: ERROR: gs://my-bucket/runs/podrun/worker-0 matched no objects or files)"
+    )
+    assert lines[1].startswith("error: worker 1 failed (exit status 2): error: config.yaml: malformed YAML")
+    ssh = sorted(c for c in calls(tmp_path) if c[3] == "ssh" and " generate " in c[6])  # started at once
+    assert [c[5] for c in ssh] == ["--worker=0", "--worker=1"]
+    assert all(f"execution.pod.worker_index={i} " in c[6] for i, c in enumerate(ssh))
 
 
 def test_generate_refuses_a_bucket(tmp_path):

@@ -186,6 +186,11 @@ class RayConfig(_Section):
     runtime_env: dict[str, Any] | None = None
     # How long the address may take to answer.
     connect_timeout_s: float = Field(default=30.0, gt=0)
+    # A batch's deadline, in seconds from when its worker could start it (its previous batch done): a worker
+    # that misses it is taken as lost (hung), its batches in flight go back to the queue and its actor is killed,
+    # so Ray restarts it while max_restarts allow. Warm batches take seconds; the warmup has no deadline, nor
+    # (with --skip-warmup) a worker's first batch of each shape key, which compiles. null: no deadline.
+    batch_timeout_s: float | None = Field(default=600.0, gt=0)
 
 
 class ExecutionConfig(_Section):

@@ -36,6 +36,12 @@ IN_FLIGHT = 2
 # A throwaway local cluster's object store: only batches and records travel through it, never pixels.
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
 ALIVE = ("starting", "warming", "ready", "restarting")  # states in which a worker may still take batches
+WAIT_SECONDS = 1.0  # the longest the driver waits for any answer before it looks at deadlines and signals again
+
+
+class BatchOverdue(Exception):
+    """The driver's own verdict on a worker that has not finished its batch by the batch deadline
+    (execution.ray.batch_timeout_s): taken as lost like a dead one, and killed so that Ray restarts it."""
 
 
 def import_ray():
@@ -140,11 +146,17 @@ def plan_lines(run: ResolvedRun) -> list[str]:
         if settings.resources_per_worker
         else "{TPU: chips per host} on a cluster with TPUs, else {CPU: 1}"
     )
+    deadline = (
+        f"a worker that has not finished a batch {settings.batch_timeout_s:g} s after it could start it is taken "
+        "as lost and killed"
+        if settings.batch_timeout_s is not None
+        else "batches have no deadline"
+    )
     return [
         f"ray: address {settings.address}; workers: {workers}; each worker asks for {resources}",
         f"ray: every worker warms up every shape key, then takes batches as it finishes them ({IN_FLIGHT} in "
         f"flight each); a lost worker's batches go back to the queue; Ray restarts it up to {settings.max_restarts} "
-        "times",
+        f"times; {deadline}",
     ]
 
 
@@ -294,7 +306,10 @@ class Worker:
     load_seconds: list[float] = field(default_factory=list)
     warmup: list[dict] = field(default_factory=list)
     warmup_seconds: float = 0.0
-    in_flight: dict = field(default_factory=dict)  # future -> batch
+    in_flight: dict = field(default_factory=dict)  # future -> batch, oldest (the one running) first
+    busy_since: float | None = None  # when the oldest batch in flight could start: its deadline counts from here
+    warm_shapes: set = field(default_factory=set)  # shape keys this process has compiled (no deadline before)
+    greet_retried: bool = False  # a greet after this loss already went unanswered once
     lost_batches: list[int] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)
     recompiles: list[dict] = field(default_factory=list)
@@ -408,10 +423,39 @@ class ClusterRun:
                 # is still restarting is not waited for once every batch is confirmed.
                 if not self._left() or not handing or not self._alive() or not self.futures:
                     return
-            ready, _ = ray.wait(list(self.futures), num_returns=1, timeout=1.0)
+            ready, _ = ray.wait(list(self.futures), num_returns=1, timeout=self._wait_seconds())
             for future in ready:
                 self._settle(future)
+            for future, overdue in self._overdue():
+                self._settle(future, overdue)
             self.display.progress(len(self.finished) + len(self.confirmed), total, "all workers")
+
+    def _deadlines(self) -> list[tuple[float, object, Batch]]:
+        """(when it is due, its future, the batch) for the running batch of every ready worker that has a deadline:
+        one of this process's (a batch of a loss already counted is not waited for) and of a warm shape key (with
+        the warmup skipped, a worker's first batch of each shape compiles)."""
+        limit = self.run.config.execution.ray.batch_timeout_s
+        due = []
+        for worker in self.workers:
+            if limit is None or worker.state != "ready" or not worker.in_flight or worker.busy_since is None:
+                continue
+            future, batch = next(iter(worker.in_flight.items()))
+            if self.futures[future].epoch == worker.epoch and batch.shape in worker.warm_shapes:
+                due.append((worker.busy_since + limit, future, batch))
+        return due
+
+    def _wait_seconds(self) -> float:
+        now = time.perf_counter()
+        return max(0.0, min([WAIT_SECONDS, *(due - now for due, _, _ in self._deadlines())]))
+
+    def _overdue(self) -> list[tuple[object, BatchOverdue]]:
+        """The running batches past their deadline, each with the verdict `_settle` takes as its worker's loss."""
+        now, limit = time.perf_counter(), self.run.config.execution.ray.batch_timeout_s
+        return [
+            (future, BatchOverdue(f"batch {batch.number} not done within {limit:g} s"))
+            for due, future, batch in self._deadlines()
+            if now >= due
+        ]
 
     def _left(self) -> list[Batch]:
         done = set(self.finished) | set(self.confirmed)
@@ -431,6 +475,8 @@ class ClusterRun:
             if self.timed_start is None:
                 self.timed_start = time.perf_counter()
             skip = frozenset(i.index for i in batch.items if i.index in self.finished)
+            if not worker.in_flight:  # it starts at once; otherwise when the one before it is done
+                worker.busy_since = time.perf_counter()
             future = worker.handle.run_batch.remote(batch, str(self.session.run_dir), skip)
             self.futures[future] = Call("batch", worker, worker.epoch, batch)
             worker.in_flight[future] = batch
@@ -438,15 +484,21 @@ class ClusterRun:
                 self._event("retried", worker, batch=batch.number)
             self._write_workers()
 
-    def _settle(self, future) -> None:
-        """A finished call: its result, or the fault it brings back, handled here and nowhere else."""
+    def _settle(self, future, overdue: BatchOverdue | None = None) -> None:
+        """A finished call: its result, or the fault it brings back, handled here and nowhere else; with
+        `overdue`, a batch past its deadline, whose worker is taken as lost without waiting for it."""
         ray = self.ray
         call = self.futures.pop(future)
         worker = call.worker
-        if call.kind == "batch":
-            worker.in_flight.pop(future, None)
+        if call.kind == "batch" and worker.in_flight.pop(future, None) is not None:
+            # Ray runs a worker's calls in order: the next batch in flight starts now.
+            worker.busy_since = time.perf_counter() if worker.in_flight else None
         try:
+            if overdue is not None:
+                raise overdue
             value = ray.get(future)
+        except BatchOverdue as exc:  # hung (or too slow): lost, and killed so that Ray restarts it
+            self._lost(call, exc)
         except ray.exceptions.RayActorError as exc:  # the process died, its node was lost, or it is unreachable
             self._lost(call, exc)
         except ray.exceptions.RayTaskError as exc:  # the worker's own code raised
@@ -458,42 +510,71 @@ class ClusterRun:
         self._write_workers()
 
     def _lost(self, call: Call, exc) -> None:
+        """A worker's process is gone (or hung, or unreachable): its batch goes back to the queue, the loss is
+        counted once, and the worker is greeted again, which the restarted process answers, or Ray, saying
+        there is none. Only Ray's answer to that greet ends a worker: a death while it starts (hello, start) is
+        a loss like any other, since Ray restarts it while max_restarts allow."""
         worker = call.worker
         if call.batch is not None:
             self._requeue(call.batch, worker)
-        # Asked after a loss (hello or start), ActorDiedError is Ray saying there will be no restart
-        # (max_restarts used up); the batches in flight at a death come back as ActorUnavailableError.
-        final = isinstance(exc, self.ray.exceptions.ActorDiedError) and call.kind != "batch"
-        current = call.epoch == worker.epoch and worker.state not in ("lost", "failed")
-        if final:
-            if current and worker.state != "restarting":
-                self._count_loss(worker, call, exc)
-            if worker.state not in ("lost", "failed"):
-                worker.state = "lost"
-                self._event("gone", worker, reason="Ray will not restart it (max_restarts used up)")
-                self.display.warning(f"worker {worker.index} is gone: Ray will not restart it")
-            return
-        if not current:
-            return  # another failure of a loss already counted
+        if call.epoch != worker.epoch or worker.state in ("lost", "failed"):
+            return  # another failure of a loss already counted, or of a worker already given up
+        died = isinstance(exc, self.ray.exceptions.ActorDiedError)
+        if worker.state == "restarting":  # the answer to the greet after a loss
+            # ActorDiedError there is Ray saying there will be no restart (max_restarts used up), unless the node
+            # was preempted (Ray restarts a preempted actor elsewhere without counting it): then within the
+            # driver's own count of its losses.
+            preempted = getattr(exc, "preempted", False) and worker.losses <= self.run.config.execution.ray.max_restarts
+            if died and not preempted:
+                self._gone(worker)
+                return
+            if not died and not worker.greet_retried:
+                # No process answered yet: the old one was still going down (one the driver killed, say) when the
+                # greet reached it. Asked once more, not counted as another loss.
+                worker.greet_retried = True
+                worker.epoch += 1  # the rest of the unanswered greet is ignored
+                self._greet(worker)
+                return
         self._count_loss(worker, call, exc)
+        if isinstance(exc, BatchOverdue):
+            self._abandon(worker)
         worker.state = "restarting"
         self._greet(worker)  # answered by the restarted process, or by Ray saying there is none
+
+    def _gone(self, worker: Worker) -> None:
+        worker.state = "lost"
+        self._event("gone", worker, reason="Ray will not restart it (max_restarts used up)")
+        self.display.warning(f"worker {worker.index} is gone: Ray will not restart it")
+
+    def _abandon(self, worker: Worker) -> None:
+        """A worker past its batch deadline: its other batches in flight go back to the queue now (the driver
+        stops waiting for them), and its process is killed, so that Ray restarts it if restarts are left."""
+        for position, (future, batch) in enumerate(list(worker.in_flight.items()), start=1):
+            self.futures.pop(future, None)
+            self._requeue(batch, worker, position)  # after the overdue one, in the order they were handed out
+        worker.in_flight.clear()
+        worker.busy_since = None
+        try:
+            self.ray.kill(worker.handle, no_restart=False)
+        except Exception:  # already gone: the greet's answer says whether Ray restarts it
+            pass
 
     def _count_loss(self, worker: Worker, call: Call, exc) -> None:
         worker.losses += 1
         worker.epoch += 1
+        worker.greet_retried = False
         lost = sorted({call.batch.number} if call.batch else set()) + sorted(
             b.number for b in worker.in_flight.values()
         )
-        reason = type(exc).__name__
+        reason = str(exc) if isinstance(exc, BatchOverdue) else type(exc).__name__
         self._event("lost", worker, pid=worker.pid, node=worker.node, batches=lost, reason=reason)
         self.display.warning(
             f"worker {worker.index} (pid {worker.pid}) lost ({reason})"
             + (f"; batches {', '.join(map(str, lost))} go back to the queue" if lost else "")
         )
 
-    def _requeue(self, batch: Batch, worker: Worker) -> None:
-        self.queue.appendleft(batch)  # redone first, so a retried batch does not wait for the whole queue
+    def _requeue(self, batch: Batch, worker: Worker, position: int = 0) -> None:
+        self.queue.insert(position, batch)  # redone first, so a retried batch does not wait for the whole queue
         worker.lost_batches.append(batch.number)
         self.lost_from.setdefault(batch.number, []).append(worker.index)
 
@@ -542,6 +623,8 @@ class ClusterRun:
             worker.warmup.extend({**w, "worker": worker.index, "start": number} for w in value["warmup"])
             worker.warmup_seconds += sum(w["seconds"] for w in value["warmup"])
             worker.started = value
+            # A fresh process: warm for every shape key, unless the warmup was skipped (then each compiles once).
+            worker.warm_shapes = set() if self.skip_warmup else {b.shape for b in self.plan.batches}
             self._event("warm", worker, pid=value["pid"], seconds=round(value["start_seconds"], 3))
         if self.session is None:  # the first engine open: the model loads, so now there is a run
             self.session = RunSession.create(self.run)
@@ -559,6 +642,7 @@ class ClusterRun:
         for record in fresh:
             self.confirmed[record["index"]] = record
         worker.batches_done += 1
+        worker.warm_shapes.add(call.batch.shape)
         worker.images += len(fresh)
         worker.written.extend(r["file"] for r in fresh)
         worker.rows.append(value["row"])
@@ -670,6 +754,7 @@ class ClusterRun:
             "resources_per_worker": self.resources,
             "max_restarts": settings.max_restarts,
             "in_flight_per_worker": IN_FLIGHT,
+            "batch_timeout_s": settings.batch_timeout_s,
             "timed_wall": "the driver's window, from the first batch handed out to the last one confirmed",
             "per_worker": [
                 {

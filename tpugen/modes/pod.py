@@ -117,6 +117,9 @@ class Pod:
     def ssh_all(self, command: str) -> list[str]:
         return self._gcloud("ssh", self.tpu, "--worker=all", f"--command={command}")
 
+    def ssh(self, worker: int, command: str) -> list[str]:
+        return self._gcloud("ssh", self.tpu, f"--worker={worker}", f"--command={command}")
+
     def scp_to_all(self, local: Path, remote: str) -> list[str]:
         return self._gcloud("scp", str(local), f"{self.tpu}:{remote}", "--worker=all")
 
@@ -144,14 +147,19 @@ def _command_word(path: str) -> str:
     return '"$HOME"/' + shlex.quote(path[2:]) if path.startswith("~/") else shlex.quote(path)
 
 
-def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen", upload: str | None = None) -> str:
-    """What every worker runs: its share of the run, its output kept in worker.log, its exit status in
+def worker_command(
+    remote_run: str, worker: int, num_workers: int, tpugen: str = "tpugen", upload: str | None = None
+) -> str:
+    """What worker `worker` runs: its share of the run, its output kept in worker.log, its exit status in
     worker.status (so a failed worker is named after gathering), and the log's last lines echoed.
-    With `upload` (gs://bucket/prefix/RUN_ID), the worker then copies its folder to upload/worker-INDEX/.
+    With `upload` (gs://bucket/prefix/RUN_ID), the worker then copies its folder to upload/worker-WORKER/.
 
-    The worker finds its index in TPU_WORKER_ID, CLOUD_TPU_TASK_ID or torch_xla; prompts stay in the
-    shipped config, and every argument is shell-quoted.
+    pod-run gives every worker its index here, the one it gathers that worker's folder by: a worker never
+    guesses it (a TPU VM's ssh session has no TPU_WORKER_ID), so a worker that fails before its report still
+    uploads into its own folder. Prompts stay in the shipped config, and every argument is shell-quoted.
     """
+    if not 0 <= worker < num_workers:
+        raise ValueError(f"worker {worker} is not one of {num_workers} workers")
     q = shlex.quote
     generate = " ".join(
         [
@@ -159,6 +167,7 @@ def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen", up
             "generate",
             "config.yaml",
             "--quiet",
+            q(f"execution.pod.worker_index={worker}"),
             q(f"execution.pod.num_workers={num_workers}"),
             q("output.dir=."),
             q(f"output.run_id={WORKER_RUN}"),
@@ -168,12 +177,7 @@ def worker_command(remote_run: str, num_workers: int, tpugen: str = "tpugen", up
     )
     upload_step = ""
     if upload:
-        # The index tpugen used is in its report; before a report exists, the TPU's own variables.
-        index = (
-            '$(python3 -c \'import json; print(json.load(open("run/report.json"))["pod"]["worker_index"])\' '
-            "2>/dev/null || echo ${TPU_WORKER_ID:-${CLOUD_TPU_TASK_ID:-0}})"
-        )
-        upload_step = f"gcloud storage cp -r ./* {q(upload)}/worker-{index}/ > upload.log 2>&1 || status=1; "
+        upload_step = f"gcloud storage cp -r ./* {q(f'{upload}/worker-{worker}/')} > upload.log 2>&1 || status=1; "
     return (
         f"cd {q(remote_run)} && {{ {generate} > {WORKER_LOG} 2>&1; status=$?; echo $status > {WORKER_STATUS}; "
         f"{upload_step}tail -n 5 {WORKER_LOG}; exit $status; }}"
@@ -188,12 +192,12 @@ class PodPlan:
     """Every gcloud command of a pod run, in order, for --dry-run and for the runner."""
 
     prepare: list[list[str]]
-    run: list[str]
+    run: list[list[str]]  # one ssh per worker, all at once: each is told its own index
     gather: list[list[str]]
     finish: list[list[str]]  # with a bucket: the pod report, merged here, goes up beside the workers' folders
 
     def lines(self) -> list[str]:
-        return [shlex.join(c) for c in [*self.prepare, self.run, *self.gather, *self.finish]]
+        return [shlex.join(c) for c in [*self.prepare, *self.run, *self.gather, *self.finish]]
 
 
 def gathering_folder(local_run: Path, worker: int) -> Path:
@@ -229,7 +233,8 @@ def plan_pod(
     finish = []
     if upload and gather:
         finish = [pod.storage_cp(*(f"{local_run}/{name}" for name in POD_REPORT_FILES), f"{upload}/")]
-    return PodPlan(prepare, pod.ssh_all(worker_command(remote_run, workers, tpugen, upload)), gathers, finish)
+    runs = [pod.ssh(i, worker_command(remote_run, i, workers, tpugen, upload)) for i in range(workers)]
+    return PodPlan(prepare, runs, gathers, finish)
 
 
 # ---------------------------------------------------------------- merging (pure over files)
@@ -411,6 +416,26 @@ def _call(command: list[str], display, capture: bool = True) -> subprocess.Compl
     return subprocess.run(command, capture_output=capture, text=True)
 
 
+def _call_all(commands: list[list[str]], display) -> list[int]:
+    """Run the workers' ssh commands at once (as gcloud's --worker=all does) and wait for every one; their exit
+    statuses, in order. Their output is not needed (each worker keeps its log); none is left running."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for command in commands:
+            display.phase("$ " + shlex.join(command))
+            procs.append(
+                subprocess.Popen(
+                    command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
+        return [proc.wait() for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:  # pod-run was interrupted: its ssh sessions go with it
+                proc.terminate()
+                proc.wait()
+
+
 def run_pod(
     run,
     pod: Pod,
@@ -508,7 +533,7 @@ def run_pod(
             if done.returncode:
                 raise RunError(step_failure(command, done))
         display.phase(f"running on {workers} workers")
-        ran = _call(plan.run, display)
+        ssh_status = max(_call_all(plan.run, display))
         gather_errors = {}  # worker -> why its folder could not be copied this time
         for i, command in enumerate(plan.gather):
             fresh = local_run / f"worker-{i}" if bucket else gathering_folder(local_run, i)
@@ -523,12 +548,12 @@ def run_pod(
                 adopt_gathered(fresh, local_run / f"worker-{i}")
 
         if not gather:
-            return {"run_id": run_id, "workers": workers, "gathered": False, "ssh_exit_status": ran.returncode}
+            return {"run_id": run_id, "workers": workers, "gathered": False, "ssh_exit_status": ssh_status}
         records, rows, reports = merge_workers(local_run, workers)
         report = pod_report(
             run=run, run_id=run_id, run_dir=local_run, pod=pod, records=records, rows=rows, reports=reports
         )
-        report["ssh_exit_status"] = ran.returncode
+        report["ssh_exit_status"] = ssh_status
         report["gather_failed_workers"] = sorted(gather_errors)
         rewrite_manifest(local_run, {r["index"]: r for r in records})
         write_report(local_run, report)
@@ -549,7 +574,7 @@ def run_pod(
 
     failed = [r for r in rows if not r["complete"]]
     kept = [i for i in sorted(gather_errors) if rows[i]["gathered"]]
-    if failed or kept or ran.returncode:
+    if failed or kept or ssh_status:
         lines = []
         for r in failed:
             why = f"exit status {r['exit_status']}"
@@ -560,8 +585,8 @@ def run_pod(
         for i in kept:
             folder = local_run / f"worker-{i}"
             lines.append(f"worker {i}: gathering failed ({gather_errors[i]}); its earlier copy is kept in {folder}")
-        if ran.returncode and not failed:
-            lines.append(f"gcloud ssh exited with status {ran.returncode}")
+        if ssh_status and not failed:
+            lines.append(f"gcloud ssh exited with status {ssh_status}")
         where = report["run_dir"]
         raise RunError(*lines, f"{len(records)} images from the other workers and the pod report are in {where}")
     return report
