@@ -287,25 +287,51 @@ def test_new_family_has_three_graphs_one_transfer_and_diffusers_pixels(model, tm
 # ---------------------------------------------------------------- what a failed load says
 
 
+def _hub_error(cls, status: int):
+    """One of huggingface_hub's own errors, as it raises them for a hub answer of `status`."""
+    import httpx
+
+    return cls(f"{status} Client Error", response=httpx.Response(status, request=httpx.Request("GET", "https://hub/x")))
+
+
 def test_a_gated_model_without_any_token_says_to_log_in(monkeypatch):
     import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError
 
     from tpugen.models import hub_failure
 
-    class GatedRepoError(Exception):
-        pass
-
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
-    assert hub_failure(GatedRepoError("403")) == (
+    assert hub_failure(_hub_error(GatedRepoError, 403)) == (
         "gated on the hub and no token is set (accept the licence on the model page, then `hf auth login` or set "
         "HF_TOKEN)"
     )
     # A user who ran `hf auth login` has a token without HF_TOKEN: the account is what lacks access.
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_saved_by_login")
-    assert hub_failure(GatedRepoError("403")) == (
+    assert hub_failure(_hub_error(GatedRepoError, 403)) == (
         "gated on the hub and your token's account has no access (accept the licence on the model page)"
     )
+
+
+def test_hub_errors_are_told_by_their_type(monkeypatch):
+    from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError, RepositoryNotFoundError
+
+    from tpugen.models import hub_failure
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert hub_failure(_hub_error(RemoteEntryNotFoundError, 404), what="file", file="w.safetensors") == (
+        "the repo has no file 'w.safetensors'"
+    )
+    assert hub_failure(_hub_error(RepositoryNotFoundError, 404)) == (
+        "no such model on the hub (or it is private: `hf auth login` or set HF_TOKEN)"
+    )
+    assert hub_failure(LocalEntryNotFoundError("not cached")) == (
+        "offline: the hub cannot be reached and the model is not in the local cache (HF_HOME)"
+    )
+    wrapped = RuntimeError("load failed")
+    wrapped.__cause__ = _hub_error(RepositoryNotFoundError, 401)
+    assert hub_failure(wrapped).startswith("no such model on the hub")
+    assert hub_failure(ValueError("bad weights")) == "ValueError: bad weights"
 
 
 @pytest.mark.xla

@@ -23,8 +23,8 @@ def test_every_family_is_a_folder_in_the_registry():
         assert isinstance(family, Family) and family.name == name
         assert type(family).__module__.startswith("tpugen.families.")
         # Each built-in and known model belongs to exactly one family, and each class to one.
-        for cls in family.pipeline_classes:
-            assert family_for_class(cls) is family
+        for cls in family.pipeline_classes:  # FLUX.2 [klein]'s base and distilled share a class, told by a flag
+            assert any(family_for_class(cls, index) is family for index in ({}, {"is_distilled": True}))
     assert sum(len(f.builtins) for f in FAMILIES.values()) == len(BUILTINS)
     assert sum(len(f.known_models) for f in FAMILIES.values()) == len(KNOWN_MODELS)
 
@@ -156,3 +156,22 @@ def test_a_report_that_cannot_be_built_still_leaves_report_json(tmp_path):
         "report_error": "AttributeError: 'Flux2KleinPipeline' object has no attribute 'unet'",
         "run_dir": str(tmp_path),
     }
+
+
+def test_a_distilled_klein_folder_is_read_as_distilled(tmp_path):
+    """FLUX.2 [klein]'s distilled models are told by their model_index.json's is_distilled: 4 steps, no CFG."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    index = {"_class_name": "Flux2KleinPipeline", "is_distilled": True}
+    (folder / "model_index.json").write_text(json.dumps(index))
+    config = tiny_config(tmp_path, model={"id": str(folder)})
+    del config["height"], config["width"], config["steps"], config["guidance_scale"]
+    result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
+    assert result.exit_code == 0, result.output
+    resolved = yaml.safe_load(result.output)
+    assert (resolved["steps"], resolved["guidance_scale"]) == (4, 1.0)
+    index["is_distilled"] = False
+    (folder / "model_index.json").write_text(json.dumps(index))
+    resolved = yaml.safe_load(run_cli("validate", write_config(tmp_path / "c.yaml", config)).output)
+    assert (resolved["steps"], resolved["guidance_scale"]) == (50, 4.0)
+    assert not FAMILIES["flux2_klein_distilled"].uses_cfg(4.0) and FAMILIES["flux2_klein"].uses_cfg(4.0)

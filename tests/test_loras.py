@@ -84,8 +84,8 @@ BAD_LORAS = [
         "a Flux LoRA on SD 1.x",
         {"id": "flux-style.safetensors"},
         [
-            "model.loras[0].id: 'flux-style' is a LoRA for Flux.1 (schnell, dev) or FLUX.2 [klein] or FLUX.2 [dev] "
-            "(its keys have Flux's double- and"
+            "model.loras[0].id: 'flux-style' is a LoRA for Flux.1 (schnell, dev) or FLUX.2 [klein] or FLUX.2 [klein] "
+            "distilled or FLUX.2 [dev] (its keys have Flux's double- and"
         ],
     ),
     ("negative scale", {"id": "ok.safetensors", "scale": -0.5}, ["model.loras[0].scale: must be from 0 to 4"]),
@@ -120,7 +120,7 @@ def test_a_bad_lora_is_one_line_and_exit_2_before_anything_loads(tmp_path, comma
     assert not (tmp_path / "outputs").exists()
 
 
-FLUX_FAMILIES = {"flux", "flux2_klein", "flux2"}
+FLUX_FAMILIES = {"flux", "flux2_klein", "flux2_klein_distilled", "flux2"}
 
 
 @pytest.mark.parametrize(
@@ -132,13 +132,15 @@ FLUX_FAMILIES = {"flux", "flux2_klein", "flux2"}
         # FLUX.2's diffusers names have Flux.1's single_transformer_blocks; BFL's have its double_blocks.
         (["transformer.single_transformer_blocks.0.attn.to_qkv_mlp_proj.lora_A.weight"], FLUX_FAMILIES, {"sd3"}),
         (["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"], FLUX_FAMILIES, {"sd", "zimage"}),
-        # Z-Image's and Qwen-Image's kohya files name their blocks lora_unet_*: the door lets them (and SD's) by.
-        (["lora_unet_layers_0_attention_to_q.lora_down.weight"], {"zimage", "sd"}, {"flux", "sd3"}),
-        (["lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight"], {"qwenimage", "sd"}, {"flux", "sd3"}),
+        # Z-Image's and Qwen-Image's kohya files name their blocks lora_unet_*, each in a way of its own.
+        (["lora_unet_layers_0_attention_to_q.lora_down.weight"], {"zimage"}, {"flux", "sd3", "sd", "qwenimage"}),
+        (["lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight"], {"qwenimage"}, {"flux", "sd3", "sd"}),
+        # An SD kohya file is for the UNet families only.
+        (["lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight"], {"sd", "sdxl"}, {"flux", "zimage", "flux2"}),
         (["transformer.layers.0.attention.to_q.lora_A.weight"], {"zimage", "qwenimage", "flux2", "sd3"}, {"sd"}),
         (SDXL_KEYS, {"sdxl"}, {"sd", "flux2", "zimage", "qwenimage"}),
     ],
-    ids=["kohya Flux", "FLUX.2 diffusers", "BFL Flux", "kohya Z-Image", "kohya Qwen-Image", "Z-Image", "SDXL"],
+    ids=["kohya Flux", "FLUX.2 diffusers", "BFL Flux", "kohya Z-Image", "kohya Qwen-Image", "kohya SD", "Z-Image", "SDXL"],
 )  # fmt: skip
 def test_lora_keys_tell_the_families_they_can_be_for(keys, families, absent):
     from tpugen.config.loras import lora_families
@@ -246,23 +248,20 @@ def test_a_lora_that_does_not_fit_the_model_is_refused_before_any_weights_are_re
         (
             "tiny-z-image",
             "kohya",
-            # Z-Image lists UNet block names (its kohya files are lora_unet_layers_*): the module names tell.
-            "model.loras[0].id: 'sd-kohya': 102 of its 102 modules match no module of tiny-z-image (e.g. "
-            "transformer.lora.te.text.model.encoder.layers.0.mlp.fc1); it is a LoRA for another model",
+            "model.loras[0].id: 'sd-kohya' is a LoRA for Stable Diffusion 1.x/2.x or Stable Diffusion XL (its keys "
+            "have UNet block names), and the model tiny-z-image is Z-Image",
         ),
         (
             "tiny-z-image",
             "peft",
-            "model.loras[0].id: 'sd-peft': 204 of its tensors are for no component this pipeline loads LoRAs into "
-            "(transformer), e.g. text_encoder.text_model.encoder.layers.0.mlp.fc1.lora_A.weight; it is not a LoRA "
-            "for tiny-z-image",
+            "model.loras[0].id: 'sd-peft' is a LoRA for Stable Diffusion 1.x/2.x or Stable Diffusion XL (its keys "
+            "have UNet block names), and the model tiny-z-image is Z-Image",
         ),
         (
             "tiny-flux2-klein",
             "kohya",
-            # FLUX.2's kohya converter drops every key it does not know: nothing is left to load.
-            "model.loras[0].id: 'sd-kohya': diffusers' Flux2KleinPipeline loader reads none of its tensors as LoRA "
-            "factors for the transformer; it is not a LoRA for tiny-flux2-klein (FLUX.2 [klein])",
+            "model.loras[0].id: 'sd-kohya' is a LoRA for Stable Diffusion 1.x/2.x or Stable Diffusion XL (its keys "
+            "have UNet block names), and the model tiny-flux2-klein is FLUX.2 [klein]",
         ),
     ],
     ids=["SD kohya on Z-Image", "SD peft on Z-Image", "SD kohya on FLUX.2 klein"],
@@ -449,10 +448,11 @@ def test_images_manifest_and_report_name_each_lora_with_its_scale_and_hash(warm_
     assert parameters.splitlines()[-1].endswith(
         f', Model: tiny-sd, Lora hashes: "style-kohya: {kohya}, subject-peft: {peft}", Version: tpugen {__version__}'
     ), parameters
+    # Given as absolute paths, they are named by their files (records never hold a path of this machine).
     expected = [
-        {"name": "style-kohya", "id": str(lora_files["kohya"]), "scale": 0.7, "hash": kohya,
+        {"name": "style-kohya", "id": "style-kohya.safetensors", "scale": 0.7, "hash": kohya,
          "sha256": hashlib.sha256(lora_files["kohya"].read_bytes()).hexdigest()},
-        {"name": "subject-peft", "id": str(lora_files["peft"]), "scale": 0.5, "hash": peft,
+        {"name": "subject-peft", "id": "subject-peft.safetensors", "scale": 0.5, "hash": peft,
          "sha256": hashlib.sha256(lora_files["peft"].read_bytes()).hexdigest()},
     ]  # fmt: skip
     assert json.loads(Image.open(first).text["tpugen"])["loras"] == expected

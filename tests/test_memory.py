@@ -190,6 +190,9 @@ def test_a_hub_model_in_the_local_cache_is_sized_from_its_safetensors_headers(tm
         "text_encoder": ["transformers", "CLIPTextModel"],
         "tokenizer": ["transformers", "CLIPTokenizer"],
         "scheduler": ["diffusers", "DDIMScheduler"],
+        # What SD 1.5's own index lists and holds no weights of: a safety checker left out, an image processor.
+        "safety_checker": [None, None],
+        "feature_extractor": ["transformers", "CLIPImageProcessor"],
     }
     sizes = {"unet": (300, 1000), "vae": (10, 100), "text_encoder": (20, 50)}
     for name, shape in sizes.items():

@@ -32,7 +32,7 @@ def test_scan_blocks_is_for_flux_on_xla(tmp_path, model, backend):
     assert result.exit_code == 2
     assert result.stderr == (
         "error: compile.scan_blocks: is built for Stable Diffusion 3 / 3.5, Flux.1 (schnell, dev), FLUX.2 [klein], "
-        "FLUX.2 [dev], Z-Image and Qwen-Image models on execution.backend: xla\n"
+        "FLUX.2 [klein] distilled, FLUX.2 [dev], Z-Image and Qwen-Image models on execution.backend: xla\n"
     )
 
 

@@ -605,6 +605,10 @@ def test_a_lora_named_in_the_prompt_is_fused_for_that_request_only(client, serve
 
     short = file_hashes(lora_dir / "style.safetensors")[1]
     assert f'Lora hashes: "style: {short}"' in image.text["parameters"]
+    # The reply names the LoRA by its name in serve.lora_dir, never by where that folder is on the server.
+    (record,) = json.loads(image.text["tpugen"])["loras"]
+    assert (record["name"], record["id"]) == ("style", "style.safetensors")
+    assert str(lora_dir) not in image.text["tpugen"]
     # The same LoRA through a run config: the same pixels.
     run_dir = generate(
         tmp_path,
@@ -619,7 +623,11 @@ def test_a_lora_named_in_the_prompt_is_fused_for_that_request_only(client, serve
     assert np.array_equal(base[0], base[1]) and not np.array_equal(base[0], pixels(image))
     txt2img(client, prompt="<lora:subject:1> a cat", seed=3)
     assert np.array_equal(pixels(decode(txt2img(client, prompt="a cat", seed=3)["images"][0])), base[0])
-    assert [lora["name"] for lora in client.get("/sdapi/v1/loras").json()] == ["style", "subject"]
+    listed = client.get("/sdapi/v1/loras").json()
+    assert [(lora["name"], lora["path"]) for lora in listed] == [
+        ("style", "style.safetensors"),
+        ("subject", "subject.safetensors"),
+    ]
     unknown = client.post("/sdapi/v1/txt2img", json={**BASE, "prompt": "<lora:nope:1> a cat"})
     assert (unknown.status_code, unknown.json()["detail"]) == (
         422,
@@ -645,7 +653,9 @@ def test_a_run_sent_to_the_server_may_name_loras_of_its_lora_dir(client, server)
     assert client.post("/v1/runs", content=body).status_code == 201
     status = wait_run(client, "with-lora")
     assert status["status"] == "complete", status
-    assert [(lora["name"], lora["scale"]) for lora in status["report"]["model"]["loras"]] == [("style", 0.7)]
+    assert [(lora["name"], lora["id"], lora["scale"]) for lora in status["report"]["model"]["loras"]] == [
+        ("style", "style.safetensors", 0.7)
+    ]
     outside = run_body("outside", prompts=["a cat"], model={"loras": [{"id": "../serve.yaml"}]})
     response = client.post("/v1/runs", content=outside)
     assert (response.status_code, response.json()["detail"]) == (

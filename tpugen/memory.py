@@ -118,6 +118,20 @@ def _components_of(index: dict) -> list[str]:
     return [name for name, value in index.items() if not name.startswith("_") and isinstance(value, list)]
 
 
+# Components that hold no weights: tokenizers, schedulers, image processors and feature extractors.
+_WEIGHTLESS = ("Tokenizer", "Scheduler", "Processor", "FeatureExtractor")
+
+
+def _weighted_components(index: dict) -> set[str]:
+    """The components of a model_index.json that have weights: present ([library, class], not [null, null]) and
+    of a class that holds parameters."""
+    return {
+        name
+        for name in _components_of(index)
+        if all(index[name][:2]) and not any(word in str(index[name][1]) for word in _WEIGHTLESS)
+    }
+
+
 def _loaded_files(names: list[str], variant: str | None) -> list[str]:
     """Of a component folder's .safetensors files, those diffusers loads: the variant's, else the plain ones."""
     wanted = [f for f in names if variant and f".{variant}." in f]
@@ -138,8 +152,7 @@ def hub_parameters(repo: str, revision: str | None = None, variant: str | None =
         snapshot = Path(cached).parent
         index = json.loads(Path(cached).read_text())
         counts = directory_parameters(snapshot, variant)
-        weighted = {c for c in _components_of(index) if c != "scheduler" and "token" not in c}
-        if counts and set(counts) >= weighted:
+        if counts and set(counts) >= _weighted_components(index):
             return counts, "safetensors headers (the local Hugging Face cache)"
     if hub_offline():
         return None

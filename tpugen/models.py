@@ -65,8 +65,8 @@ def family_of(source: ModelSource, model, *, download: bool = True) -> Family | 
         found = _hub_class(source.ref, model.revision, download=download)
     if not isinstance(found, tuple):
         return found
-    (class_name,) = found
-    return family_for_class(class_name) or not_covered(source.ref, class_name)
+    class_name, index = found
+    return family_for_class(class_name, index) or not_covered(source.ref, class_name)
 
 
 def not_covered(model_id: str, class_name: str) -> str:
@@ -74,16 +74,18 @@ def not_covered(model_id: str, class_name: str) -> str:
     return f"{model_id!r} is a {class_name or 'pipeline with no _class_name'}; tpugen knows {covered_classes()}"
 
 
-def _class_in(index: Path) -> tuple[str] | str:
+def _class_in(index: Path) -> tuple[str, dict] | str:
+    """(model_index.json's class name, the whole index) or why it cannot be read."""
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         return f"cannot read {str(index)!r}: {exc}"
-    class_name = data.get("_class_name") if isinstance(data, dict) else None
-    return (class_name if isinstance(class_name, str) else "",)
+    data = data if isinstance(data, dict) else {}
+    class_name = data.get("_class_name")
+    return (class_name if isinstance(class_name, str) else "", data)
 
 
-def _hub_class(repo: str, revision: str | None, *, download: bool) -> tuple[str] | str:
+def _hub_class(repo: str, revision: str | None, *, download: bool) -> tuple[str, dict] | str:
     """model_index.json's class of a hub model: from the local cache, else downloaded (and so cached)."""
     from huggingface_hub import try_to_load_from_cache
 
@@ -116,11 +118,26 @@ def model_defaults(model_id: str, family: Family) -> dict:
 
 # ---------------------------------------------------------------- what a hub failure means
 
-# The hub's errors by exception class name (huggingface_hub's and the HTTP clients'), as a user can act on them.
-_GATED = "GatedRepoError"
-_MISSING_REPO = ("RepositoryNotFoundError", "RevisionNotFoundError")
-_MISSING_FILE = "EntryNotFoundError"
-_OFFLINE = ("OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectionError", "ConnectError", "ConnectTimeout")
+# Connection failures of the HTTP clients huggingface_hub runs on (httpx, and requests in older releases), whose
+# classes are not builtin ConnectionErrors: told by name, as importing both clients here would cost every command.
+_CONNECTION_FAILURES = ("ConnectError", "ConnectTimeout", "ConnectionError")
+
+
+def _hub_kind(exc: BaseException) -> str | None:
+    """What one exception says of the hub, by its type: gated, missing repo, missing file, offline, or None."""
+    from huggingface_hub import errors
+
+    if isinstance(exc, errors.GatedRepoError):  # before RepositoryNotFoundError, which it subclasses
+        return "gated"
+    if isinstance(exc, (errors.RepositoryNotFoundError, errors.RevisionNotFoundError)):
+        return "missing repo"
+    if isinstance(exc, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, ConnectionError)):
+        return "offline"  # LocalEntryNotFoundError is an EntryNotFoundError too: not in the cache, not missing
+    if isinstance(exc, errors.EntryNotFoundError):  # RemoteEntryNotFoundError among them
+        return "missing file"
+    if type(exc).__name__ in _CONNECTION_FAILURES:
+        return "offline"
+    return None
 
 
 def hub_failure(exc: BaseException, *, what: str = "model", file: str | None = None, from_hub: bool = True) -> str:
@@ -131,18 +148,18 @@ def hub_failure(exc: BaseException, *, what: str = "model", file: str | None = N
     while seen is not None and len(chain) < 10:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
-    names = {type(e).__name__ for e in chain}
-    if _GATED in names:
+    kinds = {_hub_kind(e) for e in chain}
+    if "gated" in kinds:
         if not hub_token():
             return (
                 "gated on the hub and no token is set (accept the licence on the model page, then "
                 "`hf auth login` or set HF_TOKEN)"
             )
         return "gated on the hub and your token's account has no access (accept the licence on the model page)"
-    if names & set(_MISSING_REPO):
+    if "missing repo" in kinds:
         return f"no such {what} on the hub (or it is private: `hf auth login` or set HF_TOKEN)"
-    if _MISSING_FILE in names and file:
+    if "missing file" in kinds and file:
         return f"the repo has no file {file!r}"
-    if names & set(_OFFLINE) or (from_hub and hub_offline()):
+    if "offline" in kinds or (from_hub and hub_offline()):
         return f"offline: the hub cannot be reached and the {what} is not in the local cache (HF_HOME)"
     return one_line(exc)

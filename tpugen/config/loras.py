@@ -6,14 +6,17 @@ import functools
 import hashlib
 import json
 import os
+import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpugen.config.schema import LoraConfig
+from tpugen.config.schema import LoraConfig, RunConfig
 from tpugen.errors import InputError
 from tpugen.families import FAMILIES
 from tpugen.models import hub_failure, is_hub_id
+from tpugen.settings import cache_root
 
 # What diffusers saves a LoRA as, and looks for first in a folder or a hub repo.
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -25,15 +28,28 @@ class Lora:
     """A LoRA resolved: its file on this machine, the scale it is fused at, and its hashes."""
 
     name: str  # the file's stem: what <lora:NAME:SCALE> and the web UI call it
-    id: str  # as the config gave it, a path made absolute
-    path: str  # the .safetensors file
+    id: str  # as the config gave it: a path relative to the config file stays relative, a hub repo id stays one
+    path: str  # the .safetensors file on this machine, absolute: what loading reads, and nothing records
     scale: float
     sha256: str  # of the whole file: names exactly what is fused (tensors, and metadata diffusers reads)
     short_hash: str  # the web UI's: 12 hex digits of the sha256 of the tensor data after the header
+    from_hub: bool = False  # the id is a hub repo, which every machine downloads for itself
 
     def record(self) -> dict:
-        """How images, manifests and reports name it."""
-        return {"name": self.name, "id": self.id, "scale": self.scale, "hash": self.short_hash, "sha256": self.sha256}
+        """How images, manifests, reports and the server's replies name it: by its id as given, or by its file's
+        name where the id is a path on this machine (absolute, or under ~), and by its content (sha256)."""
+        return {
+            "name": self.name,
+            "id": recorded_id(self.id, self.path),
+            "scale": self.scale,
+            "hash": self.short_hash,
+            "sha256": self.sha256,
+        }
+
+
+def recorded_id(lora_id: str, path: str) -> str:
+    """A LoRA's id as records give it: never a machine path (an absolute or ~ id is named by its file)."""
+    return Path(path).name if lora_id.startswith("~") or Path(lora_id).is_absolute() else lora_id
 
 
 def loras_key(loras) -> tuple:
@@ -143,20 +159,111 @@ def is_hub_lora(lora_id: str) -> bool:
     return is_hub_id(lora_id) and not lora_id.endswith(".safetensors")
 
 
-def locate(lora_id: str, weight_name: str | None, base_dir: Path, where: str) -> tuple[Path, str]:
-    """(the LoRA's file, its id with a path made absolute): a file, a folder holding one, or a hub repo."""
+def in_run_dir(base_dir: Path) -> bool:
+    """Whether `base_dir` is a run directory (tpugen.engine.session writes run.json there first; a run from before
+    run.json has config.yaml and a manifest): a config resolved there is the run's own (its config.yaml, or the
+    copy a rank resolves), whose relative LoRA ids are relative to the config the run started from."""
+    if (base_dir / "run.json").is_file():
+        return True
+    return (base_dir / "config.yaml").is_file() and (base_dir / "manifest.jsonl").is_file()
+
+
+def _working_dir() -> tuple[Path, ...]:
+    try:
+        return (Path.cwd(),)
+    except OSError:  # the working directory was removed
+        return ()
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    try:
+        return sorted(child for child in folder.iterdir() if child.is_dir())
+    except OSError:
+        return []
+
+
+def _beside_run(lora_id: str, weight_name: str | None, sha256: str, run_dir: Path) -> Path | None:
+    """The file a run's relative LoRA id names, found by its content: the run directory does not say where the
+    config it started from was, so the id is looked for from the run directory, each folder above it and the
+    working directory, and from each of their subfolders (a configs/ beside outputs/), and a file is taken only
+    if its sha256 is the one the run pinned. Moving the folder that holds the config, the LoRA and the outputs
+    keeps it found."""
+    seen: set[Path] = set()
+    for root in (run_dir, *run_dir.parents, *_working_dir()):
+        for folder in (root, *_subfolders(root)):
+            candidate = folder / lora_id
+            if candidate in seen or not candidate.exists():
+                continue
+            seen.add(candidate)
+            try:
+                path = _in_folder(candidate, weight_name, "") if candidate.is_dir() else candidate
+                if path.is_file() and file_hashes(path)[0] == sha256:
+                    return path.resolve()
+            except (InputError, OSError, struct.error):
+                continue
+    return None
+
+
+def _known_file(sha256: str) -> Path:
+    return cache_root() / "lora-files" / sha256
+
+
+def remember(sha256: str, path: Path) -> None:
+    """Note where this machine found the LoRA file with this sha256 (a line in tpugen's cache), for a run's own
+    config resolved later away from the config it started from: a rank's copy, a resume in an output folder
+    that is nowhere near the config."""
+    entry, text = _known_file(sha256), str(path)
+    try:
+        if entry.is_file() and entry.read_text(encoding="utf-8") == text:
+            return
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        scratch = entry.with_name(f".{sha256}.{os.getpid()}.tmp")
+        scratch.write_text(text, encoding="utf-8")
+        os.replace(scratch, entry)
+    except OSError:  # a cache that cannot be written only leaves a later run to search
+        pass
+
+
+def _remembered(sha256: str) -> Path | None:
+    """The file this machine last found with this sha256, if it is still there with that content."""
+    try:
+        path = Path(_known_file(sha256).read_text(encoding="utf-8"))
+        if path.is_absolute() and path.is_file() and file_hashes(path)[0] == sha256:
+            return path
+    except (OSError, ValueError, struct.error):
+        pass
+    return None
+
+
+def locate(
+    lora_id: str, weight_name: str | None, base_dir: Path, where: str, sha256: str | None = None
+) -> tuple[Path, bool]:
+    """(the LoRA's file, whether it came from the hub): a file, a folder holding one, or a hub repo. A path is
+    relative to the config file; in a run directory's own config, relative to the config the run started from
+    (found by the pinned `sha256`: where this machine last found that file, else near the run, _beside_run)."""
     candidate = Path(lora_id).expanduser()
-    candidate = candidate if candidate.is_absolute() else base_dir / candidate
+    relative = not candidate.is_absolute()
+    candidate = base_dir / candidate if relative else candidate
     if candidate.exists():
         path = _in_folder(candidate, weight_name, where) if candidate.is_dir() else candidate
-        shown = str(candidate.resolve())
+    elif relative and sha256 is not None and in_run_dir(base_dir):
+        found = _remembered(sha256) or _beside_run(lora_id, weight_name, sha256, base_dir)
+        if found is not None:
+            return found, False
+        if is_hub_lora(lora_id):
+            return _hub_file(lora_id, weight_name or DEFAULT_WEIGHT_NAME, where), True
+        raise InputError(
+            f"{where}.id: no file {lora_id!r} with sha256 {sha256} near the run in {base_dir} (a run's relative LoRA "
+            "id is relative to the config it started from); resume with that config: tpugen generate CONFIG "
+            f"--resume {base_dir}"
+        )
     elif is_hub_lora(lora_id):
-        return _hub_file(lora_id, weight_name or DEFAULT_WEIGHT_NAME, where), lora_id
+        return _hub_file(lora_id, weight_name or DEFAULT_WEIGHT_NAME, where), True
     else:
         raise InputError(f"{where}.id: {str(candidate)!r} does not exist (a path is relative to the config file)")
     if not path.is_file():
         raise InputError(f"{where}.weight_name: {str(path)!r} does not exist")
-    return path.resolve(), shown
+    return path.resolve(), False
 
 
 # ---------------------------------------------------------------- one LoRA, checked
@@ -168,7 +275,7 @@ def resolve_lora(
     """`lora` checked and resolved, or InputError with one line: a missing file, a file that is not a
     safetensors LoRA, a LoRA whose keys say it is for another family than `family`, a sha256 pin that does
     not match. The scale's range is the schema's. Touches only the file system (and the hub for a repo id)."""
-    path, shown = locate(lora.id, lora.weight_name, base_dir, where)
+    path, from_hub = locate(lora.id, lora.weight_name, base_dir, where, lora.sha256)
     header = safetensors_header(path)
     if header is None:
         raise InputError(
@@ -192,11 +299,13 @@ def resolve_lora(
         raise InputError(
             f"{where}.sha256: {path.name!r} has sha256 {sha256}, not the {lora.sha256} the config pins (the file changed)"
         )
-    return Lora(path.stem, shown, str(path), lora.scale, sha256, short_hash)
+    if not from_hub:
+        remember(sha256, path)
+    return Lora(path.stem, lora.id, str(path), lora.scale, sha256, short_hash, from_hub)
 
 
 def resolve_loras(loras: list[LoraConfig], base_dir: Path, family: str, model: str, problems: list[str]) -> tuple:
-    """Every LoRA of model.loras resolved (ids made absolute, sha256 filled in), problems noted one line each."""
+    """Every LoRA of model.loras resolved (each id kept as given, its sha256 filled in), problems noted one line each."""
     resolved, seen = [], {}
     for number, lora in enumerate(loras):
         where = f"model.loras[{number}]"
@@ -211,6 +320,43 @@ def resolve_loras(loras: list[LoraConfig], base_dir: Path, family: str, model: s
             )
             continue
         seen[entry.sha256] = number
-        lora.id, lora.sha256 = entry.id, entry.sha256
+        lora.sha256 = entry.sha256
         resolved.append(entry)
     return tuple(resolved)
+
+
+# ---------------------------------------------------------------- LoRA files for other machines
+
+_SHIPPABLE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,123}\.safetensors")
+
+
+def shipped_loras(config: RunConfig, loras: Sequence[Lora]) -> list[Path]:
+    """The LoRA files pod-run ships beside the config it ships: each local file `config` names (its copy of the
+    run's config, edited here) is then named by its file name, which the workers find beside that config; the
+    sha256 pin stays, so each worker checks what it got, and the config hash (by content) is the run's. A hub
+    LoRA stays a hub id: each worker downloads it. InputError: two files of one name, or a name a worker's shell
+    would read as something else (gcloud scp hands the remote path to it)."""
+    files = {lora.sha256: lora for lora in loras}
+    shipped, named, problems = [], {}, []
+    for number, entry in enumerate(config.model.loras):
+        lora = files.get(entry.sha256)
+        if lora is None or lora.from_hub:
+            continue
+        name = Path(lora.path).name
+        if not _SHIPPABLE.fullmatch(name):
+            problems.append(
+                f"model.loras[{number}].id: pod-run ships LoRA files by name, and {name!r} holds characters a shell "
+                "reads (use letters, digits, '.', '_' and '-'); rename the file"
+            )
+        elif name in named:
+            problems.append(
+                f"model.loras[{number}].id: pod-run ships LoRA files side by side, and model.loras[{named[name]}] "
+                f"is a file named {name!r} too; rename one"
+            )
+        else:
+            named[name] = number
+            entry.id, entry.weight_name = name, None
+            shipped.append(Path(lora.path))
+    if problems:
+        raise InputError(*problems)
+    return shipped

@@ -33,6 +33,7 @@ class ResolvedRun:
     config_hash: str
     family: str = "sd"
     loras: tuple[Lora, ...] = ()  # model.loras, each file found and hashed
+    base_dir: str | None = None  # the folder its relative paths (model.loras ids) are relative to, absolute
 
     def to_yaml(self) -> str:
         return dump_config(self.config)
@@ -127,7 +128,8 @@ def resolve(
 
     if problems:
         raise InputError(*problems)
-    return ResolvedRun(config, resolved_prompts, source, config_hash(config, resolved_prompts), family.name, loras)
+    digest = config_hash(config, resolved_prompts)
+    return ResolvedRun(config, resolved_prompts, source, digest, family.name, loras, str(Path(base_dir).resolve()))
 
 
 MAX_IMAGES_PER_RUN = 1_000_000  # eleven days at one image a second
@@ -187,10 +189,17 @@ def _dir_problem(out_dir: Path) -> str | None:
 
 def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
     """8 hex digits naming everything that changes the images (not where they are written, nor the server's
-    settings, nor where a ray run's workers are: configs without them hash as they did before they existed)."""
+    settings, nor where a ray run's workers are: configs without them hash as they did before they existed).
+
+    LoRAs count by what is fused: each file's content (its sha256, filled in when the config is resolved) and
+    scale, as a set (tpugen fuses them in an order of their own), not by where the file is: moving the folder
+    that holds the config and its LoRAs, or shipping them to a pod's workers, keeps the hash."""
     payload = config.model_dump(exclude={"output": True, "cache": True, "serve": True, "execution": {"ray"}})
     # Keys added since the first release, at their defaults, leave the hash as it was before they existed.
-    if not payload["model"]["loras"]:
+    if payload["model"]["loras"]:
+        loras = [{"sha256": lora["sha256"], "scale": lora["scale"]} for lora in payload["model"]["loras"]]
+        payload["model"]["loras"] = sorted(loras, key=lambda lora: (lora["sha256"] or "", lora["scale"]))
+    else:
         del payload["model"]["loras"]
     if payload["compile"]["flash_attention"] == "auto":
         del payload["compile"]["flash_attention"]

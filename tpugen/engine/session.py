@@ -439,7 +439,7 @@ def changed_keys(old_config: dict, new_config: dict) -> list[tuple[str, object, 
     """(dotted key, old value, new value) for each key whose value differs between two configs. A key one side
     lacks (a run recorded before tpugen had it) counts as that key's default."""
     defaults = _flatten(_plain(RunConfig(model=ModelConfig(id="-")).model_dump()))
-    a, b = _flatten(old_config), _flatten(new_config)
+    a, b = _flatten(_loras_by_content(old_config)), _flatten(_loras_by_content(new_config))
 
     def value(flat: dict, key: str):
         # A run made before model.loras existed has no such key: it had no LoRAs, as [] says.
@@ -447,6 +447,16 @@ def changed_keys(old_config: dict, new_config: dict) -> list[tuple[str, object, 
         return None if found == [] else found
 
     return [(key, value(a, key), value(b, key)) for key in sorted(set(a) | set(b)) if value(a, key) != value(b, key)]
+
+
+def _loras_by_content(config: dict) -> dict:
+    """The config with model.loras as what names the images: each file's sha256 and scale, in no order (an id is
+    where the file was found, which a moved project or an older run recorded otherwise)."""
+    loras = (config.get("model") or {}).get("loras")
+    if not loras:
+        return config
+    named = sorted([lora.get("sha256") or lora.get("id"), lora.get("scale", 1.0)] for lora in loras)
+    return {**config, "model": {**config["model"], "loras": named}}
 
 
 def _image_effect(key: str, old_config: dict, new_config: dict) -> str:

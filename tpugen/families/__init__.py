@@ -7,16 +7,21 @@ from __future__ import annotations
 
 from tpugen.families.base import Builtin, Family, FlashRoute, KnownModel
 from tpugen.families.flux import FAMILY as FLUX
-from tpugen.families.flux2 import FLUX2, FLUX2_KLEIN
+from tpugen.families.flux2 import FLUX2, FLUX2_KLEIN, FLUX2_KLEIN_DISTILLED
 from tpugen.families.qwenimage import FAMILY as QWEN_IMAGE
 from tpugen.families.sd import FAMILY as SD
 from tpugen.families.sd3 import FAMILY as SD3
 from tpugen.families.sdxl import FAMILY as SDXL
 from tpugen.families.zimage import FAMILY as Z_IMAGE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (SD, SDXL, SD3, FLUX, FLUX2_KLEIN, FLUX2, Z_IMAGE, QWEN_IMAGE)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (SD, SDXL, SD3, FLUX, FLUX2_KLEIN, FLUX2_KLEIN_DISTILLED, FLUX2, Z_IMAGE, QWEN_IMAGE)
+}
 
-_BY_CLASS = {cls: f for f in FAMILIES.values() for cls in f.pipeline_classes}
+_BY_CLASS: dict[str, list[Family]] = {}
+for _family in FAMILIES.values():
+    for _cls in _family.pipeline_classes:
+        _BY_CLASS.setdefault(_cls, []).append(_family)
 BUILTINS: dict[str, tuple[Builtin, Family]] = {b.name: (b, f) for f in FAMILIES.values() for b in f.builtins}
 KNOWN_MODELS: dict[str, tuple[KnownModel, Family]] = {m.id: (m, f) for f in FAMILIES.values() for m in f.known_models}
 
@@ -26,14 +31,21 @@ def family(name: str) -> Family:
     return FAMILIES[name]
 
 
-def family_for_class(class_name: str) -> Family | None:
-    """The family whose pipelines have this diffusers class name, or None when no family covers it."""
-    return _BY_CLASS.get(class_name)
+def family_for_class(class_name: str, index: dict | None = None) -> Family | None:
+    """The family whose pipelines have this diffusers class name (and, where two share it, whose `covers` takes
+    the pipeline's model_index.json), or None when no family covers it."""
+    return next((f for f in _BY_CLASS.get(class_name, ()) if f.covers(index or {})), None)
 
 
 def covered_classes() -> str:
     """The pipeline classes tpugen knows, for a message."""
-    return ", ".join(f"{f.title} ({', '.join(f.pipeline_classes)})" for f in FAMILIES.values())
+    seen: set[str] = set()
+    named = []
+    for f in FAMILIES.values():
+        if not set(f.pipeline_classes) <= seen:  # FLUX.2 [klein]'s base and distilled share a class
+            named.append(f"{f.title} ({', '.join(f.pipeline_classes)})")
+            seen |= set(f.pipeline_classes)
+    return ", ".join(named)
 
 
 __all__ = [

@@ -118,6 +118,11 @@ class Family:
     # only from 4096 tokens (SD 1.5 at 512x512, SDXL at 1024x1024: the largest self-attentions).
     flash_attention = FlashRoute(("unet",), min_tokens=4096)
 
+    def covers(self, index: dict) -> bool:
+        """Whether a pipeline of one of this family's classes, with this model_index.json, is this family's (two
+        families may share a class and differ by a flag of the pipeline's config)."""
+        return True
+
     # ---------------------------------------------------------------- planning (pure)
 
     def attention_geometry(

@@ -453,6 +453,7 @@ def run_pod(
 
     With `resume_id`, the workers continue that run's folders, each keeping the images it finished."""
     from tpugen.config import dump_config
+    from tpugen.config.loras import shipped_loras
     from tpugen.engine.session import make_run_dir, read_run_record, run_id_for, write_run_record
     from tpugen.outputs.files import atomic_write_text
     from tpugen.outputs.manifest import rewrite_manifest
@@ -493,13 +494,15 @@ def run_pod(
         config.prompts_file = staged[-1].name
     config.output.dir, config.output.run_id = ".", WORKER_RUN
     config.cache.dir = None  # a local path means nothing on the workers
+    # Each local LoRA file goes beside the shipped config, which names it by its file name (its sha256 pin stays).
+    lora_files = shipped_loras(config, run.loras)
     plan = plan_pod(
         pod,
         workers=workers,
         remote_dir=remote_dir,
         run_id=run_id,
         local_run=local_run,
-        staged=staged,
+        staged=[*staged, *lora_files],
         tpugen=tpugen,
         gather=gather,
         bucket=bucket,

@@ -5,7 +5,7 @@ are batch-normalised."""
 
 from __future__ import annotations
 
-from tpugen.families.base import TRANSFORMER_KEYS, UNET_KEYS, Builtin, FlashRoute, KnownModel, TransformerFamily
+from tpugen.families.base import TRANSFORMER_KEYS, Builtin, FlashRoute, KnownModel, TransformerFamily
 from tpugen.families.flux import FLUX_BLOCK_KEYS, FLUX_KOHYA_KEYS
 from tpugen.sharding import ATTENTION, COLUMN, ROW
 
@@ -98,7 +98,7 @@ class Flux2(TransformerFamily):
     patch = 2  # 2x2 patches of the latent are one token (the transformer's own patch_size is 1)
     # diffusers' converter also reads kohya and BFL files (lora_unet_double_blocks_*, diffusion_model.*); its own
     # names have Flux.1's single_transformer_blocks.
-    lora_signs = (TRANSFORMER_KEYS, UNET_KEYS, FLUX_BLOCK_KEYS, FLUX_KOHYA_KEYS)
+    lora_signs = (TRANSFORMER_KEYS, FLUX_BLOCK_KEYS, FLUX_KOHYA_KEYS)
     builtins = (
         Builtin(
             "tiny-flux2",
@@ -184,12 +184,13 @@ class Flux2(TransformerFamily):
 
 
 class Flux2Klein(Flux2):
+    """The base [klein] models: CFG against an empty prompt above guidance 1 (a second transformer pass)."""
+
     name = "flux2_klein"
     title = "FLUX.2 [klein]"
     pipeline_classes = ("Flux2KleinPipeline",)
-    # The base models: CFG against an empty prompt above guidance 1 (a second pass); the distilled ones ignore it.
     cfg = True
-    guidance_note = "base: CFG against an empty prompt above guidance 1; distilled: guidance ignored"
+    guidance_note = "CFG against an empty prompt above guidance 1"
     builtins = (
         Builtin(
             "tiny-flux2-klein",
@@ -197,20 +198,39 @@ class Flux2Klein(Flux2):
             1,
             _build_klein,
         ),
+    )
+    known_models = ()
+
+    def covers(self, index: dict) -> bool:
+        return not index.get("is_distilled")
+
+    def decode(self, pipe, latents, height: int, width: int, device):
+        """[klein] returns its latents already unpacked, de-normalised and un-patched: only the VAE is left."""
+        vae = pipe.vae
+        image = vae.decode(latents.to(device=device, dtype=vae.dtype), return_dict=False)[0]
+        return (image / 2 + 0.5).clamp(0, 1)
+
+
+class Flux2KleinDistilled(Flux2Klein):
+    """The distilled [klein] models (model_index.json's is_distilled): 4 steps, guidance ignored, one pass."""
+
+    name = "flux2_klein_distilled"
+    title = "FLUX.2 [klein] distilled"
+    steps = 4
+    guidance_scale = 1.0
+    cfg = False
+    guidance_note = "none: the pipeline ignores guidance"
+    builtins = (
         Builtin(
             "tiny-flux2-klein-distilled",
             "FLUX.2 [klein] distilled architecture (Qwen3 text encoder, no guidance) with tiny random weights; noise",
             1,
             _build_klein_distilled,
-            steps=4,
-            guidance_scale=1.0,
         ),
     )
     known_models = (
         KnownModel(
             "black-forest-labs/FLUX.2-klein-4B",
-            steps=4,
-            guidance_scale=1.0,
             note=(
                 "distilled: 4 steps; 16.0 GB in bfloat16 (3.88B transformer 7.8 GB, Qwen3-4B 8.0 GB): fits one v6e "
                 "or v5p chip; on v5e offload, or SPMD over 2+ chips"
@@ -223,8 +243,6 @@ class Flux2Klein(Flux2):
         ),
         KnownModel(
             "black-forest-labs/FLUX.2-klein-9B",
-            steps=4,
-            guidance_scale=1.0,
             note=(
                 "distilled: 4 steps; 34.7 GB in bfloat16 (9.08B transformer 18.2 GB, Qwen3-8B 16.4 GB): fits one v5p "
                 "chip; on v6e offload, or SPMD over 2+ chips; on v5e SPMD over 4+ chips"
@@ -237,11 +255,8 @@ class Flux2Klein(Flux2):
         ),
     )
 
-    def decode(self, pipe, latents, height: int, width: int, device):
-        """[klein] returns its latents already unpacked, de-normalised and un-patched: only the VAE is left."""
-        vae = pipe.vae
-        image = vae.decode(latents.to(device=device, dtype=vae.dtype), return_dict=False)[0]
-        return (image / 2 + 0.5).clamp(0, 1)
+    def covers(self, index: dict) -> bool:
+        return bool(index.get("is_distilled"))
 
 
 def _four_dimensional_mask(module, args, kwargs):
@@ -262,3 +277,4 @@ def _four_dimensional_mask(module, args, kwargs):
 
 FLUX2 = Flux2()
 FLUX2_KLEIN = Flux2Klein()
+FLUX2_KLEIN_DISTILLED = Flux2KleinDistilled()

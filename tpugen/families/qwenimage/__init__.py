@@ -3,7 +3,16 @@ and true classifier-free guidance with a negative prompt (`true_cfg_scale`)."""
 
 from __future__ import annotations
 
-from tpugen.families.base import TRANSFORMER_KEYS, UNET_KEYS, Builtin, FlashRoute, KnownModel, TransformerFamily
+from tpugen.families.base import (
+    TRANSFORMER_KEYS,
+    UNET_KEYS,
+    Builtin,
+    FlashRoute,
+    KnownModel,
+    LoraSign,
+    TransformerFamily,
+    keys_start,
+)
 from tpugen.sharding import ADALN, ATTENTION, COLUMN, ROW
 
 _TRANSFORMER = {
@@ -61,7 +70,14 @@ class QwenImage(TransformerFamily):
     guidance_scale = 4.0  # true_cfg_scale: CFG is two transformer passes per step, each with its own text
     max_sequence_length = 512  # text padded to this many tokens (the pipeline's default), with a mask
     # diffusers' converter also reads kohya files, which name the transformer's blocks lora_unet_*.
-    lora_signs = (TRANSFORMER_KEYS, UNET_KEYS)
+    lora_signs = (
+        TRANSFORMER_KEYS,
+        LoraSign(
+            "kohya's Qwen-Image block names (lora_unet_transformer_blocks_*)",
+            keys_start("lora_unet_transformer_blocks_"),
+            (UNET_KEYS.evidence,),
+        ),
+    )
     builtins = (
         Builtin(
             "tiny-qwen-image",

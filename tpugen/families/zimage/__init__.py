@@ -3,7 +3,16 @@ refiners), a Qwen3 text encoder, Flux.1's 16-channel VAE; CFG whenever guidance 
 
 from __future__ import annotations
 
-from tpugen.families.base import TRANSFORMER_KEYS, UNET_KEYS, Builtin, FlashRoute, KnownModel, TransformerFamily
+from tpugen.families.base import (
+    TRANSFORMER_KEYS,
+    UNET_KEYS,
+    Builtin,
+    FlashRoute,
+    KnownModel,
+    LoraSign,
+    TransformerFamily,
+    keys_start,
+)
 from tpugen.families.components import VAE_16
 from tpugen.sharding import COLUMN, ROW
 
@@ -46,8 +55,13 @@ class ZImage(TransformerFamily):
     steps = 50
     guidance_scale = 5.0
     max_sequence_length = 512  # text padded to this many tokens (the pipeline's default), masked as keys
-    # diffusers' converter also reads kohya files, which name the transformer's layers lora_unet_*.
-    lora_signs = (TRANSFORMER_KEYS, UNET_KEYS)
+    # diffusers' converter also reads kohya files, which name the transformer's layers lora_unet_layers_*.
+    lora_signs = (
+        TRANSFORMER_KEYS,
+        LoraSign(
+            "kohya's Z-Image layer names (lora_unet_layers_*)", keys_start("lora_unet_layers_"), (UNET_KEYS.evidence,)
+        ),
+    )
     builtins = (
         Builtin(
             "tiny-z-image",

@@ -350,13 +350,14 @@ def progress(request: Request) -> dict:
 
 @router.get("/loras")
 def loras(request: Request) -> list[dict]:
-    """The LoRAs in serve.lora_dir, by the names <lora:NAME:SCALE> takes."""
+    """The LoRAs in serve.lora_dir, by the names <lora:NAME:SCALE> takes. The web UI's `path` is the file's name in
+    serve.lora_dir: a reply never shows where that folder is on the server."""
     service: Service = request.app.state.service
     found = []
     for path in service.lora_files():
         header = safetensors_header(path) or {}
         found.append(
-            {"name": path.stem, "alias": path.stem, "path": str(path), "metadata": header.get("__metadata__", {})}
+            {"name": path.stem, "alias": path.stem, "path": path.name, "metadata": header.get("__metadata__", {})}
         )
     return found
 

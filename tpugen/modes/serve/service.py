@@ -436,8 +436,15 @@ class Service:
                 )
             elif self.serve.lora_dir is None:
                 problems.append(f"{where}: {lora_id!r} needs serve.lora_dir, which this server has not set")
+            elif not (Path(self.serve.lora_dir) / (lora_id.removesuffix(".safetensors") + ".safetensors")).is_file():
+                # Named, not shown as the path under serve.lora_dir it would be (a reply never shows that folder).
+                known = ", ".join(p.stem for p in self.lora_files()) or "none"
+                problems.append(
+                    f"{where}: no LoRA {lora_id.removesuffix('.safetensors')!r} in serve.lora_dir (it has: {known})"
+                )
             else:
                 # A file of serve.lora_dir: its name, scale and pin only (a weight_name picks in a folder or repo).
+                # The id stays its name (relative to serve.lora_dir): the run's records and files name it so.
                 stem = lora_id.removesuffix(".safetensors")
                 kept = {key: lora[key] for key in ("scale", "sha256") if key in lora}
                 converted.append({**kept, "id": stem + ".safetensors"})
@@ -458,7 +465,7 @@ class Service:
             known = ", ".join(p.stem for p in self.lora_files()) or "none"
             raise InputError(f"{where}: no LoRA {name!r} in serve.lora_dir (it has: {known})")
         try:
-            config = LoraConfig(id=str(path), scale=scale)
+            config = LoraConfig(id=path.name, scale=scale)  # by its name in serve.lora_dir: what replies show
         except ValidationError:
             raise InputError(
                 f"{where}: <lora:{name}:{scale:g}>: the scale must be from 0 to {LORA_SCALE_MAX:g}"
