@@ -164,8 +164,8 @@ class Family:
         return [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
 
     def text_length(self, pipe) -> int | None:
-        """The text tokens the pipeline is called with: the family's, capped by what its tokenizer takes (None:
-        the pipeline's own fixed length)."""
+        """The text tokens the pipeline is called with: the family's, capped by what a second or third tokenizer
+        (SD3's and Flux.1's T5) takes (None: the pipeline's own fixed length)."""
         wanted = self.max_sequence_length
         if not wanted:
             return None

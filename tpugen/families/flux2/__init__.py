@@ -151,9 +151,6 @@ class Flux2(TransformerFamily):
         shape = (1, channels, height // side, width // side)
         return [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
 
-    def text_length(self, pipe) -> int | None:
-        return self.max_sequence_length
-
     def call_arguments(self, pipe, rows, guidance_scale: float) -> dict:
         return {"max_sequence_length": self.max_sequence_length}
 

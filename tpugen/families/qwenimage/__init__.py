@@ -127,9 +127,6 @@ class QwenImage(TransformerFamily):
         noise = [torch.randn((1, 1, channels, h, w), generator=g, dtype=torch.float32) for g in generators]
         return [pipe._pack_latents(n, 1, channels, h, w) for n in noise]
 
-    def text_length(self, pipe) -> int | None:
-        return self.max_sequence_length
-
     def call_arguments(self, pipe, rows, guidance_scale: float) -> dict:
         # Qwen-Image's guidance is true CFG (a second pass with the negative prompt); guidance_scale is only for
         # guidance-distilled models, which it is not.

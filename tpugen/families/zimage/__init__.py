@@ -113,9 +113,6 @@ class ZImage(TransformerFamily):
 
     guidance_note = "CFG above guidance 0 (Turbo: guidance 0, no CFG)"
 
-    def text_length(self, pipe) -> int | None:
-        return self.max_sequence_length
-
     def install_hooks(self, pipe, device, hooks) -> None:
         """The timestep (the transformer's second positional argument) moved to the device at its door, and the
         text at a fixed length (tpugen.families.zimage.static; measured on XLA:CPU, diffusers 0.42.1: as shipped
