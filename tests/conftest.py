@@ -256,9 +256,8 @@ def _device_free_unless_marked(request):
     """A test not marked `xla` must not import torch_xla (diffusers imports it whenever it is installed):
     `pytest -m "not xla"` then touches no device."""
     before = "torch_xla" in sys.modules
-    marks = {m.name for m in request.node.iter_markers()}
-    if "ray_cluster" in request.fixturenames and not marks & {"xla", "cluster"}:
-        pytest.fail("this test starts a Ray cluster: mark it @pytest.mark.cluster (the light tier starts none)")
+    if "ray_cluster" in request.fixturenames and request.node.get_closest_marker("xla") is None:
+        pytest.fail("this test starts a Ray cluster: mark it @pytest.mark.xla (the light tier starts none)")
     yield
     if not before and "torch_xla" in sys.modules and request.node.get_closest_marker("xla") is None:
         pytest.fail("this test imported torch_xla (directly or through diffusers): mark it @pytest.mark.xla")

@@ -505,7 +505,7 @@ def test_a_worker_that_dies_while_it_starts_is_greeted_again_while_restarts_rema
     ],
     ids=["address does not answer", "resources it lacks", "more workers than fit", "auto", "local", "gs"],
 )
-@pytest.mark.cluster
+@pytest.mark.xla  # the slow tier: it starts a Ray head, which `pytest -m "not xla"` never does
 def test_what_cannot_run_is_one_line_before_any_model_loads(
     ray_cluster, tmp_path, monkeypatch, ray, output, env, expected
 ):
