@@ -58,6 +58,13 @@ def loras_key(loras) -> tuple:
     return tuple(sorted((lora.sha256, float(lora.scale)) for lora in loras))
 
 
+def loras_by_content(loras: list[dict]) -> list[dict]:
+    """model.loras (as a config's dict holds them) by what is fused: each file's sha256 (its id where a run from
+    before sha256s lacks one) and scale, in one order: what the config hash and a resume's comparison count."""
+    named = [{"sha256": lora.get("sha256") or lora.get("id"), "scale": lora.get("scale", 1.0)} for lora in loras]
+    return sorted(named, key=lambda lora: (lora["sha256"] or "", lora["scale"]))
+
+
 # ---------------------------------------------------------------- reading a file
 
 

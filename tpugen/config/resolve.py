@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from tpugen.config.loras import Lora, resolve_loras
+from tpugen.config.loras import Lora, loras_by_content, resolve_loras
 from tpugen.config.messages import format_error
 from tpugen.config.overrides import apply_overrides
 from tpugen.config.prompts import PromptSpec, planned_images, resolve_prompts, run_sizes
@@ -197,8 +197,7 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
     payload = config.model_dump(exclude={"output": True, "cache": True, "serve": True, "execution": {"ray"}})
     # Keys added since the first release, at their defaults, leave the hash as it was before they existed.
     if payload["model"]["loras"]:
-        loras = [{"sha256": lora["sha256"], "scale": lora["scale"]} for lora in payload["model"]["loras"]]
-        payload["model"]["loras"] = sorted(loras, key=lambda lora: (lora["sha256"] or "", lora["scale"]))
+        payload["model"]["loras"] = loras_by_content(payload["model"]["loras"])
     else:
         del payload["model"]["loras"]
     if payload["compile"]["flash_attention"] == "auto":

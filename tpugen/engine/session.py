@@ -14,6 +14,7 @@ from PIL import Image
 from tpugen import __version__
 from tpugen.backends import versions
 from tpugen.config import ModelConfig, PromptSpec, ResolvedRun, RunConfig, dump_config, load_config
+from tpugen.config.loras import loras_by_content
 from tpugen.config.prompts import planned_images, resolve_prompts
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
 from tpugen.lines import text_lines
@@ -455,8 +456,7 @@ def _loras_by_content(config: dict) -> dict:
     loras = (config.get("model") or {}).get("loras")
     if not loras:
         return config
-    named = sorted([lora.get("sha256") or lora.get("id"), lora.get("scale", 1.0)] for lora in loras)
-    return {**config, "model": {**config["model"], "loras": named}}
+    return {**config, "model": {**config["model"], "loras": loras_by_content(loras)}}
 
 
 def _image_effect(key: str, old_config: dict, new_config: dict) -> str:
