@@ -13,6 +13,7 @@ from tpugen.engine.session import RunSession
 from tpugen.errors import InputError
 from tpugen.outputs.files import write_json
 from tpugen.outputs.manifest import read_manifest
+from tpugen.outputs.report import RunReport
 from tpugen.plan import plan_run
 
 
@@ -32,7 +33,7 @@ def write_batch(session: RunSession, batch, manifest: str = "manifest.jsonl", ra
 
 
 @pytest.fixture
-def multi_run(tmp_path, monkeypatch):
+def multi_run(tmp_path):
     """A multi-mode run (batch 1: one batch per image) whose rank 0 wrote batch 0 and was killed while it
     appended batch 1's line: what SIGKILL mid-write leaves."""
     config = tiny_config(tmp_path, prompts=list(PROMPTS), batch_size=1, execution={"mode": "multi", "cores": 2})
@@ -42,8 +43,6 @@ def multi_run(tmp_path, monkeypatch):
     write_batch(RunSession.attach(run, session.run_dir, frozenset()), batches[0], "manifest.rank0.jsonl", rank=0)
     with open(session.run_dir / "manifest.rank0.jsonl", "a", encoding="utf-8") as manifest:
         manifest.write('{"index": 1, "fi')
-    # finish() writes its report with the one report builder's renderer, which wants a real run's timings.
-    monkeypatch.setattr("tpugen.engine.session.write_report", lambda run_dir, report: None)
     return run, session.run_dir, batches
 
 
@@ -58,7 +57,7 @@ def test_a_resumed_rank_never_appends_to_a_torn_line(multi_run):
     rank = RunSession.attach(run, run_dir, frozenset(session.finished))
     for batch in batches[1:]:
         write_batch(rank, batch, "manifest.rank0.jsonl", rank=0)
-    session.finish({"run_id": session.run_id, "complete": True})
+    session.finish(RunReport(run_id=session.run_id, run_dir=str(run_dir), complete=True))
     records = read_manifest(run_dir / "manifest.jsonl")
     assert [r["index"] for r in records] == list(range(len(batches)))  # batch 1's line was lost before
     assert sorted(p.name[:5] for p in run_dir.glob("[0-9]*.png")) == [f"{i:05d}" for i in range(len(batches))]
@@ -74,7 +73,7 @@ def test_a_resume_drops_records_it_ignored_and_images_gone_from_disk(multi_run):
     (run_dir / first["file"]).unlink()
     session = RunSession.resume(run, run_dir)
     session.settle()
-    session.finish({"run_id": session.run_id, "complete": False})
+    session.finish(RunReport(run_id=session.run_id, run_dir=str(run_dir), complete=False, error="killed"))
     assert read_manifest(run_dir / "manifest.jsonl") == []  # before: [0, 99], naming a missing file and no image
 
 

@@ -23,13 +23,13 @@ from tpugen.outputs.grid import write_grid
 from tpugen.outputs.manifest import Manifest, read_manifest, read_text_lenient, rewrite_manifest
 from tpugen.outputs.png import image_filename, is_valid_png, save_png
 from tpugen.outputs.report import (
+    RunReport,
     TimedPhase,
     build_report,
     earlier_sessions_of,
     persistent_cache_summary,
     plan_counts,
     read_report,
-    render_markdown,
     write_report,
 )
 from tpugen.plan import RunPlan, plan_run, plan_share
@@ -269,26 +269,26 @@ class RunSession:
         between) gets that report now, from the last one it wrote."""
         if not self.resumed or len(self.finished) < images_planned:
             return None
-        report = read_report(self.run_dir)
-        if report is None or not report.get("complete"):
+        stored = read_report(self.run_dir)
+        report = RunReport.from_json(stored or {"run_id": self.run_id})
+        if stored is None or not report.complete:
             self.settle()
             write_grid(self.run_dir, sorted(self.run_dir.glob("[0-9]*.png")))
-            report = {**(report or {"run_id": self.run_id}), "complete": True, "error": None}
-            report["run_dir"], report["images"] = str(self.run_dir), len(self.finished)
-            write_json(self.run_dir / "report.json", report)
-            if "timed_phase" in report:
-                atomic_write_text(self.run_dir / "report.md", render_markdown(report))
-        return {
-            **report,
-            "run_dir": str(self.run_dir),
-            "already_complete": True,
-            "images": len(self.finished),
-            "images_planned": images_planned,
-        }
+            report = report.but(complete=True, error=None, run_dir=str(self.run_dir), images=len(self.finished))
+            if report.timed_phase is not None:
+                write_report(self.run_dir, report)
+            else:  # a report that never had figures: say it is complete, render nothing
+                write_json(self.run_dir / "report.json", report.as_json())
+        return report.but(
+            run_dir=str(self.run_dir),
+            already_complete=True,
+            images=len(self.finished),
+            images_planned=images_planned,
+        )
 
     # ---------------------------------------------------------------- the end
 
-    def report(self, engine, plan: RunPlan, warmup: list[dict], phase: TimedPhase, topology, error=None) -> dict:
+    def report(self, engine, plan: RunPlan, warmup: list[dict], phase: TimedPhase, topology, error=None) -> RunReport:
         """The report of a session that one engine ran (single mode, one pod worker)."""
         return build_report(
             run=self.run,
@@ -309,7 +309,7 @@ class RunSession:
             earlier_sessions=self.earlier_sessions,
         )
 
-    def finish(self, report: dict) -> dict:
+    def finish(self, report: RunReport) -> RunReport:
         """The final files: the manifest in index order (per-rank manifests merged in), the grid, the report."""
         rewrite_manifest(self.run_dir, self.records())
         for path in self.run_dir.glob("manifest.rank*.jsonl"):

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tpugen.errors import InputError
+from tpugen.outputs.report import RunReport
 
 
 class Mode(Protocol):
@@ -14,7 +15,7 @@ class Mode(Protocol):
 
     name: str  # execution.mode's value
 
-    def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> dict: ...
+    def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> RunReport: ...
 
 
 class Single:
@@ -22,7 +23,7 @@ class Single:
 
     name = "single"
 
-    def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> dict:
+    def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> RunReport:
         from tpugen.modes.single import run_single
 
         return run_single(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)
@@ -33,7 +34,7 @@ class Multi:
 
     name = "multi"
 
-    def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> dict:
+    def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> RunReport:
         if skip_warmup:  # each rank compiles its own shapes before its timed phase, always
             raise InputError("--skip-warmup: execution.mode: multi warms every rank up first; leave it out")
         from tpugen.modes.multi import run_multi
@@ -46,7 +47,7 @@ class Ray:
 
     name = "ray"
 
-    def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> dict:
+    def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> RunReport:
         from tpugen.modes.cluster import run_cluster
 
         return run_cluster(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)

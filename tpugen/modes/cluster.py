@@ -25,7 +25,8 @@ from tpugen.engine.session import check_run_dir_free
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
 from tpugen.modes.host import HostWorker, NotStarted, warmup_plan
 from tpugen.outputs.files import write_json
-from tpugen.outputs.report import build_report, merge_phases, persistent_cache_summary, plan_counts
+from tpugen.outputs.report import RunReport, build_report, merge_phases, persistent_cache_summary, plan_counts
+from tpugen.outputs.sections import RaySection
 from tpugen.plan import Batch, RunPlan, plan_run
 
 RAY_EXTRA = "pip install 'tpugen[ray]'"
@@ -690,7 +691,7 @@ class ClusterRun:
                 worker.state = f"stopped while {worker.state}"
         self._write_workers()
 
-    def report(self, error: str | None) -> dict:
+    def report(self, error: str | None) -> RunReport:
         """The one report: build_report over the workers' batches, plus the per-worker table and the faults."""
         workers = self.workers
         parts = [
@@ -747,8 +748,7 @@ class ClusterRun:
         )
         settings = self.run.config.execution.ray
         lost = [e for e in self.events if e["event"] == "lost"]
-        report["mode"] = "ray"
-        report["ray"] = {
+        ray = {
             "address": settings.address,
             "workers": len(workers),
             "resources_per_worker": self.resources,
@@ -771,7 +771,7 @@ class ClusterRun:
             "restarts": sum(w.restarts for w in workers),
             "retried_batches": sorted(self.lost_from),
         }
-        return report
+        return report.but(section=RaySection(ray))
 
 
 def _message(cause: BaseException) -> str:
@@ -808,7 +808,7 @@ def gs_refusal() -> str:
 
 def run_cluster(
     run: ResolvedRun, *, display: Display | None = None, skip_warmup: bool = False, resume_dir=None
-) -> dict:
+) -> RunReport:
     """`tpugen generate` with execution.mode: ray: returns the report, also written to the run directory.
 
     Nothing is written until a worker has its engine open, so bad input, a cluster that does not answer or lacks
@@ -858,7 +858,7 @@ def run_cluster(
         return _finish(driver, stop, stopped_now)
 
 
-def _finish(driver: ClusterRun, stop: StopSignals, stopped_now: bool) -> dict:
+def _finish(driver: ClusterRun, stop: StopSignals, stopped_now: bool) -> RunReport:
     session = driver.session
     if session is None:  # no worker ever had its engine open: no run to resume, none left
         failed = [w for w in driver.workers if w.state == "failed"]

@@ -23,7 +23,8 @@ from tpugen.errors import InputError, Interrupted, RunError, first_line
 from tpugen.modes.rank import DIST_BACKENDS, LAUNCH_FILE, RANK_PROCESS_ENV, rank_main
 from tpugen.modes.single import host_index_for
 from tpugen.outputs.files import write_json
-from tpugen.outputs.report import build_report, merge_phases, persistent_cache_summary, plan_counts
+from tpugen.outputs.report import RunReport, build_report, merge_phases, persistent_cache_summary, plan_counts
+from tpugen.outputs.sections import RanksSection
 from tpugen.plan import plan_share
 
 LOG_FILE = "torchrun.log"  # torchrun's and the ranks' output; kept only when torchrun itself failed
@@ -71,8 +72,8 @@ class XlaLaunch:
     def finish(self, run_dir: Path, ok: bool) -> None:
         """Nothing of its own to clean up."""
 
-    def report_fields(self) -> dict:
-        return {"launcher": {"tool": "torch_xla.launch", "devices": self.cores or "all"}}
+    def description(self) -> dict:
+        return {"tool": "torch_xla.launch", "devices": self.cores or "all"}
 
 
 def torchrun_command(processes: int, run_dir: Path, python: str = sys.executable) -> list[str]:
@@ -203,17 +204,15 @@ class TorchrunLaunch:
         if self._proc is not None and self._proc.returncode == 0:
             self.log.unlink(missing_ok=True)
 
-    def report_fields(self) -> dict:
+    def description(self) -> dict:
         return {
-            "launcher": {
-                "tool": "torchrun",
-                "process_group": self.backend.process_group,
-                "processes": self.world_size,
-                "command": self.command,
-                "environment": {
-                    key: self.env[key] for key in ("OMP_NUM_THREADS", "TORCH_TPU_DEFER_AND_FUSE") if key in self.env
-                },
-            }
+            "tool": "torchrun",
+            "process_group": self.backend.process_group,
+            "processes": self.world_size,
+            "command": self.command,
+            "environment": {
+                key: self.env[key] for key in ("OMP_NUM_THREADS", "TORCH_TPU_DEFER_AND_FUSE") if key in self.env
+            },
         }
 
 
@@ -228,7 +227,7 @@ def _children(pid: int) -> list[int]:
     return children
 
 
-def run_multi(run: ResolvedRun, *, display: Display | None = None, resume_dir: Path | None = None) -> dict:
+def run_multi(run: ResolvedRun, *, display: Display | None = None, resume_dir: Path | None = None) -> RunReport:
     """`tpugen generate` with execution.mode: multi. The parent plans, launches, then merges the ranks."""
     display = display or Display()
     worker = worker_topology(run.config.execution.pod, os.environ, host_index_for(run))
@@ -296,8 +295,9 @@ def run_multi(run: ResolvedRun, *, display: Display | None = None, resume_dir: P
         launcher.finish(run_dir, ok=False)
         session.discard()
         raise RunError(*(dict.fromkeys(r["error"] for r in results if r.get("error")) or failures))
-    report = merged_report(session, full_plan, results, worker, wall, "; ".join(failures) or None)
-    report.update(launcher.report_fields())
+    report = merged_report(
+        session, full_plan, results, worker, wall, "; ".join(failures) or None, launcher.description()
+    )
     session.finish(report)
     launcher.finish(run_dir, ok=not failures)
     if stop.requested:
@@ -317,7 +317,9 @@ def run_multi(run: ResolvedRun, *, display: Display | None = None, resume_dir: P
     return report
 
 
-def merged_report(session: RunSession, plan, results: list[dict], worker: Topology, wall: float, error) -> dict:
+def merged_report(
+    session: RunSession, plan, results: list[dict], worker: Topology, wall: float, error, launcher: dict | None
+) -> RunReport:
     """One report for the ranks: their batches, warmups and counters, and a table per rank."""
     ok = [r for r in results if "timed_phase" in r]
     phase = merge_phases(ok, "rank")
@@ -357,15 +359,7 @@ def merged_report(session: RunSession, plan, results: list[dict], worker: Topolo
         earlier_sessions=session.earlier_sessions,
         counters_scope=scope,
     )
-    report["mode"] = "multi"
-    report["launch_wall_seconds"] = wall
-    report["weights_loaded"] = (
-        f"from disk once per process, then copied to each of its {shared} ranks"
-        if shared > 1
-        else "from disk once per rank process"
-    )
-    report["counters_scope"] = scope
-    report["ranks"] = [
+    rows = [
         {
             "rank": r["rank"],
             "pid": r["pid"],
@@ -382,4 +376,13 @@ def merged_report(session: RunSession, plan, results: list[dict], worker: Topolo
         }
         for r in sorted(results, key=lambda r: r["rank"])
     ]
-    return report
+    weights = (
+        f"from disk once per process, then copied to each of its {shared} ranks"
+        if shared > 1
+        else "from disk once per rank process"
+    )
+    return report.but(
+        section=RanksSection(
+            launch_wall_seconds=wall, weights_loaded=weights, counters_scope=scope, ranks=rows, launcher=launcher
+        )
+    )

@@ -322,12 +322,22 @@ def merge_workers(local_run: Path, workers: int) -> tuple[list[dict], list[dict]
 
 
 def pod_report(
-    *, run, run_id: str, run_dir, pod: Pod, records: list[dict], rows: list[dict], reports: list[dict]
-) -> dict:
+    *,
+    run,
+    run_id: str,
+    run_dir,
+    pod: Pod,
+    records: list[dict],
+    rows: list[dict],
+    reports: list[dict],
+    ssh_exit_status: int | None = None,
+    gather_failed_workers: list[int] = (),
+):
     """The pod's report, built like every run's (tpugen.outputs.report) from its workers' reports: throughput
     is all images over the slowest worker's timed phase; a table per worker."""
     from tpugen.backends import Counters, versions
     from tpugen.outputs.report import build_report, merge_phases, persistent_cache_summary
+    from tpugen.outputs.sections import PodSection
     from tpugen.plan import plan_run
 
     plan = plan_run(run)
@@ -368,19 +378,20 @@ def pod_report(
         counters_scope="each worker's own process, summed over the workers",
     )
     slowest = phase.wall_seconds or None
-    report.update(
-        tpugen_pod_report=1,
+    return report.but(
         images=len(records),
-        failed_workers=failed,
-        tpu=pod.tpu,
-        zone=pod.zone,
-        workers=len(rows),
-        slowest_worker_wall_seconds=slowest,
-        # Pod throughput: every image over the slowest worker's timed phase.
-        pod_images_per_second=len(records) / slowest if slowest else None,
-        per_worker=rows,
+        section=PodSection(
+            tpu=pod.tpu,
+            zone=pod.zone,
+            workers=len(rows),
+            failed_workers=failed,
+            per_worker=rows,
+            slowest_worker_wall_seconds=slowest,
+            pod_images_per_second=len(records) / slowest if slowest else None,
+            gather_failed_workers=list(gather_failed_workers),
+            ssh_exit_status=ssh_exit_status,
+        ),
     )
-    return report
 
 
 _FAILED_ON_WORKER = re.compile(r"Command execution on worker (\d+) failed")
@@ -554,13 +565,18 @@ def run_pod(
             return {"run_id": run_id, "workers": workers, "gathered": False, "ssh_exit_status": ssh_status}
         records, rows, reports = merge_workers(local_run, workers)
         report = pod_report(
-            run=run, run_id=run_id, run_dir=local_run, pod=pod, records=records, rows=rows, reports=reports
+            run=run,
+            run_id=run_id,
+            run_dir=local_run,
+            pod=pod,
+            records=records,
+            rows=rows,
+            reports=reports,
+            ssh_exit_status=ssh_status,
+            gather_failed_workers=sorted(gather_errors),
         )
-        report["ssh_exit_status"] = ssh_status
-        report["gather_failed_workers"] = sorted(gather_errors)
         rewrite_manifest(local_run, {r["index"]: r for r in records})
         write_report(local_run, report)
-        report["run_dir"] = str(local_run)
         if bucket:
             destination = f"{bucket.rstrip('/')}/{run_id}"
             (upload,) = plan.finish
@@ -568,7 +584,7 @@ def run_pod(
             if uploaded.returncode:
                 keep_scratch = True  # the only copy of the pod report
                 raise RunError(f"uploading the pod report to {destination} failed; it is in {local_run}")
-            report["run_dir"] = destination
+            report = report.but(run_dir=destination)
     finally:
         if staging_made:
             shutil.rmtree(staging, ignore_errors=True)
@@ -632,7 +648,7 @@ def _already_complete(run, local_run: Path) -> dict | None:
     """A pod run whose gathered report is complete and whose manifest holds every planned image: nothing to
     resume, so no worker is called and nothing is rewritten."""
     from tpugen.outputs.manifest import read_manifest
-    from tpugen.outputs.report import read_report
+    from tpugen.outputs.report import RunReport, read_report
     from tpugen.plan import plan_run
 
     report = read_report(local_run)
@@ -643,7 +659,7 @@ def _already_complete(run, local_run: Path) -> dict | None:
     on_disk = {r["index"] for r in read_manifest(manifest) if _gathered_image(local_run, r.get("file"))}
     if len(on_disk) < planned:
         return None
-    return {**report, "run_dir": str(local_run), "already_complete": True, "images_planned": planned}
+    return RunReport.from_json(report).but(run_dir=str(local_run), already_complete=True, images_planned=planned)
 
 
 def _last_line(text: str) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display, Engine, EngineSpec, RunSession, StopSignals, Topology, worker_topology
 from tpugen.engine.session import check_run_dir_free
-from tpugen.outputs.report import TimedPhase, persistent_cache_summary, write_report
+from tpugen.outputs.report import RunReport, TimedPhase, persistent_cache_summary, write_report
 from tpugen.plan import plan_run
 
 
@@ -41,7 +41,7 @@ def run_single(
     topology: Topology | None = None,
     stop: StopSignals | None = None,
     run_id: str | None = None,
-) -> dict:
+) -> RunReport:
     """`tpugen generate` on one device: returns the report, also written to the run directory.
 
     The run directory is created only once the model has loaded, so a bad model id leaves nothing behind;
@@ -82,7 +82,7 @@ def run_single(
         phase = TimedPhase()
         writer = session.writer(engine)
 
-        def report(error: str | None = None) -> dict:
+        def report(error: str | None = None) -> RunReport:
             return session.report(engine, full_plan, warmup, phase, topology, error)
 
         try:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
+from functools import cached_property
 from pathlib import Path
 
 from tpugen.outputs.files import atomic_write_text, write_json
+from tpugen.outputs.sections import SINGLE, ModeSection, fmt, section_from_json
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -52,6 +55,90 @@ def session_summary(report: dict) -> dict:
 
 
 # ---------------------------------------------------------------- building report.json
+
+
+@dataclass(frozen=True, eq=False)
+class RunReport(Mapping):
+    """A run's report: typed where it is made, written as report.json (`as_json`) and read back (`from_json`);
+    `section` is the part the way of running owns. Read by key it is its report.json form, so code that reads
+    reports (the CLI, the server, tests) reads a made one and a read-back one alike."""
+
+    run_id: str
+    run_dir: str
+    complete: bool
+    error: str | None = None
+    finished_utc: str | None = None
+    versions: dict = field(default_factory=dict)
+    device: dict = field(default_factory=dict)
+    config_hash: str | None = None
+    pod: dict = field(default_factory=dict)
+    topology: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)
+    images: int = 0
+    images_this_session: int = 0
+    images_reused: int = 0
+    images_planned: int | None = None
+    batches: int | None = None
+    padding_rows: int | None = None
+    shape_keys: list = field(default_factory=list)
+    memory: dict | None = None
+    model_load_seconds: float | None = None
+    warmup: list = field(default_factory=list)
+    warmup_seconds: float | None = None
+    persistent_cache: dict = field(default_factory=dict)
+    timed_phase: dict | None = None  # None: the run stopped before its timed phase could be measured
+    compiles_after_warmup: int | None = None
+    recompiles: list = field(default_factory=list)
+    xla_counters: dict | None = None
+    earlier_sessions: list = field(default_factory=list)
+    files: dict = field(default_factory=lambda: dict(FILES))
+    section: ModeSection = SINGLE
+    already_complete: bool = False  # a resume that found nothing to make (returned, never written)
+    extra: dict = field(default_factory=dict)  # keys a report read back holds that this version does not know
+
+    def as_json(self) -> dict:
+        """report.json's content."""
+        data = {"tpugen_report": 1}
+        for spec in fields(self):
+            if spec.name not in ("section", "already_complete", "extra"):
+                data[spec.name] = getattr(self, spec.name)
+        data.update(self.section.as_json())
+        data.update(self.extra)
+        if self.already_complete:
+            data["already_complete"] = True
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> RunReport:
+        """A report as report.json holds it (an earlier session's, or a pod worker's); unknown keys are kept."""
+        section = section_from_json(data)
+        own = {spec.name for spec in fields(cls)} - {"section", "extra"}
+        known = own | set(section.as_json()) | {"tpugen_report"}
+        values = {name: data[name] for name in own if name in data}
+        values.setdefault("run_id", "n/a")
+        values.setdefault("run_dir", "")
+        values.setdefault("complete", False)
+        return cls(**values, section=section, extra={k: v for k, v in data.items() if k not in known})
+
+    def but(self, **changes) -> RunReport:
+        """This report with `changes` (a typed record is never edited in place)."""
+        return replace(self, **changes)
+
+    @cached_property
+    def _json(self) -> dict:
+        return self.as_json()
+
+    def __getitem__(self, key: str):
+        return self._json[key]
+
+    def __iter__(self):
+        return iter(self._json)
+
+    def __len__(self) -> int:
+        return len(self._json)
+
+
+FILES = {"manifest": "manifest.jsonl", "config": "config.yaml", "grid": "grid.png"}
 
 
 @dataclass
@@ -105,8 +192,8 @@ def build_report(
     memory: dict | None = None,
     earlier_sessions: list[dict] = (),
     counters_scope: str | None = None,
-) -> dict:
-    """report.json's content, the same layout for every mode. `error` marks a run that stopped early; what it
+) -> RunReport:
+    """A run's report, the same layout for every mode (a mode adds its section). `error` marks a run that stopped early; what it
     finished is still listed."""
     rows = phase.batches
     per_image = [row["seconds"] / row["images"] for row in rows if row["images"] for _ in range(row["images"])]
@@ -119,37 +206,36 @@ def build_report(
             if device.get("backend") == "xla"
             else "torch.compile graphs counted by dynamo; executions and transfers are not counted here"
         )
-    return {
-        "tpugen_report": 1,
-        "complete": error is None,
-        "error": error,
-        "run_id": run_id,
-        "run_dir": str(run_dir),
-        "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "versions": versions,
-        "device": device,
-        "config_hash": run.config_hash,
-        "pod": {"worker_index": topology["worker_index"], "num_workers": topology["num_workers"]},
-        "topology": topology,
-        "model": {
+    return RunReport(
+        complete=error is None,
+        error=error,
+        run_id=run_id,
+        run_dir=str(run_dir),
+        finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        versions=versions,
+        device=device,
+        config_hash=run.config_hash,
+        pod={"worker_index": topology["worker_index"], "num_workers": topology["num_workers"]},
+        topology=topology,
+        model={
             "id": run.config.model.id,
             "dtype": run.config.model.dtype,
             "scheduler": scheduler,
             "loras": [lora.record() for lora in run.loras],
         },
-        "images": images + images_reused,
-        "images_this_session": images,
-        "images_reused": images_reused,
-        "images_planned": images_planned,
-        "batches": batches_planned,
-        "padding_rows": padding_rows,
-        "shape_keys": shape_keys,
-        "memory": memory,
-        "model_load_seconds": load_seconds,
-        "warmup": warmup,
-        "warmup_seconds": sum(w["seconds"] for w in warmup),
-        "persistent_cache": persistent_cache,
-        "timed_phase": {
+        images=images + images_reused,
+        images_this_session=images,
+        images_reused=images_reused,
+        images_planned=images_planned,
+        batches=batches_planned,
+        padding_rows=padding_rows,
+        shape_keys=shape_keys,
+        memory=memory,
+        model_load_seconds=load_seconds,
+        warmup=warmup,
+        warmup_seconds=sum(w["seconds"] for w in warmup),
+        persistent_cache=persistent_cache,
+        timed_phase={
             "wall_seconds": wall,
             "generate_seconds": phase.generate_seconds,
             "write_seconds": phase.write_seconds,
@@ -158,9 +244,9 @@ def build_report(
             "seconds_per_step": sum(r["seconds"] / r["steps"] for r in rows) / len(rows) if rows else None,
             "batches": rows,
         },
-        "compiles_after_warmup": counters["compiles"] if counters else None,
-        "recompiles": phase.recompiles,
-        "xla_counters": (
+        compiles_after_warmup=counters["compiles"] if counters else None,
+        recompiles=phase.recompiles,
+        xla_counters=(
             {
                 "scope": counters_scope,
                 "warmup": {
@@ -172,9 +258,8 @@ def build_report(
             if counters
             else None
         ),
-        "earlier_sessions": list(earlier_sessions),
-        "files": {"manifest": "manifest.jsonl", "config": "config.yaml", "grid": "grid.png"},
-    }
+        earlier_sessions=list(earlier_sessions),
+    )
 
 
 def persistent_cache_summary(cache: dict, warmup: list[dict]) -> dict:
@@ -198,8 +283,8 @@ def merge_phases(parts: list[dict], label: str) -> TimedPhase:
     )
 
 
-def write_report(run_dir: Path, report: dict) -> None:
-    write_json(run_dir / "report.json", report)
+def write_report(run_dir: Path, report: RunReport) -> None:
+    write_json(run_dir / "report.json", report.as_json())
     atomic_write_text(run_dir / "report.md", render_markdown(report))
 
 
@@ -218,14 +303,6 @@ def earlier_sessions_of(run_dir: Path) -> list[dict]:
     if previous is None or "timed_phase" not in previous:
         return []
     return [*previous.get("earlier_sessions", []), session_summary(previous)]
-
-
-def _fmt(value, digits: int = 3) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
 
 
 def _memory_line(memory: dict | None) -> str:
@@ -262,23 +339,10 @@ def _flash_lines(flash: dict | None, attention: dict | None = None) -> list[str]
     failed = flash.get("failed_attempt")
     if failed:
         lines.append(
-            f"  - the warmup call of {failed['shape_key']} with it on failed after {_fmt(failed['seconds'], 2)} s "
-            f"(graphs compiled: {_fmt(failed['compiles'])}); warmed up again with the model's own attention"
+            f"  - the warmup call of {failed['shape_key']} with it on failed after {fmt(failed['seconds'], 2)} s "
+            f"(graphs compiled: {fmt(failed['compiles'])}); warmed up again with the model's own attention"
         )
     return lines
-
-
-def _launcher_lines(launcher: dict | None) -> list[str]:
-    if not launcher:
-        return []
-    if launcher.get("tool") != "torchrun":
-        return [f"Launched by {launcher.get('tool')} (devices: {launcher.get('devices')})."]
-    env = " ".join(f"{k}={v}" for k, v in (launcher.get("environment") or {}).items())
-    return [
-        f"Launched by torchrun: {launcher['processes']} processes in a {launcher['process_group']} process group"
-        + (f", with {env}" if env else "")
-        + f": `{' '.join(launcher['command'])}`."
-    ]
 
 
 def _lora_lines(loras: list[dict] | None) -> list[str]:
@@ -364,135 +428,31 @@ def _by_phase(entry: dict) -> str:
     return ", ".join(parts) or "n/a"
 
 
-def _pod_lines(report: dict) -> list[str]:
-    if "tpugen_pod_report" not in report:
-        return []
-    failed = report.get("gather_failed_workers") or []
-    kept = [r["worker"] for r in report["per_worker"] if r["worker"] in failed and r["gathered"]]
-    gathered = (
-        [f"- gathering failed for workers {failed}" + (f"; earlier copies kept for workers {kept}" if kept else "")]
-        if failed
-        else []
-    )
-    return [
-        f"- TPU: {report['tpu']} in {report['zone']}, {report['workers']} workers",
-        *gathered,
-        f"- pod images per second: {_fmt(report['pod_images_per_second'], 2)} "
-        f"(all images / the slowest worker's timed phase, {_fmt(report['slowest_worker_wall_seconds'], 2)} s)",
-    ]
-
-
-def _worker_lines(report: dict) -> list[str]:
-    if "per_worker" not in report:
-        return []
+def render_markdown(report: RunReport) -> str:
+    """report.md: the same facts as report.json, laid out for a person; the mode's section says its part."""
+    section = report.section
+    timed = report.timed_phase or {}
+    lat = timed.get("per_image_seconds") or {}
+    device = report.device
+    memory = report.memory or {}
+    status = ("complete" if report.complete else "INCOMPLETE") + section.status_note(report)
     lines = [
-        "",
-        f"## Workers ({len(report['per_worker'])})",
-        "",
-        "| worker | exit | images | warmup s | timed wall s | images/s | compiles after warmup |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in report["per_worker"]:
-        lines.append(
-            f"| {r['worker']} | {_fmt(r['exit_status'])} | {r['images']} | {_fmt(r['warmup_seconds'], 2)} "
-            f"| {_fmt(r['timed_wall_seconds'], 2)} | {_fmt(r['images_per_second'], 2)} "
-            f"| {_fmt(r['compiles_after_warmup'])} |"
-        )
-    for r in report["per_worker"]:
-        if r["last_lines"]:
-            lines += ["", f"Worker {r['worker']}, last lines:", "", *[f"    {line}" for line in r["last_lines"]]]
-    return lines
-
-
-def _ray_event(event: dict) -> str:
-    at, who = f"{event['seconds']:.1f} s", f"worker {event['worker']}"
-    kind = event["event"]
-    if kind == "lost":
-        batches = event.get("batches") or []
-        back = f"; batches {', '.join(map(str, batches))} went back to the queue" if batches else "; no batch in flight"
-        return f"- {at}: {who} lost (pid {event.get('pid')}, {event.get('reason')}){back}"
-    if kind == "restarted":
-        return f"- {at}: {who} restarted by Ray (pid {event.get('pid')}), warming up again"
-    if kind == "retried":
-        return f"- {at}: batch {event['batch']} retried on {who}"
-    if kind == "gone":
-        return f"- {at}: {who} gone: {event.get('reason')}"
-    if kind == "failed":
-        where = f" batch {event['batch']}" if "batch" in event else " to start"
-        return f"- {at}: {who} failed{where}: {event.get('error')}"
-    if kind == "back":
-        return f"- {at}: {who} answered again (pid {event.get('pid')}, never died)"
-    return f"- {at}: {who} {kind}"
-
-
-def _ray_lines(report: dict) -> list[str]:
-    ray = report.get("ray")
-    if not ray:
-        return []
-    resources = ", ".join(f"{k}: {v:g}" for k, v in sorted(ray["resources_per_worker"].items()))
-    lines = [
-        "",
-        f"## Ray workers ({ray['workers']})",
-        "",
-        f"Address {ray['address']}; each worker asked for {{{resources}}}; max_restarts {ray['max_restarts']}; "
-        f"{ray['in_flight_per_worker']} batches in flight per worker. Timed phase wall: {ray['timed_wall']}. "
-        f"Lost workers: {', '.join(f'worker {i}' for i in ray['lost_workers']) or 'none'}; restarts: {ray['restarts']}; "
-        f"retried batches: {', '.join(map(str, ray['retried_batches'])) or 'none'}.",
-        "",
-        "| worker | node | pids | state | batches | images | warmup s | s per image | restarts | batches lost "
-        "| compiles after warmup | error |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for w in ray["per_worker"]:
-        node = (w["node"] or "n/a")[:12]
-        lost = ", ".join(map(str, sorted(w["lost_batches"])))
-        lines.append(
-            f"| {w['index']} | {node} | {', '.join(map(str, w['pids'])) or 'n/a'} | {w['state']} | {w['batches_done']} "
-            f"| {w['images']} | {_fmt(w['warmup_seconds'], 2)} | {_fmt(w['per_image_seconds'])} | {w['restarts']} "
-            f"| {lost} | {_fmt(w['compiles_after_warmup'])} | {w['error'] or ''} |"
-        )
-    faults = [_ray_event(e) for e in ray["events"] if e["event"] != "warm"]
-    if faults:
-        lines += ["", "Faults and restarts:", "", *faults]
-    return lines
-
-
-def render_markdown(report: dict) -> str:
-    """report.md: the same facts as report.json, laid out for a person."""
-    timed = report["timed_phase"]
-    lat = timed["per_image_seconds"]
-    device = report["device"]
-    topology = report.get("topology") or {}
-    pod = "tpugen_pod_report" in report
-    status = "complete" if report["complete"] else "INCOMPLETE"
-    if pod and not report["complete"]:
-        status += f" (failed workers: {report['failed_workers']})"
-    lines = [
-        f"# tpugen {'pod run' if pod else 'ray run' if report.get('ray') else 'run'} {report['run_id']}",
+        f"# tpugen {section.title} {report.run_id}",
         "",
         f"- status: {status}",
-        *_pod_lines(report),
-        f"- model: {report['model']['id']} ({report['model']['dtype']}, scheduler {report['model']['scheduler']})",
-        *_lora_lines(report["model"].get("loras")),
-        f"- backend: {device.get('backend', 'n/a')} on {device.get('device_kind', 'n/a')} "
-        + (
-            f"({report['ray']['workers']} Ray workers"
-            if report.get("ray")
-            else f"(world size {topology.get('world_size', 1)}"
-        )
-        + (
-            f"; worker {topology['worker_index']} of {topology['num_workers']}"
-            if topology.get("num_workers", 1) > 1 and not pod
-            else ""
-        )
-        + ")",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
-        f"- config hash: {report['config_hash']}",
-        f"- images: {report['images']} in {report['batches']} batches ({report['padding_rows']} padding rows)",
-        f"- model load: {_fmt(report['model_load_seconds'], 2)} s",
-        _memory_line(report.get("memory")),
-        *_attention_lines(report.get("memory")),
-        *_flash_lines(device.get("flash_attention"), (report.get("memory") or {}).get("attention")),
+        *([f"- stopped by: {report.error}"] if report.error and not report.complete else []),
+        *section.header_lines(report),
+        f"- model: {report.model.get('id', 'n/a')} ({report.model.get('dtype', 'n/a')}, "
+        f"scheduler {report.model.get('scheduler', 'n/a')})",
+        *_lora_lines(report.model.get("loras")),
+        f"- backend: {device.get('backend', 'n/a')} on {device.get('device_kind', 'n/a')} ({section.where(report)})",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in report.versions.items() if v),
+        f"- config hash: {report.config_hash}",
+        f"- images: {report.images} in {fmt(report.batches)} batches ({fmt(report.padding_rows)} padding rows)",
+        f"- model load: {fmt(report.model_load_seconds, 2)} s",
+        _memory_line(report.memory),
+        *_attention_lines(report.memory),
+        *_flash_lines(device.get("flash_attention"), memory.get("attention")),
         *_sharding_lines(device.get("sharding")),
         *_placement_lines(device.get("placement")),
         "",
@@ -501,7 +461,7 @@ def render_markdown(report: dict) -> str:
         "| shape key | wall s | graphs compiled | compile s | graphs (compile s) by phase |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for entry in report["warmup"]:
+    for entry in report.warmup:
         where = f"{_part_label(entry)}{entry['shape_key']}"
         if entry.get("again_without_flash_attention"):
             where += " (again, without flash attention)"
@@ -509,18 +469,18 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {where} | 0.00 | 0 | 0.00 | already warm on this engine |")
             continue
         lines.append(
-            f"| {where} | {_fmt(entry['seconds'], 2)} | {_fmt(entry['compiles'])} "
-            f"| {_fmt(entry['compile_seconds'], 2)} | {_by_phase(entry)} |"
+            f"| {where} | {fmt(entry['seconds'], 2)} | {fmt(entry['compiles'])} "
+            f"| {fmt(entry['compile_seconds'], 2)} | {_by_phase(entry)} |"
         )
-    if not report["warmup"]:
+    if not report.warmup:
         lines.append("| (skipped) | | | | |")
-    lines.extend(_device_memory_lines(report["warmup"]))
-    cache = report.get("persistent_cache") or {}
+    lines.extend(_device_memory_lines(report.warmup))
+    cache = report.persistent_cache
     if cache:
         counted = (
-            f" ({_fmt(cache.get('hits'))} hits, {_fmt(cache.get('misses'))} misses, " if cache.get("enabled") else ""
+            f" ({fmt(cache.get('hits'))} hits, {fmt(cache.get('misses'))} misses, " if cache.get("enabled") else ""
         )
-        counted += f"{_fmt(cache.get('load_failures'))} entries that could not be loaded)" if counted else ""
+        counted += f"{fmt(cache.get('load_failures'))} entries that could not be loaded)" if counted else ""
         lines += [
             "",
             f"Persistent compile cache: {cache['note']}{' in ' + cache['dir'] if cache.get('dir') else ''}{counted}",
@@ -529,16 +489,16 @@ def render_markdown(report: dict) -> str:
         "",
         "## Timed phase",
         "",
-        f"- wall: {_fmt(timed['wall_seconds'], 2)} s (generation {_fmt(timed['generate_seconds'], 2)} s, "
-        f"writing files {_fmt(timed['write_seconds'], 2)} s)",
-        f"- images per second: {_fmt(timed['images_per_second'], 2)}",
-        f"- seconds per image: mean {_fmt(lat['mean'])}, p50 {_fmt(lat['p50'])}, p90 {_fmt(lat['p90'])}, "
-        f"p99 {_fmt(lat['p99'])}",
+        f"- wall: {fmt(timed.get('wall_seconds'), 2)} s (generation {fmt(timed.get('generate_seconds'), 2)} s, "
+        f"writing files {fmt(timed.get('write_seconds'), 2)} s)",
+        f"- images per second: {fmt(timed.get('images_per_second'), 2)}",
+        f"- seconds per image: mean {fmt(lat.get('mean'))}, p50 {fmt(lat.get('p50'))}, p90 {fmt(lat.get('p90'))}, "
+        f"p99 {fmt(lat.get('p99'))}",
         f"- seconds per denoising step (batch latency / steps, incl. text encoding and decoding): "
-        f"{_fmt(timed['seconds_per_step'], 4)}",
-        f"- compiles after warmup: {_fmt(report['compiles_after_warmup'])}",
+        f"{fmt(timed.get('seconds_per_step'), 4)}",
+        f"- compiles after warmup: {fmt(report.compiles_after_warmup)}",
     ]
-    counters = report["xla_counters"]
+    counters = report.xla_counters
     if counters:
         t = counters["timed_phase"]
         counted = [f"{t['compiles']} compiles"]
@@ -547,26 +507,9 @@ def render_markdown(report: dict) -> str:
         if t["transfers_to_host"] is not None:
             counted.append(f"{t['transfers_to_host']} device-to-host transfers")
         lines.append(f"- compile counters of the timed phase ({counters['scope']}): {', '.join(counted)}")
-    for event in report["recompiles"]:
+    for event in report.recompiles:
         lines.append(f"- recompile: batch {event['batch']} ({event['shape_key']}) compiled {event['compiles']} graphs")
-    if report.get("ranks"):
-        lines += [
-            "",
-            f"## Ranks ({len(report['ranks'])})",
-            "",
-            f"Weights loaded {report['weights_loaded']}. Counters: {report['counters_scope']}.",
-            *_launcher_lines(report.get("launcher")),
-            "",
-            "| rank | images | warmup s | warmup graphs | s per image | timed wall s | compiles after warmup | error |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for r in report["ranks"]:
-            lines.append(
-                f"| {r['rank']} | {r['images']} | {_fmt(r['warmup_seconds'], 2)} | {r['warmup_compiles']} "
-                f"| {_fmt(r['per_image_seconds'])} | {_fmt(r['timed_wall_seconds'], 2)} "
-                f"| {_fmt(r['compiles_after_warmup'])} | {r['error'] or ''} |"
-            )
-    earlier = report.get("earlier_sessions") or []
+    earlier = report.earlier_sessions
     if earlier:
         lines += [
             "",
@@ -580,17 +523,16 @@ def render_markdown(report: dict) -> str:
             timed_then = session.get("timed_phase") or {}
             per_image = (timed_then.get("per_image_seconds") or {}).get("mean")
             lines.append(
-                f"| {number} | {session.get('finished_utc') or 'n/a'} | {_fmt(session.get('images'))} "
-                f"| {_fmt(session.get('model_load_seconds'), 2)} | {_fmt(session.get('warmup_seconds'), 2)} "
-                f"| {_fmt(timed_then.get('wall_seconds'), 2)} | {_fmt(timed_then.get('images_per_second'), 2)} "
-                f"| {_fmt(per_image)} | {_fmt(session.get('compiles_after_warmup'))} "
+                f"| {number} | {session.get('finished_utc') or 'n/a'} | {fmt(session.get('images'))} "
+                f"| {fmt(session.get('model_load_seconds'), 2)} | {fmt(session.get('warmup_seconds'), 2)} "
+                f"| {fmt(timed_then.get('wall_seconds'), 2)} | {fmt(timed_then.get('images_per_second'), 2)} "
+                f"| {fmt(per_image)} | {fmt(session.get('compiles_after_warmup'))} "
                 f"| {session.get('error') or 'complete'} |"
             )
-    lines.extend(_worker_lines(report))
-    lines.extend(_ray_lines(report))
+    lines.extend(section.body_lines(report))
     lines += ["", "| batch | shape key | images | seconds | compiles |", "| --- | --- | --- | --- | --- |"]
-    for b in timed["batches"]:
+    for b in timed.get("batches", []):
         where = ".".join(str(b[k]) for k in ("worker", "rank", "batch") if k in b)
-        lines.append(f"| {where} | {b['shape_key']} | {b['images']} | {_fmt(b['seconds'])} | {_fmt(b['compiles'])} |")
+        lines.append(f"| {where} | {b['shape_key']} | {b['images']} | {fmt(b['seconds'])} | {fmt(b['compiles'])} |")
     lines.append("")
     return "\n".join(lines)
