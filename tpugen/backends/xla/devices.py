@@ -47,7 +47,14 @@ def import_torch_xla():
 
 
 def host_index() -> int:
-    """This TPU VM's index in its pod, as torch_xla reads it from the TPU environment."""
+    """This TPU VM's index in its pod, as torch_xla reads it from the TPU environment. Off a TPU there is no pod
+    to stand in (torch_xla says 0 on any machine), so a worker count above one with no index is refused there."""
+    device = pjrt_device()
+    if device != "TPU":
+        raise InputError(
+            f"execution.pod: this worker's index is unknown: TPU_WORKER_ID is unset and PJRT_DEVICE={device} has no "
+            "pod host index; set execution.pod.worker_index or TPU_WORKER_ID"
+        )
     import torch_xla.runtime as xr
 
     return xr.host_index()
