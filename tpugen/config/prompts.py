@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from tpugen.config.messages import suggest
+from tpugen.config.request import entry_problems
 from tpugen.config.schema import RunConfig
-from tpugen.lines import text_lines, unpaired_surrogate
+from tpugen.lines import text_lines
 
 
 @dataclass(frozen=True)
@@ -80,31 +80,16 @@ def read_prompt_file(path: Path, problems: list[str]) -> list[dict]:
 
 
 def check_prompt_entry(entry: dict, where: str, run: RunConfig, problems: list[str]) -> PromptSpec | None:
+    """The prompt of a config's entry (a .jsonl line, or a mapping in prompts), or None with every problem it has
+    in `problems`, each after `where` (the rules: tpugen.config.request)."""
     prompt = entry.get("prompt")
     if not isinstance(prompt, str):
         problems.append(f"{where}: 'prompt' must be a string" if "prompt" in entry else f"{where}: 'prompt' is missing")
         return None
-    if not prompt.strip():
-        problems.append(f"{where}: prompt is empty")
+    found = entry_problems(entry)
+    if found:
+        problems.extend(f"{where}: {problem}" for problem in found)
         return None
-    for key in ("prompt", "negative_prompt"):
-        if isinstance(entry.get(key), str) and (problem := unpaired_surrogate(entry[key])):
-            problems.append(f"{where}: {key}: {problem}")
-            return None
-    checks = {
-        "negative_prompt": (str, lambda v: True, "a string"),
-        "seed": (int, lambda v: 0 <= v < 2**63, "an integer >= 0"),
-        "steps": (int, lambda v: 1 <= v <= 1000, "an integer from 1 to 1000"),
-        "guidance_scale": ((int, float), lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
-        "height": (int, lambda v: v > 0 and v % 8 == 0, "a positive multiple of 8"),
-        "width": (int, lambda v: v > 0 and v % 8 == 0, "a positive multiple of 8"),
-    }
-    for key, (kind, ok, wanted) in checks.items():
-        if key in entry:
-            value = entry[key]
-            if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
-                problems.append(f"{where}: {key} must be {wanted}, got {value!r}")
-                return None
     if "height" in entry or "width" in entry:
         sizes = ((entry.get("height", run.height), entry.get("width", run.width)),)
     else:

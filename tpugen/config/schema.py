@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from tpugen.lines import unpaired_surrogate
+from tpugen.config.request import MAX_SEED, MAX_STEPS, MIN_STEPS, SIDE_MULTIPLE, side_ok, text_problem
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
 
 
@@ -255,7 +255,7 @@ def _check_prompt(value: Any) -> Any:
         raise ValueError(f"a prompt is a string, or a mapping like a .jsonl line, got {value!r}")
     if not value.strip():
         raise ValueError("prompt is empty")
-    if problem := unpaired_surrogate(value):
+    if problem := text_problem(value):
         raise ValueError(problem)
     return value
 
@@ -265,8 +265,10 @@ Prompt = Annotated[Any, AfterValidator(_check_prompt)]
 
 
 def _check_side(value: int) -> int:
-    if value <= 0 or value % 8:
-        raise ValueError(f"must be a positive multiple of 8 (the VAE downsamples by 8), got {value}")
+    if not side_ok(value):
+        raise ValueError(
+            f"must be a positive multiple of {SIDE_MULTIPLE} (the VAE downsamples by {SIDE_MULTIPLE}), got {value}"
+        )
     return value
 
 
@@ -321,9 +323,9 @@ class RunConfig(_Section):
     width: int | None = Field(default=None, gt=0)
     sizes: list[Size] | None = None
     # None: the model's (or its family's) own default, filled in when the config is resolved.
-    steps: int | None = Field(default=None, ge=1, le=1000)
+    steps: int | None = Field(default=None, ge=MIN_STEPS, le=MAX_STEPS)
     guidance_scale: float | None = Field(default=None, ge=0)
-    seed: int = Field(default=0, ge=0, lt=2**63)
+    seed: int = Field(default=0, ge=0, lt=MAX_SEED + 1)
     batch_size: int = Field(default=1, ge=1)
     images_per_prompt: int = Field(default=1, ge=1)
     execution: ExecutionConfig = ExecutionConfig()
@@ -350,7 +352,7 @@ class RunConfig(_Section):
     @field_validator("negative_prompt")
     @classmethod
     def _negative_is_text(cls, value: str) -> str:
-        if problem := unpaired_surrogate(value):
+        if problem := text_problem(value):
             raise ValueError(problem)
         return value
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 import re
 import time
 from typing import Any
@@ -13,6 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from tpugen.config.loras import safetensors_header
+from tpugen.config.request import seed_for
 from tpugen.errors import InputError
 from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse
 from tpugen.modes.serve.service import ImageSpec, Service
@@ -20,8 +20,6 @@ from tpugen.outputs.png import a1111_parameters
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
 
 router = APIRouter(prefix="/sdapi/v1")
-# The web UI's own seed range for seed -1.
-RANDOM_SEEDS = 4294967294
 
 
 class Txt2Img(BaseModel):
@@ -174,7 +172,7 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
     if body.batch_size < 1 or body.n_iter < 1:
         problems.append(f"batch_size and n_iter: must be at least 1, got {body.batch_size} and {body.n_iter}")
     count = max(body.batch_size, 1) * max(body.n_iter, 1)
-    seed = body.seed if body.seed >= 0 else random.randrange(RANDOM_SEEDS)
+    seed = seed_for(body.seed)  # -1: a random one; another negative seed is refused with the request
 
     def make(i: int) -> ImageSpec:
         return ImageSpec(
@@ -183,18 +181,24 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
             seed=seed + i,  # the web UI's rule: image i of a request gets seed + i
             steps=body.steps if body.steps is not None else config.steps,
             guidance_scale=body.cfg_scale if body.cfg_scale is not None else config.guidance_scale,
-            height=body.height or height,
-            width=body.width or width,
+            height=body.height if body.height is not None else height,  # 0 is refused, not the default
+            width=body.width if body.width is not None else width,
             scheduler=scheduler,
             loras=loras,
         )
 
     images = collect(problems, service.image_specs, count, make)
+    refuse(problems, service, images)
+    return images
+
+
+def refuse(problems: list[str], service: Service, images: list[ImageSpec] | None) -> None:
+    """An InputError with `problems`, if there are any, and what service.check finds in `images` beside them
+    (every problem of a request at once)."""
     if problems:
-        if images:  # the rest of what check finds, beside this request's own problems
+        if images:
             collect(problems, service.check, images)
         raise InputError(*problems)
-    return images
 
 
 def collect(problems: list[str], check, *args, **kwargs):

@@ -11,8 +11,9 @@ import anyio.to_thread
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
+from tpugen.config.request import RANDOM_SEEDS
 from tpugen.errors import InputError
-from tpugen.modes.serve.a1111 import RANDOM_SEEDS
+from tpugen.modes.serve.a1111 import collect, refuse
 from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse, problem_response
 from tpugen.modes.serve.service import ImageSpec, Service
 
@@ -53,17 +54,22 @@ async def generations(request: Request):
         return problem_response(
             400, [f"model: this server serves {service.engines[0].model_label!r}, not {body.model!r}"]
         )
-    if body.n < 1:
-        raise InputError(f"n: must be at least 1, got {body.n}")
-    height, width = size_of(service, body.size)
+    problems = [f"n: must be at least 1, got {body.n}"] if body.n < 1 else []
+    size = collect(problems, size_of, service, body.size)
     config = service.run.config
     seed = random.randrange(RANDOM_SEEDS)  # OpenAI's API has no seed: a fresh one per request
-    images = service.image_specs(
-        body.n,
-        lambda i: ImageSpec(
-            body.prompt, config.negative_prompt, seed + i, config.steps, config.guidance_scale, height, width
-        ),
-    )
+    images = None
+    if size is not None:
+        height, width = size
+        images = collect(
+            problems,
+            service.image_specs,
+            max(body.n, 1),
+            lambda i: ImageSpec(
+                body.prompt, config.negative_prompt, seed + i, config.steps, config.guidance_scale, height, width
+            ),
+        )
+    refuse(problems, service, images)
     made = await anyio.to_thread.run_sync(service.generate, images)  # every image: OpenAI's never stop short
     data = [{"b64_json": image_b64(pixels, image_record(service, images[position]))} for position, pixels in made]
     return json_response({"created": int(time.time()), "data": data})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 import signal
 import threading
@@ -12,12 +11,12 @@ from pathlib import Path
 
 from tpugen.config import ResolvedRun, resolve, run_sizes
 from tpugen.config.loras import Lora, is_hub_lora, loras_key, resolve_lora
+from tpugen.config.request import ImageRequest, RequestLimits
 from tpugen.config.schema import LORA_SCALE_MAX, LoraConfig
 from tpugen.engine import Display, Engine, StopSignals, Topology
 from tpugen.engine.session import run_id_for
 from tpugen.errors import InputError, Interrupted, TpugenError, one_line
 from tpugen.families import FAMILIES
-from tpugen.lines import unpaired_surrogate
 from tpugen.logs import logger
 from tpugen.modes.serve.metrics import Metrics
 from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, Request
@@ -26,7 +25,6 @@ from tpugen.schedulers import find_scheduler
 
 log = logger("serve")
 
-MAX_PROMPT_CHARACTERS = 10_000
 LORA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._ -]{0,127}")  # a file stem in serve.lora_dir, no path
 
 
@@ -47,16 +45,9 @@ class Conflict(InputError):
 
 
 @dataclass(frozen=True)
-class ImageSpec:
-    """One image a request asks for, in tpugen's words."""
+class ImageSpec(ImageRequest):
+    """One image a request asks for, in tpugen's words: what ImageRequest's rules check, and how it is made."""
 
-    prompt: str
-    negative_prompt: str
-    seed: int
-    steps: int
-    guidance_scale: float
-    height: int
-    width: int
     scheduler: str | None = None  # a name find_scheduler knows; None: the model's own
     loras: tuple = ()  # tpugen.config.loras.Lora, fused for this image (a request's <lora:NAME:SCALE>)
 
@@ -206,28 +197,9 @@ class Service:
             problems.append("the request asks for no images")
         if count > limit:
             problems.append(f"{count} images asked for; this server makes at most {limit} per request")
-        for image in images[:1]:
-            for name, text in (("prompt", image.prompt), ("negative_prompt", image.negative_prompt)):
-                if len(text) > MAX_PROMPT_CHARACTERS:
-                    problems.append(f"{name}: {len(text)} characters; at most {MAX_PROMPT_CHARACTERS}")
-                elif problem := unpaired_surrogate(text):  # the tokenizer would fail the batch it shared
-                    problems.append(f"{name}: {problem}")
-            if not image.prompt.strip():
-                problems.append("prompt: is empty")
-            step = self.family.size_multiple
-            if image.height <= 0 or image.width <= 0 or image.height % 8 or image.width % 8:
-                problems.append(f"size: {image.width}x{image.height}: width and height must be positive multiples of 8")
-            elif image.height % step or image.width % step:
-                problems.append(
-                    f"size: {image.width}x{image.height}: {self.family.title} models need multiples of {step}"
-                )
-            if not 1 <= image.steps <= 1000:
-                problems.append(f"steps: must be from 1 to 1000, got {image.steps}")
-            if not (math.isfinite(image.guidance_scale) and image.guidance_scale >= 0):
-                problems.append(f"guidance scale: must be a finite number, 0 or more; got {image.guidance_scale}")
-        bad_seed = next((image.seed for image in images if not 0 <= image.seed < 2**63), None)
-        if bad_seed is not None:
-            problems.append(f"seed: must be from 0 to 2**63 - 1 (or -1 for a random one), got {bad_seed}")
+        if images:  # a request's images differ in their seed alone
+            limits = RequestLimits.of_server(self.sizes, self.run.config.guidance_scale)
+            problems.extend(images[0].problems(self.family, limits, seeds=(image.seed for image in images)))
         if problems:
             raise InputError(*problems)
         if self.serve.new_shapes == "reject":
