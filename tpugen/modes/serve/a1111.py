@@ -214,8 +214,15 @@ def collect(problems: list[str], check, *args, **kwargs):
 async def txt2img(request: Request):
     service: Service = request.app.state.service
     body = await parse(request, Txt2Img, missing_features)
+    # The rest runs in a worker thread: LoRA files are hashed, PNGs encoded and a reply of megabytes put in
+    # base64 and JSON there, so no other request (a /healthz among them) waits behind it on the event loop.
+    return await anyio.to_thread.run_sync(txt2img_reply, service, body)
+
+
+def txt2img_reply(service: Service, body: Txt2Img):
+    """txt2img's images and its web UI reply, made in a worker thread."""
     images = images_for(service, body)
-    made = await anyio.to_thread.run_sync(lambda: service.generate(images, interruptible=True))
+    made = service.generate(images, interruptible=True)
     # After an interrupt, the images made are not always the first ones: each keeps its own seed and record.
     answered = [images[position] for position, _ in made]
     pixels = [image for _, image in made]

@@ -47,6 +47,12 @@ def size_of(service: Service, size: str | None) -> tuple[int, int]:
 async def generations(request: Request):
     service: Service = request.app.state.service
     body = await parse(request, Generation)
+    # The images, their PNGs and the base64 reply are made in a worker thread, off the event loop.
+    return await anyio.to_thread.run_sync(generations_reply, service, body)
+
+
+def generations_reply(service: Service, body: Generation):
+    """The request's images and the OpenAI reply, made in a worker thread."""
     if body.response_format not in (None, "b64_json"):
         return problem_response(400, [f"response_format: {body.response_format} is not served; use b64_json"])
     served = {service.engines[0].model_label, service.run.config.model.id}
@@ -70,6 +76,6 @@ async def generations(request: Request):
             ),
         )
     refuse(problems, service, images)
-    made = await anyio.to_thread.run_sync(service.generate, images)  # every image: OpenAI's never stop short
+    made = service.generate(images)  # every image: OpenAI's never stop short
     data = [{"b64_json": image_b64(pixels, image_record(service, images[position]))} for position, pixels in made]
     return json_response({"created": int(time.time()), "data": data})
