@@ -227,6 +227,32 @@ def cpu_run(tmp_path_factory) -> Path:
     return generate(tmp_path_factory.mktemp("cpu"), execution={"backend": "cpu"})
 
 
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The session's `tpugen serve` (url, service), in this process (so it shares the compile cache), on a thread
+    of its own: one for every tests/test_serve*.py module that speaks to it (helpers: tests/serve_support.py)."""
+    from serve_support import KEY, running_server, serve_config, wait_ready
+
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "loras").mkdir()
+    make_lora(tmp / "loras" / "style.safetensors", "kohya", seed=1)
+    make_lora(tmp / "loras" / "subject.safetensors", "peft", seed=2)
+    path = serve_config(tmp, max_images_per_request=8, lora_dir="loras", schedulers=["Euler a"])
+    with running_server(path, tmp / "runs", KEY) as (url, service):
+        wait_ready(url)
+        yield url, service
+
+
+@pytest.fixture
+def client(server):
+    """An HTTP client of the session's server, with its key."""
+    import httpx
+    from serve_support import AUTH
+
+    with httpx.Client(base_url=server[0], headers=AUTH, timeout=120) as http:
+        yield http
+
+
 def sigterm_after_a_rank_image(proc: subprocess.Popen, run_dir: Path, timeout: float) -> str:
     """Wait until some rank has written a manifest line, send SIGTERM, and return stderr once it exits."""
     deadline = time.perf_counter() + timeout
