@@ -8,14 +8,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from serve_support import (
-    AUTH,
-    KEY,
-    running_server,  # noqa: F401 (test_serve_families.py imports these three from here)
-    serve_config,  # noqa: F401
-    txt2img,
-    wait_ready,  # noqa: F401
-)
+from serve_support import AUTH, KEY, txt2img
 
 pytestmark = pytest.mark.xla
 

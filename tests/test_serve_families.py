@@ -13,7 +13,7 @@ import pytest
 import yaml
 from conftest import run_cli, tiny_config, write_config
 from PIL import Image
-from test_serve import AUTH, KEY, running_server, serve_config, wait_ready
+from serve_support import AUTH, KEY, running_server, serve_config, wait_ready
 
 
 @pytest.mark.xla
