@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import OTHER_DEVICE_COUNT, TPUGEN, assert_same_images, generate, run_cli, tiny_config, write_config
 
-from tpugen.modes.cluster import Node, actor_options, worker_count, worker_resources
+from tpugen.modes.ray.resources import Node, actor_options, worker_count, worker_resources
 from tpugen.outputs.manifest import read_manifest
 from tpugen.outputs.png import image_filename
 
@@ -363,9 +363,9 @@ import sys, time
 from pathlib import Path
 
 import ray
-from tpugen.modes import cluster
+from tpugen.modes.ray import worker
 
-Host = cluster._RayHost  # left in place (Ray pickles it by name); named here rather than through super()
+Host = worker._RayHost  # left in place (Ray pickles it by name); named here rather than through super()
 
 
 class Faulty(Host):
@@ -573,7 +573,7 @@ def test_plan_says_what_a_ray_run_asks_for(tmp_path):
 
 def test_a_job_dashboard_ray_address_is_refused_naming_the_variable(monkeypatch):
     from tpugen.errors import InputError
-    from tpugen.modes.cluster import _target
+    from tpugen.modes.ray.join import _target
 
     monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
     with pytest.raises(InputError) as refused:
@@ -589,7 +589,7 @@ def test_a_job_dashboard_ray_address_is_refused_naming_the_variable(monkeypatch)
 def test_a_taken_run_id_is_refused_before_the_cluster_starts(tmp_path, monkeypatch):
     from tpugen.config import load_config
     from tpugen.errors import InputError
-    from tpugen.modes import cluster
+    from tpugen.modes.ray import driver
 
     config = tiny_config(tmp_path, execution={"mode": "ray", "ray": {"address": "local", "workers": 1}})
     run = load_config(write_config(tmp_path / "c.yaml", config))
@@ -600,15 +600,15 @@ def test_a_taken_run_id_is_refused_before_the_cluster_starts(tmp_path, monkeypat
     def no_cluster(run):
         raise AssertionError("the cluster was started for a run that cannot be written")
 
-    monkeypatch.setattr(cluster, "Cluster", no_cluster)
+    monkeypatch.setattr(driver, "Cluster", no_cluster)
     with pytest.raises(InputError, match="output.run_id: .* already exists and is not empty"):
-        cluster.run_cluster(run)
+        driver.run_cluster(run)
 
 
 def test_a_local_cluster_that_fails_to_start_is_stopped_and_named_in_one_line(tmp_path, monkeypatch):
     from tpugen.config import load_config
     from tpugen.errors import RunError
-    from tpugen.modes import cluster
+    from tpugen.modes.ray import join
 
     calls = []
 
@@ -623,10 +623,10 @@ def test_a_local_cluster_that_fails_to_start_is_stopped_and_named_in_one_line(tm
         def shutdown(self):
             calls.append("shutdown")
 
-    monkeypatch.setattr(cluster, "import_ray", HalfStartedRay)
+    monkeypatch.setattr(join, "import_ray", HalfStartedRay)
     config = tiny_config(tmp_path, execution={"mode": "ray", "ray": {"address": "local", "workers": 1}})
     run = load_config(write_config(tmp_path / "c.yaml", config))
-    with pytest.raises(RunError) as failed, cluster.Cluster(run):
+    with pytest.raises(RunError) as failed, join.Cluster(run):
         pass
     assert failed.value.lines == [
         "execution.ray.address: local: could not start a Ray cluster: RuntimeError: Failed to start the GCS server."
@@ -638,7 +638,7 @@ def test_a_ray_client_refused_at_init_is_named_by_the_servers_own_reason(tmp_pat
     """Ray Client's init failure carries the server's traceback after its first line; the reason is its last."""
     from tpugen.config import load_config
     from tpugen.errors import InputError
-    from tpugen.modes import cluster
+    from tpugen.modes.ray import join
 
     server_traceback = (
         "Initialization failure from server:\n"
@@ -658,10 +658,10 @@ def test_a_ray_client_refused_at_init_is_named_by_the_servers_own_reason(tmp_pat
     listener = socket.create_server(("127.0.0.1", 0))  # the proxy's port answers; its init is what fails
     try:
         address = f"ray://127.0.0.1:{listener.getsockname()[1]}"
-        monkeypatch.setattr(cluster, "import_ray", RefusingRay)
+        monkeypatch.setattr(join, "import_ray", RefusingRay)
         config = tiny_config(tmp_path, execution={"mode": "ray", "ray": {"address": address, "workers": 1}})
         run = load_config(write_config(tmp_path / "c.yaml", config))
-        with pytest.raises(InputError) as failed, cluster.Cluster(run):
+        with pytest.raises(InputError) as failed, join.Cluster(run):
             pass
     finally:
         listener.close()

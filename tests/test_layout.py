@@ -125,7 +125,7 @@ def _importers(top: tuple[str, ...]) -> set[str]:
 
 def test_only_the_cluster_mode_imports_ray():
     # Ray is an extra: every other command (and tpugen.cli's own import) must work without it.
-    assert _importers(("ray",)) == {"tpugen.modes.cluster"}
+    assert _importers(("ray",)) == {"tpugen.modes.ray.join", "tpugen.modes.ray.worker"}
 
 
 def test_only_the_backends_import_torch_xla_or_torch_tpu():

@@ -586,7 +586,7 @@ def test_a_resume_with_a_config_that_changes_images_is_refused_before_any_worker
 
 def test_a_pod_run_whose_images_are_gone_is_not_complete(tmp_path):
     from tpugen.config import load_config
-    from tpugen.modes.pod import _already_complete
+    from tpugen.modes.pod.resume import _already_complete
     from tpugen.outputs.files import write_json
 
     run = load_config(write_config(tmp_path / "c.yaml", tiny_config(tmp_path, prompts=PROMPTS[:2])))
@@ -606,7 +606,7 @@ def test_a_pod_run_whose_images_are_gone_is_not_complete(tmp_path):
 def test_a_fold_cut_short_is_finished_and_leaves_no_image_unlisted(tmp_path, monkeypatch):
     import os
 
-    from tpugen.modes import pod
+    from tpugen.modes.pod import gather
 
     def worker_copy(folder: Path, indices: list[int]) -> None:
         (folder / "run").mkdir(parents=True)
@@ -618,7 +618,7 @@ def test_a_fold_cut_short_is_finished_and_leaves_no_image_unlisted(tmp_path, mon
     local_run = tmp_path / "podrun"
     folder = local_run / "worker-0"
     worker_copy(folder, [0])  # the earlier copy
-    worker_copy(pod.gathering_folder(local_run, 0), [2, 4])  # a fresh disk's copy: images 2 and 4 only
+    worker_copy(gather.gathering_folder(local_run, 0), [2, 4])  # a fresh disk's copy: images 2 and 4 only
     moved, real_replace = [], os.replace
 
     def crash_after_one(source, target):
@@ -627,14 +627,14 @@ def test_a_fold_cut_short_is_finished_and_leaves_no_image_unlisted(tmp_path, mon
         moved.append(target)
         real_replace(source, target)
 
-    monkeypatch.setattr(pod.os, "replace", crash_after_one)
+    monkeypatch.setattr(gather.os, "replace", crash_after_one)
     with pytest.raises(KeyboardInterrupt):
-        pod.adopt_gathered(pod.gathering_folder(local_run, 0), folder)
-    monkeypatch.setattr(pod.os, "replace", real_replace)
+        gather.adopt_gathered(gather.gathering_folder(local_run, 0), folder)
+    monkeypatch.setattr(gather.os, "replace", real_replace)
     assert [r["index"] for r in read_manifest(folder / "run" / "manifest.jsonl")] == [0]  # image 2 moved, unlisted
-    assert pod.folding_folder(local_run, 0).exists() and not pod.gathering_folder(local_run, 0).exists()
+    assert gather.folding_folder(local_run, 0).exists() and not gather.gathering_folder(local_run, 0).exists()
 
-    pod.fold_in(pod.folding_folder(local_run, 0), folder)  # what the next gather of worker 0 does first
+    gather.fold_in(gather.folding_folder(local_run, 0), folder)  # what the next gather of worker 0 does first
     assert [r["index"] for r in read_manifest(folder / "run" / "manifest.jsonl")] == [0, 2, 4]
     assert sorted(p.name for p in (folder / "run").glob("0*")) == sorted(NAMES[i] for i in (0, 2, 4))
-    assert not pod.folding_folder(local_run, 0).exists()
+    assert not gather.folding_folder(local_run, 0).exists()

@@ -145,7 +145,7 @@ def cluster_plan(run: ResolvedRun) -> list[str]:
     """`tpugen plan` of a ray run: the workers and resources it would ask the cluster for (connects to nothing)."""
     if run.config.execution.mode != "ray":
         return []
-    from tpugen.modes.cluster import plan_lines
+    from tpugen.modes.ray import plan_lines
 
     return plan_lines(run)
 

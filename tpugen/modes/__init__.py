@@ -48,7 +48,7 @@ class Ray:
     name = "ray"
 
     def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> RunReport:
-        from tpugen.modes.cluster import run_cluster
+        from tpugen.modes.ray import run_cluster
 
         return run_cluster(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)
 

@@ -1,41 +1,30 @@
-"""execution.mode: ray: one run over a Ray cluster, batches handed to host workers (actors) as they finish them.
-
-The driver (`tpugen generate`) owns the run session: it connects, checks what the cluster has, starts one
-worker per host, hands out batches from one queue, appends each batch's records to the manifest once its
-worker returns them, and puts the batches of a lost worker back in the queue. The only module that imports
-ray, and only inside functions, so that nothing else (tpugen.cli above all) pays for it."""
+"""The driver of a ray run: one queue of batches, the workers' results and faults settled in one place, the report."""
 
 from __future__ import annotations
 
-import logging
-import math
-import os
 import signal
-import socket
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from tpugen import settings
-from tpugen.backends import Counters, backend_environment
+from tpugen.backends import Counters
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display, RunSession, StopSignals
 from tpugen.engine.session import check_run_dir_free
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
-from tpugen.modes.host import HostWorker, NotStarted, warmup_plan
+from tpugen.modes.host import NotStarted, warmup_plan
+from tpugen.modes.ray.join import Cluster
+from tpugen.modes.ray.resources import IN_FLIGHT, actor_options, show_resources, worker_count, worker_resources
+from tpugen.modes.ray.wording import _gone_line, _message, gs_refusal
+from tpugen.modes.ray.worker import Worker, _RayHost
 from tpugen.outputs.files import write_json
 from tpugen.outputs.report import RunReport, build_report, merge_phases, persistent_cache_summary, plan_counts
 from tpugen.outputs.sections import RaySection
 from tpugen.plan import Batch, RunPlan, plan_run
 
-RAY_EXTRA = "pip install 'tpugen[ray]'"
 WORKERS_FILE = "workers.json"
-# Batches queued on each worker: one running and one waiting, so a worker never idles while the driver hears of
-# its last batch and sends the next. A lost worker costs at most these.
-IN_FLIGHT = 2
-# A throwaway local cluster's object store: only batches and records travel through it, never pixels.
-LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
 ALIVE = ("starting", "warming", "ready", "restarting")  # states in which a worker may still take batches
 WAIT_SECONDS = 1.0  # the longest the driver waits for any answer before it looks at deadlines and signals again
 
@@ -43,304 +32,6 @@ WAIT_SECONDS = 1.0  # the longest the driver waits for any answer before it look
 class BatchOverdue(Exception):
     """The driver's own verdict on a worker that has not finished its batch by the batch deadline
     (execution.ray.batch_timeout_s): taken as lost like a dead one, and killed so that Ray restarts it."""
-
-
-def import_ray():
-    """ray, or the one line that says how to install it."""
-    try:
-        import ray
-    except ImportError:
-        raise InputError(f"execution.mode: ray needs Ray, which is not installed: {RAY_EXTRA}") from None
-    return ray
-
-
-# ---------------------------------------------------------------- what to ask the cluster for (pure)
-
-
-@dataclass(frozen=True)
-class Node:
-    """A live node of the cluster, as Ray lists it."""
-
-    node_id: str
-    address: str
-    resources: dict
-
-
-def show_resources(resources: dict) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
-
-
-def _shown_nodes(nodes: list[Node], keys) -> str:
-    shown = [show_resources({k: v for k, v in n.resources.items() if k in keys}) for n in nodes]
-    counted = {s: shown.count(s) for s in shown}
-    return ", ".join(f"{count} x {s}" if count > 1 else s for s, count in counted.items()) or "none"
-
-
-def worker_resources(settings, nodes: list[Node]) -> dict:
-    """execution.ray.resources_per_worker, or the default: every chip of a TPU host on a cluster with TPUs,
-    else one CPU."""
-    if settings.resources_per_worker:
-        return dict(settings.resources_per_worker)
-    chips = sorted({n.resources["TPU"] for n in nodes if n.resources.get("TPU", 0) > 0})
-    if not chips:
-        return {"CPU": 1}
-    if len(chips) > 1:
-        raise InputError(
-            "execution.ray.resources_per_worker: the cluster's TPU hosts have "
-            + " and ".join(f"{c:g}" for c in chips)
-            + " chips; set it (e.g. {TPU: "
-            + f"{chips[0]:g}"
-            + "}) to say what one worker takes"
-        )
-    return {"TPU": chips[0]}
-
-
-def room(node: Node, resources: dict) -> int:
-    """How many workers asking for `resources` fit on `node` (as it is, not counting what others use now)."""
-    return min(math.floor(node.resources.get(key, 0) / amount + 1e-9) for key, amount in resources.items())
-
-
-def worker_count(settings, nodes: list[Node], resources: dict) -> int:
-    """execution.ray.workers, checked against the nodes; auto: one per TPU host (as many as fit on the TPU
-    nodes, so {TPU: 1} gives one per chip), else one per node."""
-    keys = {"CPU", "GPU", "TPU", *resources}
-    fits = [room(n, resources) for n in nodes]
-    if not any(fits):
-        raise InputError(
-            f"execution.ray.resources_per_worker: no node of the cluster has {show_resources(resources)} "
-            f"(its nodes: {_shown_nodes(nodes, keys)})"
-        )
-    if settings.workers == "auto":
-        return sum(fits) if "TPU" in resources else sum(1 for f in fits if f)
-    if settings.workers > sum(fits):
-        raise InputError(
-            f"execution.ray.workers: {settings.workers} workers of {show_resources(resources)} asked for, and the "
-            f"cluster has room for {sum(fits)} (its nodes: {_shown_nodes(nodes, keys)})"
-        )
-    return settings.workers
-
-
-def actor_options(resources: dict, max_restarts: int) -> dict:
-    """Ray's actor options: CPU and GPU go by their own keywords, every other resource (TPU too) by name.
-    Tasks are never retried by Ray: the driver puts a lost batch back in its queue itself."""
-    options = {"max_restarts": max_restarts, "max_task_retries": 0}
-    rest = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
-    if "CPU" in resources:
-        options["num_cpus"] = resources["CPU"]
-    if "GPU" in resources:
-        options["num_gpus"] = resources["GPU"]
-    if rest:
-        options["resources"] = rest
-    return options
-
-
-def plan_lines(run: ResolvedRun) -> list[str]:
-    """What `tpugen plan` says a ray run would ask for, without connecting to anything."""
-    settings = run.config.execution.ray
-    workers = (
-        "auto (one per TPU host the cluster has, else one per node)"
-        if settings.workers == "auto"
-        else str(settings.workers)
-    )
-    resources = (
-        show_resources(settings.resources_per_worker)
-        if settings.resources_per_worker
-        else "{TPU: chips per host} on a cluster with TPUs, else {CPU: 1}"
-    )
-    deadline = (
-        f"a worker that has not finished a batch {settings.batch_timeout_s:g} s after it could start it is taken "
-        "as lost and killed"
-        if settings.batch_timeout_s is not None
-        else "batches have no deadline"
-    )
-    return [
-        f"ray: address {settings.address}; workers: {workers}; each worker asks for {resources}",
-        f"ray: every worker warms up every shape key, then takes batches as it finishes them ({IN_FLIGHT} in "
-        f"flight each); a lost worker's batches go back to the queue; Ray restarts it up to {settings.max_restarts} "
-        f"times; {deadline}",
-    ]
-
-
-# ---------------------------------------------------------------- joining the cluster
-
-
-def _probe(host: str, port: int, timeout: float) -> str | None:
-    """Why nothing answers at host:port within `timeout`, or None: ray.init itself retries a dead address
-    forever."""
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except TimeoutError:
-        return f"no answer within {timeout:g} s"
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
-    return None
-
-
-def _join_failure(exc: BaseException) -> str:
-    """ray.init's failure in one line. Ray Client's "Initialization failure from server:" is followed by the
-    server's whole traceback, whose last line is the reason (a runtime env agent that timed out, a backend the
-    proxy could not reach): that line is kept too."""
-    first = one_line(exc)
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    if len(lines) > 1 and lines[-1] not in first:
-        return f"{first.rstrip(':')}: {lines[-1]}"
-    return first
-
-
-def _target(ray, address: str) -> str:
-    """The address ray.init is given: auto is resolved here (RAY_ADDRESS, else the cluster `ray start` made on
-    this machine), so that it can be probed first."""
-    if address != "auto":
-        return address
-    if os.environ.get("RAY_ADDRESS"):
-        from tpugen.config.schema import is_ray_address
-
-        value = os.environ["RAY_ADDRESS"]
-        if not is_ray_address(value):  # e.g. a job dashboard's http://HOST:8265, which ray.init cannot join
-            raise InputError(
-                f"RAY_ADDRESS: must be ray://HOST:PORT or HOST:PORT (execution.ray.address: auto reads it), "
-                f"got {value!r}"
-            )
-        return value
-    try:
-        from ray._private.services import canonicalize_bootstrap_address_or_die
-
-        return canonicalize_bootstrap_address_or_die("auto")
-    except ConnectionError:
-        raise InputError(
-            "execution.ray.address: auto: no Ray cluster was started on this machine (`ray start --head` makes "
-            "one) and RAY_ADDRESS is not set"
-        ) from None
-
-
-class Cluster:
-    """The connection to the cluster, for one run: joined (or, for address local, started) on entry, left (or
-    stopped) on exit."""
-
-    def __init__(self, run: ResolvedRun) -> None:
-        self.settings = run.config.execution.ray
-        self.debug = settings.debug()
-        env = {**backend_environment(run.config.execution, run.config.cache)}
-        runtime_env = dict(self.settings.runtime_env or {})
-        if env:
-            runtime_env["env_vars"] = {**env, **(runtime_env.get("env_vars") or {})}
-        self.runtime_env = runtime_env or None
-        self.ray = None
-        self.address = self.settings.address
-
-    def __enter__(self) -> Cluster:
-        ray = self.ray = import_ray()
-        common = {"namespace": "tpugen", "runtime_env": self.runtime_env, "logging_level": logging.WARNING}
-        if self.address == "local":
-            try:
-                ray.init(
-                    address="local",
-                    include_dashboard=False,
-                    object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                    log_to_driver=self.debug,
-                    **common,
-                )
-            except Exception as exc:  # a start that fails halfway must not leave Ray's processes behind
-                if ray.is_initialized():
-                    ray.shutdown()
-                raise RunError(
-                    f"execution.ray.address: local: could not start a Ray cluster: {one_line(exc)}"
-                ) from None
-            return self
-        target = _target(ray, self.address)
-        host, _, port = target.removeprefix("ray://").rpartition(":")
-        why = _probe(host, int(port), self.settings.connect_timeout_s) if port.isdigit() else "not HOST:PORT"
-        if why:
-            raise InputError(f"execution.ray.address: {self.address} ({target}) does not answer: {why}")
-        client = target.startswith("ray://")  # Ray Client takes fewer options
-        try:
-            ray.init(address=target, **common, **({} if client else {"log_to_driver": self.debug}))
-        except Exception as exc:  # a version mismatch, an auth token, a port that is not Ray's
-            if ray.is_initialized():
-                ray.shutdown()
-            raise InputError(
-                f"execution.ray.address: cannot join the Ray cluster at {target}: {_join_failure(exc)}"
-            ) from None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.ray is not None and self.ray.is_initialized():
-            self.ray.shutdown()  # for address local, this also stops the cluster it started
-
-    def nodes(self) -> list[Node]:
-        return [
-            Node(n["NodeID"], n.get("NodeManagerAddress", ""), dict(n.get("Resources") or {}))
-            for n in self.ray.nodes()
-            if n.get("Alive")
-        ]
-
-
-class _RayHost(HostWorker):
-    """The worker as Ray runs it: the same, plus the Ray node it runs on."""
-
-    def hello(self) -> dict:
-        import ray
-
-        return {**super().hello(), "node": ray.get_runtime_context().get_node_id()}
-
-
-# ---------------------------------------------------------------- the driver
-
-
-@dataclass
-class Worker:
-    """The driver's view of one worker: everything workers.json and the report say about it."""
-
-    index: int
-    handle: object = None
-    state: str = "starting"
-    node: str | None = None
-    host: str | None = None
-    pid: int | None = None
-    pids: list[int] = field(default_factory=list)
-    incarnation: str | None = None
-    epoch: int = 0  # bumped at each loss, so the failures of one loss are counted once
-    restarts: int = 0
-    losses: int = 0
-    batches_done: int = 0
-    images: int = 0
-    load_seconds: list[float] = field(default_factory=list)
-    warmup: list[dict] = field(default_factory=list)
-    warmup_seconds: float = 0.0
-    in_flight: dict = field(default_factory=dict)  # future -> batch, oldest (the one running) first
-    busy_since: float | None = None  # when the oldest batch in flight could start: its deadline counts from here
-    warm_shapes: set = field(default_factory=set)  # shape keys this process has compiled (no deadline before)
-    greet_retried: bool = False  # a greet after this loss already went unanswered once
-    lost_batches: list[int] = field(default_factory=list)
-    rows: list[dict] = field(default_factory=list)
-    recompiles: list[dict] = field(default_factory=list)
-    written: list[str] = field(default_factory=list)
-    counters: Counters | None = None
-    counted: bool = True  # every batch brought counters
-    generate_seconds: float = 0.0
-    write_seconds: float = 0.0
-    busy_seconds: float = 0.0
-    started: dict | None = None
-    error: str | None = None
-    cause: BaseException | None = None  # why it could not start
-
-    def as_dict(self) -> dict:
-        return {
-            "index": self.index,
-            "node": self.node,
-            "host": self.host,
-            "pid": self.pid,
-            "pids": self.pids,
-            "state": self.state,
-            "batches_done": self.batches_done,
-            "images": self.images,
-            "in_flight": sorted(b.number for b in self.in_flight.values()),
-            "warmup_seconds": self.warmup_seconds,
-            "restarts": self.restarts,
-            "losses": self.losses,
-            "lost_batches": self.lost_batches,
-            "error": self.error,
-        }
 
 
 @dataclass(frozen=True)
@@ -772,38 +463,6 @@ class ClusterRun:
             "retried_batches": sorted(self.lost_from),
         }
         return report.but(section=RaySection(ray))
-
-
-def _message(cause: BaseException) -> str:
-    """A worker's exception in one line; tpugen's own errors come back across the process as their first line."""
-    if isinstance(cause, TpugenError):
-        return (str(cause).split("\n") or [type(cause).__name__])[0]
-    return one_line(cause)
-
-
-def _gone_line(workers: list[Worker], max_restarts: int) -> str:
-    parts = []
-    for w in workers:
-        if w.state == "failed":
-            parts.append(f"worker {w.index} could not start ({w.error})")
-        else:
-            times = f" {w.losses} times" if w.losses > 1 else ""
-            parts.append(f"worker {w.index} lost{times}" + (f", restarted {w.restarts} times" if w.restarts else ""))
-    return f"every Ray worker is gone ({'; '.join(parts)}; max_restarts: {max_restarts})"
-
-
-def gs_refusal() -> str:
-    try:
-        import google.cloud.storage  # noqa: F401
-    except ImportError:
-        return (
-            "output.dir: a gs:// run directory for execution.mode: ray is written with google-cloud-storage, which is "
-            "not installed; give a path every worker sees (NFS, Filestore, a GCS FUSE mount)"
-        )
-    return (
-        "output.dir: gs:// run directories are not written by execution.mode: ray yet; give a path every worker "
-        "sees (NFS, Filestore, a GCS FUSE mount)"
-    )
 
 
 def run_cluster(
