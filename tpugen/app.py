@@ -22,6 +22,7 @@ from tpugen.memory import (
     memory_plan_for,
     weights_per_chip,
 )
+from tpugen.outputs.report import RunReport
 from tpugen.plan import RunPlan, plan_run
 
 
@@ -33,13 +34,13 @@ def prepare_environment(run: ResolvedRun) -> None:
 
 def generate(
     run: ResolvedRun, *, display: Display | None = None, skip_warmup: bool = False, resume_dir: Path | None = None
-) -> dict:
+) -> RunReport:
     """`tpugen generate`: the config's way of running (tpugen.modes.MODES): one chip, all chips of the VM, or a
     Ray cluster."""
     from tpugen.modes import mode_for
 
     mode = mode_for(run)
-    if run.config.output.dir.startswith("gs://") and mode.name != "ray":  # the ray driver words its own refusal
+    if run.config.output.dir.startswith("gs://") and not mode.writes_gs:
         raise InputError(
             "output.dir: gs:// destinations are written by tpugen pod-run's workers; give a local directory"
         )
@@ -47,7 +48,7 @@ def generate(
     return mode.run(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)
 
 
-def resume(run_dir: Path, *, display: Display | None = None) -> dict:
+def resume(run_dir: Path, *, display: Display | None = None) -> RunReport:
     """`tpugen resume RUN_DIR`: the run's own config and prompts, its finished images kept."""
     from tpugen.engine.session import load_run
 
@@ -141,13 +142,12 @@ def generate_on(run: ResolvedRun, url: str, *, api_key: str | None, display: Dis
     return submit(run, url, api_key=api_key, display=display)
 
 
-def cluster_plan(run: ResolvedRun) -> list[str]:
-    """`tpugen plan` of a ray run: the workers and resources it would ask the cluster for (connects to nothing)."""
-    if run.config.execution.mode != "ray":
-        return []
-    from tpugen.modes.ray import plan_lines
+def mode_plan(run: ResolvedRun) -> list[str]:
+    """What `tpugen plan` says of the config's way of running (a ray run: the workers and resources it would ask
+    the cluster for); connects to nothing."""
+    from tpugen.modes import mode_for
 
-    return plan_lines(run)
+    return mode_for(run).plan_lines(run)
 
 
 def pod_run(run: ResolvedRun, pod, **options) -> dict | None:

@@ -136,7 +136,7 @@ def _show_plan(run) -> None:
         out.print(f"flash attention: off -- {flash.reason}", markup=False)  # reasons hold [brackets]
     if view.attention:
         out.print(view.attention["note"], markup=False)
-    for line in app.cluster_plan(run):
+    for line in app.mode_plan(run):
         typer.echo(line)
     if memory is None:
         out.print(f"memory: {run.config.model.id} is neither on disk nor known to tpugen; no memory plan")

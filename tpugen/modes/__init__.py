@@ -14,11 +14,25 @@ class Mode(Protocol):
     """One way of making a run's images; `run` returns the run's report, also written to its run directory."""
 
     name: str  # execution.mode's value
+    writes_gs: bool  # it writes a gs:// output.dir itself (else that is refused before it starts)
 
     def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> RunReport: ...
 
+    def plan_lines(self, run) -> list[str]:
+        """What `tpugen plan` adds for this way of running (connecting to nothing)."""
+        ...
 
-class Single:
+
+class _OnThisMachine:
+    """A way of running on this VM's own chips: nothing of its own to plan, no gs:// writer."""
+
+    writes_gs = False
+
+    def plan_lines(self, run) -> list[str]:
+        return []
+
+
+class Single(_OnThisMachine):
     """One chip (or, with SPMD or placement, one process driving every chip of the VM)."""
 
     name = "single"
@@ -29,7 +43,7 @@ class Single:
         return run_single(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)
 
 
-class Multi:
+class Multi(_OnThisMachine):
     """One replica per chip of the VM: torch_xla.launch on xla, torchrun on the other backends."""
 
     name = "multi"
@@ -46,6 +60,12 @@ class Ray:
     """Batches handed out over a Ray cluster's workers, each with an engine of its own."""
 
     name = "ray"
+    writes_gs = True  # with google-cloud-storage, or refused in the driver's own words
+
+    def plan_lines(self, run) -> list[str]:
+        from tpugen.modes.ray import plan_lines
+
+        return plan_lines(run)
 
     def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> RunReport:
         from tpugen.modes.ray import run_cluster

@@ -1,5 +1,5 @@
 """One host of a ray run: its engine opened and warmed once per process, then batches made into the shared run
-directory, their manifest records handed back (plain Python; tpugen.modes.cluster makes it a Ray actor)."""
+directory, their manifest records handed back (plain Python; tpugen.modes.ray.worker makes it a Ray actor)."""
 
 from __future__ import annotations
 
