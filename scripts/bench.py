@@ -18,7 +18,11 @@ With `serve` instead (scripts/bench.py serve): `tpugen serve` against fresh proc
 (1) five small runs (tiny-sd, 3 prompts, batch 2, 10 steps) as five fresh `tpugen generate` processes, against
     one server started for them (its start and warmup counted) plus five `tpugen generate --server` calls;
 (2) eight one-image A1111 requests sent at once, against the same eight sent one at a time (server batch
-    size 4): images per second, p50/p99 latency, and the padding rows each computed; writes bench/serve.json.
+    size 4): images per second, p50/p99 latency, and the padding rows each computed;
+(3) 1, 8 and 32 concurrent clients, each sending one-image requests (48 requests per level, server batch size 4):
+    images per second and p50/p99 latency of the answered ones, and how many were turned away (503);
+(4) /healthz latency p50/p99, polled every 10 ms while a request for 16 images at 512x512 is made and encoded,
+    against /healthz on an idle server; writes bench/serve.json.
 """
 
 from __future__ import annotations
@@ -382,6 +386,8 @@ def run_serve_bench() -> None:
             server.terminate()
             server.wait(120)
 
+    load = run_serve_load_bench(tmp_root=None)
+
     print(f"\n(1) five small runs (tiny-sd, {len(SERVE_PROMPTS)} prompts, batch 2, {STEPS} steps), XLA:CPU")
     print(f"{'five fresh generate processes s':42}{fresh:10.2f}")
     print(f"{'server ready s (start + load + warmup)':42}{ready:10.2f}")
@@ -402,14 +408,124 @@ def run_serve_bench() -> None:
             "ratio": served / fresh,
         },
         "eight_requests": {"one_at_a_time": sequential, "at_once": concurrent},
+        **load,
     }
     (out / "serve.json").write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nwrote {out / 'serve.json'}")
 
 
+def _quantiles(values: list[float]) -> dict:
+    ordered = sorted(values)
+    if not ordered:
+        return {"p50": None, "p99": None, "max": None}
+    return {
+        "p50": statistics.median(ordered),
+        "p99": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+        "max": ordered[-1],
+    }
+
+
+def run_serve_load_bench(tmp_root: Path | None) -> dict:
+    """(3) throughput and latency at 1, 8 and 32 concurrent clients; (4) /healthz while 16 big images are encoded.
+    Prints its tables and returns their figures."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="tpugen-bench-load-", dir=tmp_root) as tmp:
+        tmp = Path(tmp)
+        port = _free_port()
+        config = _small_config(
+            tmp / "load.yaml",
+            tmp / "served",
+            "unused",
+            batch_size=4,
+            serve={"batch_window_ms": 20, "max_queue": 16, "sizes": [[64, 64], [512, 512]]},
+        )
+        print("(3, 4) one server warm at 64x64 and 512x512, batch size 4 ...", flush=True)
+        server = _start_server(config, port, tmp / "load.log")
+        base = f"http://127.0.0.1:{port}"
+        body = {"prompt": "a lighthouse", "steps": STEPS, "cfg_scale": GUIDANCE, "width": 64, "height": 64}
+        try:
+            with httpx.Client(timeout=600) as client:
+
+                def one(seed: int) -> tuple[int, float]:
+                    began = time.perf_counter()
+                    status = client.post(f"{base}/sdapi/v1/txt2img", json={**body, "seed": seed}).status_code
+                    return status, time.perf_counter() - began
+
+                one(0)
+                levels = {}
+                for clients in (1, 8, 32):
+                    began = time.perf_counter()
+                    with ThreadPoolExecutor(clients) as pool:
+                        answers = list(pool.map(one, range(48)))
+                    wall = time.perf_counter() - began
+                    ok = [seconds for status, seconds in answers if status == 200]
+                    levels[clients] = {
+                        "requests": len(answers),
+                        "answered": len(ok),
+                        "turned_away_503": sum(status == 503 for status, _ in answers),
+                        "images_per_second": len(ok) / wall,
+                        **{f"{k}_seconds": v for k, v in _quantiles(ok).items()},
+                    }
+                results["concurrent_clients"] = levels
+
+                def health_latencies(until) -> list[float]:
+                    seen = []
+                    deadline = time.monotonic() + 600
+                    with httpx.Client(timeout=60) as probe:
+                        while not until() and time.monotonic() < deadline and len(seen) < 100_000:
+                            began = time.perf_counter()
+                            probe.get(f"{base}/healthz")
+                            seen.append(time.perf_counter() - began)
+                            time.sleep(0.01)
+                    return seen
+
+                idle_end = time.monotonic() + 3
+                idle = health_latencies(lambda: time.monotonic() > idle_end)
+                big = {**body, "width": 512, "height": 512, "batch_size": 4, "n_iter": 4}
+                with ThreadPoolExecutor(1) as pool:
+                    request = pool.submit(client.post, f"{base}/sdapi/v1/txt2img", json=big)
+                    busy = health_latencies(request.done)
+                    reply = request.result()
+                reply.raise_for_status()
+                results["healthz"] = {
+                    "idle": {**_quantiles(idle), "samples": len(idle)},
+                    "during_16_images_512": {**_quantiles(busy), "samples": len(busy)},
+                    "reply_megabytes": len(reply.content) / 1e6,
+                    "images": len(reply.json()["images"]),
+                }
+        finally:
+            server.terminate()
+            server.wait(120)
+
+    print("\n(3) one-image requests, 48 per level, server batch size 4, serve.max_queue 16")
+    print(f"{'clients':>8}{'answered':>10}{'503':>6}{'images/s':>10}{'p50 s':>9}{'p99 s':>9}")
+    for clients, level in results["concurrent_clients"].items():
+        print(
+            f"{clients:>8}{level['answered']:>10}{level['turned_away_503']:>6}{level['images_per_second']:>10.2f}"
+            f"{level['p50_seconds'] or float('nan'):>9.3f}{level['p99_seconds'] or float('nan'):>9.3f}"
+        )
+    health = results["healthz"]
+    print(
+        f"\n(4) /healthz every 10 ms (ms): idle p50 {health['idle']['p50'] * 1e3:.1f}, p99 "
+        f"{health['idle']['p99'] * 1e3:.1f}; while {health['images']} images at 512x512 are made and encoded "
+        f"({health['reply_megabytes']:.1f} MB reply): p50 {health['during_16_images_512']['p50'] * 1e3:.1f}, "
+        f"p99 {health['during_16_images_512']['p99'] * 1e3:.1f}, max {health['during_16_images_512']['max'] * 1e3:.1f}"
+    )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", choices=["serve"], help="serve: the server against fresh processes")
+    parser.add_argument(
+        "what",
+        nargs="?",
+        choices=["serve", "serve-load"],
+        help="serve: the server against fresh processes, then under load; serve-load: the load part only",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side (medians are reported)")
     parser.add_argument("--compile", action="store_true", help="scan_blocks vs unrolled compile seconds instead")
     parser.add_argument("--naive-worker", action="store_true", help=argparse.SUPPRESS)
@@ -426,6 +542,12 @@ def main() -> None:
         return
     if args.what == "serve":
         run_serve_bench()
+        return
+    if args.what == "serve-load":
+        out = ROOT / "bench"
+        out.mkdir(exist_ok=True)
+        (out / "serve-load.json").write_text(json.dumps(run_serve_load_bench(tmp_root=None), indent=2) + "\n")
+        print(f"\nwrote {out / 'serve-load.json'}")
         return
 
     runs: dict[str, list[dict]] = {"naive": [], "tpugen": []}
