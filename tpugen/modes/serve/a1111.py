@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from tpugen.config.loras import safetensors_header
 from tpugen.config.request import seed_for
 from tpugen.errors import InputError
+from tpugen.modes.serve.progress import Job
 from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse
 from tpugen.modes.serve.service import ImageSpec, Service
 from tpugen.outputs.png import a1111_parameters
@@ -222,7 +223,7 @@ async def txt2img(request: Request):
 def txt2img_reply(service: Service, body: Txt2Img):
     """txt2img's images and its web UI reply, made in a worker thread."""
     images = images_for(service, body)
-    made = service.generate(images, interruptible=True)
+    made = service.generate(images, interruptible=True, task=body.force_task_id)
     # After an interrupt, the images made are not always the first ones: each keeps its own seed and record.
     answered = [images[position] for position, _ in made]
     pixels = [image for _, image in made]
@@ -337,25 +338,92 @@ async def set_options(request: Request):
 
 @router.get("/progress")
 def progress(request: Request) -> dict:
+    """The web UI's progress of its current job: here the request being worked on (else the one queued last);
+    idle, progress 0 and no current_task."""
     service: Service = request.app.state.service
-    requests = service.queue.open_requests()
-    asked = sum(r.images for r in requests)
-    made = sum(len(r.pixels) for r in requests)
+    job = service.progress.current("request")
+    if job is None:
+        return {
+            "progress": 0.0,
+            "eta_relative": 0.0,
+            "state": job_state(None, service.batch_size),
+            "current_image": None,
+            "textinfo": None,
+            "current_task": None,
+        }
     return {
-        "progress": made / asked if asked else 0.0,
-        "eta_relative": 0.0,
-        "state": {
-            "skipped": False,
-            "interrupted": False,
-            "job": "",
-            "job_count": len(requests),
-            "job_timestamp": "0",
-            "job_no": 0,
-            "sampling_step": 0,
-            "sampling_steps": 0,
-        },
+        "progress": job.fraction,
+        "eta_relative": job.eta() or 0.0,
+        "state": job_state(job, service.batch_size),
         "current_image": None,
-        "textinfo": f"{made} of {asked} images" if asked else None,
+        "textinfo": task_text(job),
+        "current_task": job.name,
+    }
+
+
+def job_state(job: Job | None, batch_size: int) -> dict:
+    """The web UI's state snapshot: its job_count and job_no are the request's batches, planned and done."""
+    batches = -(-job.images_planned // batch_size) if job is not None else 0
+    return {
+        "skipped": False,
+        "interrupted": job is not None and job.state == "interrupted",
+        "job": "",
+        "job_count": batches,
+        "job_timestamp": job.timestamp if job is not None else "0",
+        "job_no": min(-(-job.images_done // batch_size), batches) if job is not None else 0,
+        "sampling_step": job.step if job is not None else 0,
+        "sampling_steps": job.steps if job is not None else 0,
+    }
+
+
+def task_text(job: Job) -> str:
+    if job.state == "queued":
+        return "In queue..."
+    return f"{job.images_done} of {job.images_planned} images" + (f", {job.state}" if job.done else "")
+
+
+internal_router = APIRouter(prefix="/internal")
+
+
+class ProgressRequest(BaseModel):
+    """The web UI's POST /internal/progress body: the task (txt2img's force_task_id) asked about. Live
+    previews are not made here, so id_live_preview and live_preview change nothing."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id_task: str | None = None
+    id_live_preview: int = -1
+    live_preview: bool = True
+
+
+@internal_router.post("/progress")
+async def task_progress(request: Request) -> dict:
+    """A task's progress in the web UI's shape (its modules/progress.py): active, queued, completed, progress
+    (0 to 1), eta (seconds, or null until it has made an image), no live preview. A task this server does not
+    know (not sent yet, or long finished) is neither active, queued nor completed: "Waiting...", as there."""
+    service: Service = request.app.state.service
+    body = await parse(request, ProgressRequest)
+    job = service.progress.find("request", body.id_task) if body.id_task else None
+    if job is None:
+        return {
+            "active": False,
+            "queued": False,
+            "completed": False,
+            "progress": None,
+            "eta": None,
+            "live_preview": None,
+            "id_live_preview": -1,
+            "textinfo": "Waiting...",
+        }
+    return {
+        "active": job.state == "running",
+        "queued": job.state == "queued",
+        "completed": job.done,
+        "progress": job.fraction,
+        "eta": job.eta(),
+        "live_preview": None,
+        "id_live_preview": -1,
+        "textinfo": task_text(job),
     }
 
 

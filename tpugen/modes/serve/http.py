@@ -16,6 +16,7 @@ from tpugen.errors import InputError, TpugenError, one_line
 from tpugen.modes.serve import a1111, openai_api, ops, runs_api
 from tpugen.modes.serve.queue import QueueFull
 from tpugen.modes.serve.replies import MAX_BODY_BYTES, TooLarge, problem_response
+from tpugen.modes.serve.request_ids import RequestIds
 from tpugen.modes.serve.service import Conflict, NotReady, Service, TimedOut
 
 OPEN_PATHS = ("/healthz", "/readyz")  # answered without the API key, and while draining
@@ -81,6 +82,7 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
     app.include_router(ops.router)
     app.include_router(ops.metrics_router, dependencies=secured)
     app.include_router(a1111.router, dependencies=secured)
+    app.include_router(a1111.internal_router, dependencies=secured)
     app.include_router(openai_api.router, dependencies=secured)
     app.include_router(runs_api.router, dependencies=secured)
 
@@ -144,4 +146,6 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
         service.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
         return response
 
+    # Added last, so outermost: every response, the guard's and the error handlers' included, carries the id.
+    app.add_middleware(RequestIds)
     return app

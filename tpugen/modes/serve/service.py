@@ -19,7 +19,9 @@ from tpugen.errors import InputError, Interrupted, TpugenError, one_line
 from tpugen.families import FAMILIES
 from tpugen.logs import logger
 from tpugen.modes.serve.metrics import Metrics
+from tpugen.modes.serve.progress import Jobs
 from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, Request
+from tpugen.modes.serve.request_ids import TASK_ID, current_caller
 from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, image_count, plan_run
 from tpugen.schedulers import find_scheduler
 
@@ -85,6 +87,7 @@ class Service:
         self.schedulers = [None, *(find_scheduler(name).name for name in self.serve.schedulers)]
         self.queue = BatchQueue(self.batch_size, self.serve.batch_window_ms / 1000, self.serve.max_queue)
         self.metrics = Metrics()
+        self.progress = Jobs()  # every request's and run's progress (tpugen.modes.serve.progress)
         # Read when /metrics is, so they are never a step behind the queue.
         self.metrics.queue_depth.set_function(self.queue.depth)
         self.metrics.requests_open.set_function(self.queue.open_count)
@@ -221,23 +224,35 @@ class Service:
             what = f"sampler {scheduler!r} is not warm"
         return f"{what} (serve.new_shapes: reject); warm: {self.warm_summary()}"
 
-    def generate(self, images: list[ImageSpec], *, interruptible: bool = False) -> list[tuple[int, object]]:
+    def generate(
+        self, images: list[ImageSpec], *, interruptible: bool = False, task: str | None = None
+    ) -> list[tuple[int, object]]:
         """(position, pixels) of each image made, in order, once the device loops have made them (uint8 HxWx3);
         blocks the caller. All of them, unless the request is `interruptible` (the web UI's) and a client
-        interrupts it: then the ones made by then.
+        interrupts it: then the ones made by then. The request waits its client's turn in the queue (the
+        caller of this context, tpugen.modes.serve.request_ids); its progress is the job `task` (the web UI's
+        force_task_id), or else the request's id, in self.progress.
 
         Raises NotReady (503), QueueFull (503), NotWarm or InputError (422), TimedOut (504), or what the
         device raised (500)."""
         if self.state != "ready":
             raise NotReady(self.failure or f"the server is {self.state}; try again shortly")
+        if task is not None and not TASK_ID.fullmatch(task):
+            raise InputError("force_task_id: up to 128 letters, digits and . _ : - ( ), such as task(abc123)")
         self.check(images)
-        request = Request(len(images), interruptible)
+        caller = current_caller()
+        job = self.progress.open(
+            "request", task or caller.request_id, images_planned=len(images), steps=images[0].steps
+        )
+        request = Request(len(images), interruptible, client=caller.client, job=job)
+        request.on_start = lambda: self.progress.start(job)
         jobs = [
             ImageJob(request, i, image.prompt, image.negative_prompt, image.seed, self.key_for(image), image.loras)
             for i, image in enumerate(images)
         ]
-        self.queue.submit(request, jobs)
+        outcome, error = "failed", None
         try:
+            self.queue.submit(request, jobs)
             if not request.wait(self.serve.request_timeout_s):
                 limit = f"{self.serve.request_timeout_s:g} s (serve.request_timeout_s)"
                 made = len(request.pixels)
@@ -248,9 +263,15 @@ class Service:
                 )
             if request.error is not None:
                 raise request.error
-            return sorted(request.pixels.items(), key=lambda made: made[0])
+            made = sorted(request.pixels.items(), key=lambda made: made[0])
+            outcome = "complete" if len(made) == len(images) else "interrupted"
+            return made
+        except BaseException as exc:
+            error = one_line(exc)
+            raise
         finally:
             self.queue.settle(request)
+            self.progress.end(job, outcome, error=error)
 
     def interrupt(self) -> int:
         """The web UI's interrupt: its open requests stop waiting for images not yet started and return the
@@ -314,11 +335,19 @@ class Service:
         if before is not None and after is not None and after.compiles > before.compiles:
             self.metrics.compiles_after_warmup.inc(after.compiles - before.compiles)
         self.metrics.batch(seconds, len(jobs), batch.padding)
+        # Counted before the images are handed over too: a request's progress says done by the time it answers.
+        made: dict[int, list] = {}
+        for job in jobs:
+            made.setdefault(id(job.request), [job.request, 0])[1] += 1
+        for request, count in made.values():
+            if request.job is not None:
+                self.progress.advance(request.job, count)
         for job, image in zip(jobs, pixels, strict=True):
             job.request.deliver(job.position, image)
+        names = ", ".join(request.job.name if request.job is not None else "-" for request, _ in made.values())
         log.info(
             f"batch {number}: {batch.shape}, {len(jobs)} images (+{batch.padding} padding), "
-            f"{seconds:.2f} s, {self.queue.depth()} images waiting"
+            f"{seconds:.2f} s, {self.queue.depth()} images waiting; requests {names}"
         )
 
     # ---------------------------------------------------------------- runs
