@@ -4,11 +4,13 @@ This side imports no torch and no model code: only the config, HTTP (the standar
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tpugen.config import ResolvedRun, run_sizes
@@ -17,7 +19,13 @@ from tpugen.engine.session import run_id_for
 from tpugen.errors import InputError, Interrupted, RunError
 from tpugen.outputs.files import atomic_write_bytes
 
-POLL_SECONDS = 0.5
+POLL_SECONDS = 0.5  # between two looks at a run's status, when its event stream cannot be had
+STREAM_TRIES = 5  # event streams in a row that drop before an event arrives, before the client polls instead
+STREAM_READ_SECONDS = 60  # the server sends a comment every 15 s: this long without a byte, the stream is gone
+
+
+class NoStream(Exception):
+    """The server has no event stream for the run (a server older than GET /v1/runs/ID/events)."""
 
 
 def run_payload(run: ResolvedRun, run_id: str) -> dict:
@@ -64,10 +72,31 @@ class Server:
         self.url = url.rstrip("/")
         self.api_key = api_key
 
-    def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+    def _request(self, method: str, path: str) -> urllib.request.Request:
         request = urllib.request.Request(self.url + path, method=method)
         if self.api_key:
             request.add_header("Authorization", f"Bearer {self.api_key}")
+        return request
+
+    def events(self, path: str, last_id: int | None) -> Iterator[tuple[int | None, str, dict]]:
+        """(id, name, data) of each server-sent event of `path`, from after `last_id` (None: from the first)
+        until the server ends the stream. NoStream when the server has none there; OSError when it drops."""
+        request = self._request("GET", path)
+        request.add_header("Accept", "text/event-stream")
+        if last_id is not None:
+            request.add_header("Last-Event-ID", str(last_id))
+        try:
+            response = urllib.request.urlopen(request, timeout=STREAM_READ_SECONDS)
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            raise NoStream(f"HTTP {exc.code}") from None
+        with response:
+            if "text/event-stream" not in response.headers.get("Content-Type", ""):
+                raise NoStream(response.headers.get("Content-Type", "no content type"))
+            yield from server_sent_events(response)
+
+    def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+        request = self._request(method, path)
         data = None
         if body is not None:
             data = json.dumps(body).encode("utf-8")
@@ -106,12 +135,7 @@ def submit(run: ResolvedRun, url: str, *, api_key: str | None = None, display=No
         display.phase(f"running on {server.url} as {started['id']}")
         display.batches_started(started["images_planned"])
     try:
-        status = started
-        while status["status"] in ("queued", "running"):
-            time.sleep(POLL_SECONDS)
-            status = server.json("GET", f"/v1/runs/{urllib.parse.quote(run_id)}")
-            if display is not None:
-                display.progress(status["images"], status["images_planned"])
+        status = follow(server, run_id, display)
     except KeyboardInterrupt:
         server.json("DELETE", f"/v1/runs/{urllib.parse.quote(run_id)}")
         raise Interrupted(
@@ -125,6 +149,56 @@ def submit(run: ResolvedRun, url: str, *, api_key: str | None = None, display=No
         lines = status.get("error") or [f"the run ended {status['status']} on the server"]
         raise RunError(*lines, f"what it made is in {local}")
     return {**status["report"], "run_dir": str(local)}
+
+
+def follow(server: Server, run_id: str, display=None) -> dict:
+    """The run's progress shown from its event stream (reconnecting after a drop, from the last event seen)
+    until it ends; its final status. Polls instead where the server has no stream, or after STREAM_TRIES
+    streams in a row dropped without an event."""
+    path = f"/v1/runs/{urllib.parse.quote(run_id)}"
+    last, dropped = None, 0
+    while dropped < STREAM_TRIES:
+        try:
+            for event_id, name, data in server.events(f"{path}/events", last):
+                dropped = 0
+                last = event_id if event_id is not None else last
+                if name == "progress" and display is not None:
+                    display.progress(data["images_done"], data["images_planned"])
+                elif name == "end":
+                    return server.json("GET", path)
+        except NoStream:
+            break
+        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
+            pass  # dropped, or a garbled event: again from the last event seen
+        dropped += 1
+        time.sleep(POLL_SECONDS)
+    status = server.json("GET", path)
+    while status["status"] in ("queued", "running"):
+        time.sleep(POLL_SECONDS)
+        status = server.json("GET", path)
+        if display is not None:
+            display.progress(status["images"], status["images_planned"])
+    return status
+
+
+def server_sent_events(lines: Iterable[bytes]) -> Iterator[tuple[int | None, str, dict]]:
+    """(id, name, JSON data) of each event in a text/event-stream; comments and retry lines are skipped."""
+    event_id, name, data = None, "message", []
+    for raw in lines:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if not line:
+            if data:
+                yield event_id, name, json.loads("\n".join(data))
+            name, data = "message", []
+            continue
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "id" and value.isdigit():
+            event_id = int(value)
+        elif field == "event":
+            name = value
+        elif field == "data":
+            data.append(value)
 
 
 def download(server: Server, run_id: str, local: Path) -> None:

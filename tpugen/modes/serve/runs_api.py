@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
+import anyio
 import anyio.to_thread
 import yaml
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 
 from tpugen.config.yamlio import yaml_load, yaml_problem
+from tpugen.engine.session import RUN_RECORD
 from tpugen.errors import InputError
+from tpugen.modes.serve.progress import Event, Job
 from tpugen.modes.serve.replies import json_response, problem_response, read_body
 from tpugen.modes.serve.service import RunHandle, Service
 from tpugen.outputs.files import inside
@@ -96,3 +101,158 @@ def stop_run(run_id: str, request: Request):
     if handle.state in ("queued", "running"):
         service.stop_run(run_id)
     return json_response({**status_of(handle), "stopping": handle.state in ("queued", "running")}, 202)
+
+
+# ---------------------------------------------------------------- GET /v1/runs/ID/events
+
+EVENTS_POLL_SECONDS = 0.25  # how often a stream looks for news of its run
+KEEPALIVE_SECONDS = 15.0  # a comment line after this long without an event, so clients and proxies keep the stream
+STREAM_SECONDS = 3600.0  # a stream's longest life; the client then reconnects with Last-Event-ID and goes on
+RETRY_MS = 2000  # what an EventSource waits before it reconnects
+
+
+class RunWatch:
+    """Where a run's progress is read: its handle's state, and the lines its manifest gained since the last look
+    (never the whole file again)."""
+
+    def __init__(self, handle: RunHandle) -> None:
+        self.handle = handle
+        self._offset = 0
+        self._indexes: set[int] = set()
+        self._lock = threading.Lock()
+
+    def images_done(self) -> int:
+        with self._lock:
+            try:
+                with (self.handle.run_dir / "manifest.jsonl").open("rb") as manifest:
+                    manifest.seek(self._offset)
+                    data = manifest.read()
+            except FileNotFoundError:
+                return len(self._indexes)
+            whole = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
+            self._offset += len(whole)
+            for line in whole.splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a torn line is no image's, as read_manifest has it
+                if isinstance(record, dict) and type(record.get("index")) is int:
+                    self._indexes.add(record["index"])
+            return len(self._indexes)
+
+
+_watching = threading.Lock()
+
+
+def run_job(service: Service, run_id: str) -> Job | None:
+    """The run's job in service.progress, opened on first asking and brought up to date; None if there is no
+    such run. Reads files: called in a worker thread.
+
+    A run's job is only read when asked about, so every open one is brought up to date here too: one whose
+    watchers left ends with its run, and the jobs left open are never more than the runs still going."""
+    with _watching:
+        job = service.progress.live("run", run_id)
+        if job is None:
+            handle = _handle(service, run_id)
+            if handle is None:
+                return None
+            job = service.progress.open(
+                "run",
+                run_id,
+                images_planned=handle.planned,
+                steps=_steps(handle),
+                state="queued" if handle.state == "queued" else "running",
+                watch=RunWatch(handle),
+            )
+    for other in service.progress.open_jobs("run"):
+        observe(service, other)
+    observe(service, job)
+    return job
+
+
+def observe(service: Service, job: Job) -> None:
+    """The job's counts from its run's handle and manifest; its end, with the report in brief, once it ended."""
+    watch = job.watch
+    if not isinstance(watch, RunWatch):
+        return  # ended: nothing more to read
+    state = watch.handle.state  # read before the manifest: an ended run's manifest is whole
+    done = watch.images_done()
+    service.progress.observe(job, images_done=done, state="queued" if state == "queued" else "running")
+    if state not in ("queued", "running"):
+        error = "; ".join(watch.handle.error) if watch.handle.error else None
+        service.progress.end(job, state, error=error, summary=report_summary(watch.handle))
+
+
+def report_summary(handle: RunHandle) -> dict | None:
+    """An ended run's report.json in brief; None if it left none."""
+    path = handle.run_dir / "report.json"
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    timed = report.get("timed_phase") or {}
+    return {
+        "complete": report.get("complete"),
+        "error": report.get("error"),
+        "images": report.get("images"),
+        "images_planned": report.get("images_planned"),
+        "compiles_after_warmup": report.get("compiles_after_warmup"),
+        "wall_seconds": timed.get("wall_seconds"),
+        "images_per_second": timed.get("images_per_second"),
+    }
+
+
+def _steps(handle: RunHandle) -> int:
+    if handle.run is not None:
+        return handle.run.config.steps
+    try:  # an ended run read back from disk: its run.json has the config
+        return int(json.loads((handle.run_dir / RUN_RECORD).read_text())["config"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _last_event_id(header: str | None) -> int | None:
+    return int(header) if header is not None and header.strip().isdigit() and len(header.strip()) < 19 else None
+
+
+def _frame(event: Event) -> str:
+    return f"id: {event.id}\nevent: {event.name}\ndata: {json.dumps(event.data)}\n\n"
+
+
+@router.get("/{run_id}/events")
+async def run_events(run_id: str, request: Request):
+    """The run's progress as server-sent events: `progress` (state, images_done, images_planned, step, steps;
+    steps count per batch) whenever it changes, then `end` (status, error, the report in brief), after which
+    the stream closes. Each event has an id: a client that reconnects with `Last-Event-ID` gets the events
+    after it (the first ones of a long run may have been let go: each progress event holds every count). A
+    comment every KEEPALIVE_SECONDS without news; a stream lasts at most STREAM_SECONDS."""
+    service: Service = request.app.state.service
+    job = await anyio.to_thread.run_sync(run_job, service, run_id)
+    if job is None:
+        return problem_response(404, [f"no run {run_id!r} on this server"])
+    last = _last_event_id(request.headers.get("last-event-id"))
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(_stream(service, job, last), media_type="text/event-stream", headers=headers)
+
+
+async def _stream(service: Service, job: Job, last: int | None):
+    yield f"retry: {RETRY_MS}\n\n"
+    began = heard = time.monotonic()
+    while True:
+        ended = job.done  # before the events: an ended job's events hold its end
+        for event in service.progress.events_after(job, last):
+            yield _frame(event)
+            last, heard = event.id, time.monotonic()
+            if event.name == "end":
+                return
+        if ended:
+            return  # the client has seen its end already
+        now = time.monotonic()
+        if now - began >= STREAM_SECONDS:
+            yield ": this stream has lasted its time; reconnect with Last-Event-ID to go on\n\n"
+            return
+        if now - heard >= KEEPALIVE_SECONDS:
+            yield ": keep-alive\n\n"
+            heard = now
+        await anyio.sleep(EVENTS_POLL_SECONDS)
+        await anyio.to_thread.run_sync(observe, service, job)
