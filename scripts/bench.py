@@ -23,6 +23,13 @@ With `serve` instead (scripts/bench.py serve): `tpugen serve` against fresh proc
     images per second and p50/p99 latency of the answered ones, and how many were turned away (503);
 (4) /healthz latency p50/p99, polled every 10 ms while a request for 16 images at 512x512 is made and encoded,
     against /healthz on an idle server; writes bench/serve.json.
+
+With --step-cache instead: compile.step_cache taylorseer (cache_interval 3, disable_cache_before_step 2, float32
+factors) against none, each a fresh `tpugen generate` process on XLA:CPU: a random-weight Flux at the real depth
+(tiny-flux-deep: 19 double + 38 single blocks, tiny width), 128x128, 12 steps, batch 1. Seconds per image of the
+timed phase, compiles in warmup and after it, and how far the cached images are from the uncached ones (max and
+mean difference in /255, PSNR); writes bench/step-cache.json. --step-cache-model names another built-in (a
+shallower one where time is short).
 """
 
 from __future__ import annotations
@@ -518,6 +525,124 @@ def run_serve_load_bench(tmp_root: Path | None) -> dict:
     return results
 
 
+STEP_CACHE_PROMPTS = ["a lighthouse at dawn", "a red fox in snow", "an astronaut on a horse"]
+STEP_CACHE_TAYLORSEER = {
+    "method": "taylorseer",
+    "cache_interval": 3,
+    "disable_cache_before_step": 2,
+    "taylor_factors_dtype": "float32",
+}
+
+
+def _step_cache_side(workdir: Path, model: str, step_cache: dict | None) -> dict:
+    """One fresh `tpugen generate` process: its timed phase and compiles, and where its images are."""
+    run_id = "taylorseer" if step_cache else "none"
+    config = {
+        "model": {"id": model},
+        "prompts": STEP_CACHE_PROMPTS,
+        "height": 128,
+        "width": 128,
+        "steps": 12,
+        "batch_size": 1,
+        "seed": 3,
+        "execution": {"backend": "xla"},
+        "compile": {"step_cache": step_cache} if step_cache else {},
+        "output": {"dir": str(workdir), "run_id": run_id},
+    }
+    path = workdir / f"{run_id}.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "tpugen"), "generate", str(path), "--quiet"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PJRT_DEVICE": "CPU"},
+    )
+    if proc.returncode:
+        sys.exit(f"tpugen failed:\n{proc.stderr}")
+    report = json.loads((workdir / run_id / "report.json").read_text())
+    batches = report["timed_phase"]["batches"]
+    (warm,) = report["warmup"]
+    return {
+        "seconds_per_image": statistics.mean(b["seconds"] / b["images"] for b in batches),
+        "seconds_per_image_each": [b["seconds"] / b["images"] for b in batches],
+        "warmup_seconds": report["warmup_seconds"],
+        "warmup_compiles": warm["compiles"],
+        "step_graphs": warm["graphs_per_phase"]["first denoising step"]
+        + warm["graphs_per_phase"]["later denoising steps"],
+        "compiles_after_warmup": report["compiles_after_warmup"],
+        "transfers_to_host_per_batch": [b["transfers_to_host"] for b in batches],
+        "steps_full": sum(b.get("steps_full", b["steps"]) for b in batches),
+        "steps_cached": sum(b.get("steps_cached", 0) for b in batches),
+        "process_seconds": time.perf_counter() - start,
+        "run_dir": str(workdir / run_id),
+    }
+
+
+def _image_difference(run_dir: Path, reference: Path) -> dict:
+    """Max and mean absolute difference (/255) and PSNR (dB) over all images of two runs, matched by file name."""
+    import math
+
+    import numpy as np
+    from PIL import Image
+
+    diffs = []
+    for png in sorted(reference.glob("[0-9]*.png")):
+        a = np.asarray(Image.open(run_dir / png.name).convert("RGB"), dtype=np.float64)
+        b = np.asarray(Image.open(png).convert("RGB"), dtype=np.float64)
+        diffs.append(np.abs(a - b))
+    every = np.concatenate([d.ravel() for d in diffs])
+    mse = float((every**2).mean())
+    return {
+        "images": len(diffs),
+        "max": float(every.max()),
+        "mean": float(every.mean()),
+        "psnr_db": math.inf if mse == 0 else 10 * math.log10(255**2 / mse),
+    }
+
+
+def run_step_cache_bench(model: str) -> dict:
+    """TaylorSeer against no step cache, side by side, each in a fresh process; prints the table."""
+    with tempfile.TemporaryDirectory(prefix="tpugen-bench-step-cache-") as tmp:
+        tmp = Path(tmp)
+        print(f"no step cache ({model}, 128x128, 12 steps) ...", flush=True)
+        none = _step_cache_side(tmp, model, None)
+        print("taylorseer ...", flush=True)
+        taylorseer = _step_cache_side(tmp, model, STEP_CACHE_TAYLORSEER)
+        difference = _image_difference(Path(taylorseer["run_dir"]), Path(none["run_dir"]))
+    speedup = none["seconds_per_image"] / taylorseer["seconds_per_image"]
+    print(f"\n{model}, 128x128, 12 steps, batch 1, {len(STEP_CACHE_PROMPTS)} timed images per side, XLA:CPU")
+    print(f"{'':34}{'none':>12}{'taylorseer':>12}")
+    for key, label, form in [
+        ("seconds_per_image", "timed s per image", "{:12.3f}"),
+        ("steps_full", "steps full (timed phase)", "{:12d}"),
+        ("steps_cached", "steps cached (timed phase)", "{:12d}"),
+        ("step_graphs", "step graphs compiled", "{:12d}"),
+        ("warmup_compiles", "warmup compiles", "{:12d}"),
+        ("warmup_seconds", "warmup s", "{:12.1f}"),
+        ("compiles_after_warmup", "compiles after warmup", "{:12d}"),
+    ]:
+        print(f"{label:34}" + form.format(none[key]) + form.format(taylorseer[key]))
+    print(
+        f"{'transfers to host per batch':34}{str(none['transfers_to_host_per_batch']):>12}"
+        f"{str(taylorseer['transfers_to_host_per_batch']):>12}"
+    )
+    print(f"speed-up of the timed phase: {speedup:.2f}x")
+    print(
+        f"taylorseer vs none: max {difference['max']:.0f}/255, mean {difference['mean']:.3f}/255, "
+        f"PSNR {difference['psnr_db']:.1f} dB over {difference['images']} images"
+    )
+    return {
+        "model": model,
+        "workload": {"height": 128, "width": 128, "steps": 12, "batch_size": 1, "images": len(STEP_CACHE_PROMPTS)},
+        "taylorseer_options": STEP_CACHE_TAYLORSEER,
+        "none": none,
+        "taylorseer": taylorseer,
+        "speedup": speedup,
+        "difference": difference,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -528,6 +653,8 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side (medians are reported)")
     parser.add_argument("--compile", action="store_true", help="scan_blocks vs unrolled compile seconds instead")
+    parser.add_argument("--step-cache", action="store_true", help="TaylorSeer vs no step cache on a deep Flux instead")
+    parser.add_argument("--step-cache-model", default="tiny-flux-deep", help="the built-in for --step-cache")
     parser.add_argument("--naive-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compile-worker", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -539,6 +666,12 @@ def main() -> None:
         return
     if args.compile:
         run_compile_bench()
+        return
+    if args.step_cache:
+        out = ROOT / "bench"
+        out.mkdir(exist_ok=True)
+        (out / "step-cache.json").write_text(json.dumps(run_step_cache_bench(args.step_cache_model), indent=2) + "\n")
+        print(f"\nwrote {out / 'step-cache.json'}")
         return
     if args.what == "serve":
         run_serve_bench()

@@ -202,6 +202,8 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
         del payload["model"]["loras"]
     if payload["compile"]["flash_attention"] == "auto":
         del payload["compile"]["flash_attention"]
+    if payload["compile"]["step_cache"]["method"] == "none":  # its options are refused without a method
+        del payload["compile"]["step_cache"]
     payload["prompts"] = [p.__dict__ for p in prompts]
     payload.pop("prompts_file", None)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -7,7 +7,7 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tpugen.config.request import MAX_SEED, MAX_STEPS, MIN_STEPS, SIDE_MULTIPLE, side_ok, text_problem
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
@@ -100,6 +100,80 @@ def _check_auto_or_bool(value: Any) -> Any:
 AutoOrBool = Annotated[Any, AfterValidator(_check_auto_or_bool)]
 
 
+# The step caches diffusers 0.42 ships that tpugen does not run, each with why (compile.step_cache.method).
+STEP_CACHE_NOT_YET = {
+    "fastercache": "is not supported yet (only taylorseer is)",
+    "pyramid_attention_broadcast": "is not supported yet (only taylorseer is)",
+    "magcache": "is not supported yet: it needs mag_ratios calibrated for the model, which tpugen cannot make yet",
+    "first_block_cache": (
+        "cannot run as static graphs: its threshold compares each step's residual on the device, a branch on "
+        "the data (a read back to the host every step); use taylorseer"
+    ),
+}
+STEP_CACHE_METHODS = ("none", "taylorseer")
+
+
+def _check_step_cache_method(value: Any) -> Any:
+    if value in STEP_CACHE_METHODS:
+        return value
+    if value in STEP_CACHE_NOT_YET:
+        raise ValueError(f"{value} {STEP_CACHE_NOT_YET[value]}")
+    shown = value if not isinstance(value, str) else repr(value)
+    raise ValueError(f"must be none or taylorseer, got {shown}")
+
+
+class StepCacheConfig(_Section):
+    # none, or taylorseer: diffusers' TaylorSeer (diffusers.hooks.TaylorSeerCacheConfig, attached with
+    # transformer.enable_cache): between full steps, the attention outputs are predicted from a Taylor series of
+    # the last full ones. Each step's kind follows from its index alone, so on XLA each kind is one graph,
+    # compiled in warmup. Images differ from uncached ones (the PNG record and parameters say so).
+    method: Annotated[str, AfterValidator(_check_step_cache_method)] = "none"
+    # The rest are TaylorSeerCacheConfig's own options, with its names and defaults.
+    # Full steps come every cache_interval steps once caching has started; the others are predicted.
+    cache_interval: int = Field(default=5, ge=1)
+    # Steps 0 .. this - 1 run full (they gather the Taylor factors); at least 1, so step 0 always runs full.
+    disable_cache_before_step: int = Field(default=3, ge=1)
+    # From this step on every step runs full again (none: caching to the end).
+    disable_cache_after_step: int | None = Field(default=None, ge=1)
+    # The Taylor series' highest order (1: a straight line through the last two full steps).
+    max_order: int = Field(default=1, ge=0, le=4)
+    # The factors' dtype: float32 keeps the images closest to uncached ones (diffusers' default is bfloat16).
+    taylor_factors_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # Regexes (re.fullmatch on module names) of modules predicted as zeros, and of modules Taylor-predicted;
+    # none: the attention of every transformer block.
+    skip_predict_identifiers: list[str] | None = None
+    cache_identifiers: list[str] | None = None
+    # TaylorSeer lite: blocks skipped, only proj_out predicted (faster, further from the uncached image).
+    use_lite_mode: bool = False
+
+    @field_validator("skip_predict_identifiers", "cache_identifiers")
+    @classmethod
+    def _regexes(cls, value: list[str] | None) -> list[str] | None:
+        for pattern in value or ():
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"{pattern!r} is not a regular expression: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _options_need_a_method(self) -> StepCacheConfig:
+        # Options at their defaults pass: a resolved config (a run's config.yaml) writes every key out.
+        fields = type(self).model_fields
+        given = [name for name in fields if name != "method" and getattr(self, name) != fields[name].default]
+        if self.method == "none" and given:
+            raise ValueError(f"{', '.join(given)}: TaylorSeer's options; set method: taylorseer or leave them out")
+        return self
+
+    def options(self) -> dict:
+        """The method's own options, as diffusers' config class names them ({} for none)."""
+        return {} if self.method == "none" else self.model_dump(exclude={"method"})
+
+    def record(self) -> dict | None:
+        """What an image record says of the cache (None: no cache, and the record stays as it was before)."""
+        return None if self.method == "none" else {"method": self.method, **self.options()}
+
+
 class CompileConfig(_Section):
     # torch.compile the denoiser on the cpu and cuda backends (xla compiles through torch_xla already).
     torch_compile: bool = False
@@ -108,6 +182,8 @@ class CompileConfig(_Section):
     # xla: the denoiser's attention through torch_xla's Pallas flash-attention kernel (diffusers' XLA path). auto: on
     # a TPU only; true: try it anywhere. If it cannot run (no jax, not a TPU, a compile error), the run goes on without.
     flash_attention: AutoOrBool = "auto"
+    # Skip work between denoising steps with one of diffusers' step caches (transformer families).
+    step_cache: StepCacheConfig = StepCacheConfig()
 
 
 def _check_placement(value: Any) -> Any:

@@ -16,6 +16,7 @@ from tpugen.config import CacheConfig, CompileConfig, ExecutionConfig, ModelConf
 from tpugen.config.loras import Lora, loras_key
 from tpugen.engine.loras import LoraWeights, check_fit, file_shapes, loadable_components, unet_config_of
 from tpugen.engine.pipeline import LoadedPipeline, quiet_libraries, read_shared
+from tpugen.engine.step_cache import install_step_cache, step_cache_problem, step_counts
 from tpugen.errors import InputError, RunError, TpugenError
 from tpugen.families import family as family_named
 from tpugen.memory import (
@@ -127,6 +128,9 @@ class Engine:
         memory = _memory_plan(spec)
         _check_fit(spec, backend, memory)
         family = family_named(spec.family)
+        problem = step_cache_problem(spec.compile.step_cache, family, scan_blocks=spec.compile.scan_blocks)
+        if problem:
+            raise InputError(problem)
         if execution.placement != "none":
             _assign_components(spec, backend, memory, family.denoiser)
         checked = _check_loras_before_loading(spec)
@@ -157,6 +161,7 @@ class Engine:
             ) from exc
         loaded = LoadedPipeline(pipe, backend, family, label, scheduler_name)
         backend.prepare_on_device(pipe, family, spec.compile, loaded.hooks)
+        install_step_cache(pipe, family, spec.compile.step_cache, loaded.hooks)
         loaded.out_of_memory_advice = advice
         # Whatever moving the weights left pending (FLUX.2's VAE has an int64 BatchNorm counter) is run now; left
         # lazy, it joined the first call's text graph, and every later call compiled that graph again.
@@ -180,7 +185,11 @@ class Engine:
         return self.loaded.model_label
 
     def describe(self) -> dict:
-        return {**self.backend.describe(), "flash_attention": self.flash_attention.as_dict()}
+        described = {**self.backend.describe(), "flash_attention": self.flash_attention.as_dict()}
+        cache = self.spec.compile.step_cache
+        if cache.method != "none":
+            described["step_cache"] = {"method": cache.method, "options": cache.options()}
+        return described
 
     def memory_summary(self, plan: RunPlan) -> dict | None:
         """The memory plan's dict, with the largest attention matrix of `plan`'s shape keys (or that flash
@@ -332,8 +341,13 @@ class Engine:
 
     def _warm_keys(self, plan: RunPlan, display: Display, checkpoint: Checkpoint, scheduler: str | None) -> list[dict]:
         first_batch: dict = {}
+        cached = self.spec.compile.step_cache.method != "none"
         for batch in plan.batches:
-            first_batch.setdefault(batch.shape, batch)
+            known = first_batch.setdefault(batch.shape, batch)
+            if cached and batch.steps > known.steps:
+                # A step cache's kinds of step are graphs of their own; the schedule of fewer steps is a prefix
+                # of that of more, so the batch with the most steps compiles every kind the others use.
+                first_batch[batch.shape] = batch
         choice = find_scheduler(scheduler).name if scheduler else self.loaded.default_scheduler
         results = []
         for shape, batch in first_batch.items():
@@ -422,6 +436,7 @@ class Engine:
                         "compiles": delta.compiles if delta else None,
                         "executions": delta.executions if delta else None,
                         "transfers_to_host": delta.transfers_to_host if delta else None,
+                        **self._step_counts(batch.steps),
                     }
                 )
                 display.batch_done(batch, seconds)
@@ -445,6 +460,11 @@ class Engine:
             finally:
                 self.loaded.use_scheduler(None)  # at rest, an engine has the scheduler it was loaded with
             return pixels
+
+    def _step_counts(self, steps: int) -> dict:
+        """How many of a call's steps ran full and how many cached ({} without a step cache)."""
+        cache = self.spec.compile.step_cache
+        return step_counts(cache, steps) if cache.method != "none" else {}
 
     def is_warm(self, shape, scheduler: str | None = None) -> bool:
         """Whether a call of this shape key and scheduler (None: the loaded one) would compile nothing."""

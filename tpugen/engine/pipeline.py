@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from tpugen.engine.hooks import Hooks
+from tpugen.engine.step_cache import reset_step_cache
 from tpugen.errors import RunError
 from tpugen.families import Family
 from tpugen.families.base import TIMESTEPS_ON_HOST
@@ -194,6 +195,7 @@ class LoadedPipeline:
         self.running = "text encoders"
         try:
             latents, generators = self._initial_noise(batch)
+            reset_step_cache(self.pipe, self.family)  # a call that failed halfway left its step cache's state
             with torch.no_grad():  # inference_mode tensors break torch_xla (version counters)
                 output = self.pipe(**self._call_arguments(batch, latents, generators)).images
                 self._mark("later denoising steps")

@@ -103,6 +103,8 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
     model = run.config.model
     # LoRAs change the images, so they are part of what made one; a run without them keeps the record it had.
     loras = {"loras": [lora.record() for lora in run.loras]} if run.loras else {}
+    cache = run.config.compile.step_cache.record()  # cached images are not the uncached ones
+    step_cache = {"step_cache": cache} if cache else {}
     return {
         "index": item.index,
         "file": file,
@@ -118,6 +120,7 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
         "model_id": model.id,
         "dtype": model.dtype,
         **loras,
+        **step_cache,
         "batch": batch_number,
         "config_hash": run.config_hash,
         "tpugen_version": __version__,

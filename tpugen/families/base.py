@@ -117,6 +117,12 @@ class Family:
     # compile.flash_attention: XLAFlashAttnProcessor2_0 on every attention of the UNet, which runs the kernel
     # only from 4096 tokens (SD 1.5 at 512x512, SDXL at 1024x1024: the largest self-attentions).
     flash_attention = FlashRoute(("unet",), min_tokens=4096)
+    # Why compile.step_cache cannot run for this family's models (None: it can). diffusers' cache hooks need the
+    # denoiser's enable_cache (CacheMixin) and a pipeline that names each call's cache context.
+    step_cache_refusal: str | None = (
+        "diffusers 0.42 has no step cache for a UNet: UNet2DConditionModel has no enable_cache, and TaylorSeer "
+        "hooks attention under transformer_blocks, which a UNet does not have"
+    )
 
     def covers(self, index: dict) -> bool:
         """Whether a pipeline of one of this family's classes, with this model_index.json, is this family's (two
@@ -243,6 +249,7 @@ class TransformerFamily(Family):
     timesteps_on_host = True
     patch: int | None = None  # latent pixels per token side (None: the denoiser config's patch_size, else 2)
     extra_text_tokens = 0  # text tokens joined to the latent tokens beyond text_tokens (SD3's CLIP tokens)
+    step_cache_refusal = "is not checked against diffusers' own cached images on tpugen yet (Flux.1 is)"
 
     def attention_geometry(
         self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int

@@ -58,6 +58,11 @@ def a1111_parameters(record: dict) -> str:
         fields["Lora hashes"] = ", ".join(
             f"{lora['name'].replace(':', '').replace(',', '')}: {lora['hash']}" for lora in record["loras"]
         )
+    if record.get("step_cache"):
+        # Not an A1111 key (the web UI has no step cache): its images are not the uncached ones, so say which.
+        cache = record["step_cache"]
+        options = " ".join(f"{k}={v}" for k, v in cache.items() if k != "method" and v is not None)
+        fields["Step cache"] = f"{cache['method']} {options}"
     fields["Version"] = f"tpugen {record['tpugen_version']}"
     lines.append(", ".join(f"{key}: {_a1111_value(value)}" for key, value in fields.items()))
     return "\n".join(lines)

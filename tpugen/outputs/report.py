@@ -354,6 +354,16 @@ def _lora_lines(loras: list[dict] | None) -> list[str]:
     return [f"- LoRAs fused into the weights: {fused}"]
 
 
+def _step_cache_lines(cache: dict | None, batches: list[dict]) -> list[str]:
+    """The step cache's method and options, and how many denoising steps of the timed phase ran full and cached."""
+    if not cache:
+        return []
+    options = ", ".join(f"{key} {value}" for key, value in cache["options"].items() if value is not None)
+    full = sum(b.get("steps_full") or 0 for b in batches)
+    cached = sum(b.get("steps_cached") or 0 for b in batches)
+    return [f"- step cache: {cache['method']} ({options}); timed phase: {full} steps ran full and {cached} cached"]
+
+
 def _placement_lines(placement: dict | None) -> list[str]:
     if not placement:
         return []
@@ -455,6 +465,7 @@ def render_markdown(report: RunReport) -> str:
         *_flash_lines(device.get("flash_attention"), memory.get("attention")),
         *_sharding_lines(device.get("sharding")),
         *_placement_lines(device.get("placement")),
+        *_step_cache_lines(device.get("step_cache"), (report.timed_phase or {}).get("batches") or []),
         "",
         "## Warmup (compile) per shape key",
         "",

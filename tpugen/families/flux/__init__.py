@@ -122,6 +122,8 @@ class Flux(TransformerFamily):
     # Flux's own processors on diffusers' "_native_xla" attention backend: the kernel for every attention, at any
     # size, but with no SPMD partition spec (diffusers 0.42 ignores the one it is given).
     flash_attention = FlashRoute(("transformer",), is_flux=True, takes_partition_spec=False)
+    # diffusers' TaylorSeer on FluxTransformer2DModel (CacheMixin); FluxPipeline sets the cache context.
+    step_cache_refusal = None
 
     def noise(self, pipe, generators, height: int, width: int) -> list:
         """Flux's latents are packed: 2x2 patches of a 16-channel latent become one token of 64 channels."""

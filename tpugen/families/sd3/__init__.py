@@ -43,6 +43,7 @@ class StableDiffusion3(TransformerFamily):
     name = "sd3"
     title = "Stable Diffusion 3 / 3.5"
     pipeline_classes = ("StableDiffusion3Pipeline",)
+    step_cache_refusal = "diffusers 0.42 has no step cache for it: SD3Transformer2DModel has no enable_cache"
     steps = 28
     guidance_scale = 7.0
     max_sequence_length = 256  # T5 tokens

@@ -52,6 +52,7 @@ class ZImage(TransformerFamily):
     name = "zimage"
     title = "Z-Image"
     pipeline_classes = ("ZImagePipeline",)
+    step_cache_refusal = "diffusers 0.42 has no step cache for it: ZImageTransformer2DModel has no enable_cache"
     steps = 50
     guidance_scale = 5.0
     max_sequence_length = 512  # text padded to this many tokens (the pipeline's default), masked as keys
