@@ -380,6 +380,14 @@ class ServeConfig(_Section):
     # A folder of LoRA .safetensors files that requests name by file stem (A1111's <lora:NAME:SCALE>, and
     # model.loras of runs sent to /v1/runs); relative to the config file.
     lora_dir: str | None = None
+    # Runs sent to /v1/runs that may be queued or running at once; one more gets 429 with Retry-After. Under
+    # execution.mode: multi each run goes to the engine with the fewest runs, so set it to the device count
+    # or more to keep every chip busy with runs.
+    max_runs: int = Field(default=2, ge=1)
+    # Batches in a row that may fail on one engine (not counting a request's own bad input) before the server
+    # calls its device broken: /readyz turns 503 with the last error, and once the requests in flight are
+    # answered the process exits 1 so its supervisor (systemd, Kubernetes, Ray) restarts it.
+    max_failed_batches: int = Field(default=3, ge=1)
 
     @field_validator("schedulers")
     @classmethod

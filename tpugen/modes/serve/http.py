@@ -17,9 +17,11 @@ from tpugen.modes.serve import a1111, openai_api, ops, runs_api
 from tpugen.modes.serve.queue import QueueFull
 from tpugen.modes.serve.replies import MAX_BODY_BYTES, TooLarge, problem_response
 from tpugen.modes.serve.request_ids import RequestIds
-from tpugen.modes.serve.service import Conflict, NotReady, Service, TimedOut
+from tpugen.modes.serve.service import Conflict, NotReady, Service, TimedOut, TooManyRuns
 
 OPEN_PATHS = ("/healthz", "/readyz")  # answered without the API key, and while draining
+# Answered while the model loads (no engine yet), besides OPEN_PATHS and reading runs: nothing here needs one.
+ENGINE_FREE_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json")
 
 
 def _status_of(exc: BaseException) -> int:
@@ -29,6 +31,8 @@ def _status_of(exc: BaseException) -> int:
         return 503
     if isinstance(exc, TimedOut):
         return 504
+    if isinstance(exc, TooManyRuns):
+        return 429
     if isinstance(exc, Conflict):
         return 409
     if isinstance(exc, InputError):
@@ -41,22 +45,32 @@ def require_key(api_key: str | None):
     the key as the password (A1111 clients, --api-auth). Compared in constant time; never logged."""
 
     def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, value = header.partition(" ")
-        offered = ""
-        if scheme.lower() == "bearer":
-            offered = value.strip()
-        elif scheme.lower() == "basic":
-            try:
-                offered = base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")[2]
-            except (ValueError, UnicodeDecodeError):
-                offered = ""
-        if not hmac.compare_digest(offered.encode(), api_key.encode()):
+        if not has_key(request, api_key):
             raise Unauthorized()
 
     return check
+
+
+def has_key(request: Request, api_key: str | None) -> bool:
+    """Whether the request carries `api_key` (None: no key is needed)."""
+    if api_key is None:
+        return True
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    offered = ""
+    if scheme.lower() == "bearer":
+        offered = value.strip()
+    elif scheme.lower() == "basic":
+        try:
+            offered = base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")[2]
+        except (ValueError, UnicodeDecodeError):
+            offered = ""
+    return hmac.compare_digest(offered.encode(), api_key.encode())
+
+
+def _unauthorized():
+    lines = ["an API key is needed: Authorization: Bearer KEY, or basic auth with the key as the password"]
+    return problem_response(401, lines, {"WWW-Authenticate": 'Bearer, Basic realm="tpugen"'})
 
 
 class Unauthorized(Exception):
@@ -76,7 +90,8 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
         yield
         service.stop()
 
-    app = FastAPI(title="tpugen", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    # /docs (Swagger UI) and /openapi.json are on, behind the key like every route but /healthz and /readyz.
+    app = FastAPI(title="tpugen", version=__version__, lifespan=lifespan, redoc_url=None)
     app.state.service = service
     secured = [Depends(require_key(api_key))]
     app.include_router(ops.router)
@@ -97,13 +112,13 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
 
     @app.exception_handler(Unauthorized)
     async def unauthorized(request: Request, exc: Unauthorized):
-        lines = ["an API key is needed: Authorization: Bearer KEY, or basic auth with the key as the password"]
-        return problem_response(401, lines, {"WWW-Authenticate": 'Bearer, Basic realm="tpugen"'})
+        return _unauthorized()
 
     @app.exception_handler(TpugenError)
     async def tpugen_error(request: Request, exc: TpugenError):
         status = _status_of(exc)
-        return problem_response(status, exc.lines or [one_line(exc)], {"Retry-After": "5"} if status == 503 else None)
+        retry = {503: {"Retry-After": "5"}, 429: {"Retry-After": "30"}}.get(status)  # a run takes a while
+        return problem_response(status, exc.lines or [one_line(exc)], retry)
 
     @app.exception_handler(QueueFull)
     async def queue_full(request: Request, exc: QueueFull):
@@ -132,8 +147,14 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
         path = request.url.path
         # While draining, runs can still be read: a client fetches what a stopped run wrote.
         reading_runs = request.method == "GET" and (path == "/v1/runs" or path.startswith("/v1/runs/"))
-        if service.state == "draining" and path not in OPEN_PATHS and not reading_runs:
+        if path not in OPEN_PATHS and not has_key(request, api_key):
+            # Here, before any route: every path is behind the key, the docs and the schema included.
+            response = _unauthorized()
+        elif service.state == "draining" and path not in OPEN_PATHS and not reading_runs:
             response = problem_response(503, ["the server is shutting down"], {"Retry-After": "30"})
+        elif not service.engines and path not in OPEN_PATHS + ENGINE_FREE_PATHS and not reading_runs:
+            line = service.failure or f"the server is loading {service.run.config.model.id}; GET /readyz says when"
+            response = problem_response(503, [line], {"Retry-After": "5"})
         elif int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             response = problem_response(413, [f"the body is over {MAX_BODY_BYTES // 1024} KiB"])
         else:

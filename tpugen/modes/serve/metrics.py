@@ -28,6 +28,12 @@ class Metrics:
         self.compiles_after_warmup = Counter(
             "tpugen_compiles_after_warmup", "XLA graphs compiled while serving", registry=self.registry
         )
+        # A request's own bad input is not counted: only what says the device (or the code driving it) is broken.
+        self.device_failures = Counter(
+            "tpugen_device_failures",
+            "failed batches that were not a request's fault, and device loops that died",
+            registry=self.registry,
+        )
 
     def batch(self, seconds: float, images: int, padding: int) -> None:
         self.batch_seconds.observe(seconds)

@@ -11,18 +11,17 @@ metrics_router = APIRouter()
 
 @router.get("/healthz")
 def healthz() -> dict:
-    """The process answers (warming, ready or draining alike)."""
+    """The process answers: from its first second (the socket is bound before the model loads), whether it is
+    loading, compiling, ready, draining or failed."""
     return {"status": "alive"}
 
 
 @router.get("/readyz")
 def readyz(request: Request):
-    """200 once every warm shape key is compiled; 503 while warming, after a failed warmup, or draining."""
+    """200 once every warm shape key is compiled; 503 until then, saying what the server is doing (`loading`,
+    `compiling` with `detail`: compiling 3 of 8 shape keys), while `draining`, or once `failed` (its `error`)."""
     service = request.app.state.service
-    body = {"status": service.state, "warm": service.warm_summary()}
-    if service.failure:
-        body["error"] = service.failure
-    return JSONResponse(body, status_code=200 if service.state == "ready" else 503)
+    return JSONResponse(service.readiness(), status_code=200 if service.state == "ready" else 503)
 
 
 @metrics_router.get("/metrics")

@@ -9,7 +9,7 @@ import time
 import anyio
 import anyio.to_thread
 import yaml
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
 
 from tpugen.config.yamlio import yaml_load, yaml_problem
@@ -24,7 +24,8 @@ from tpugen.outputs.manifest import read_manifest
 router = APIRouter(prefix="/v1/runs")
 
 
-def status_of(handle: RunHandle) -> dict:
+def status_of(handle: RunHandle, *, report: bool = True) -> dict:
+    """A run's status as GET /v1/runs/ID answers it; with its report.json once it has ended (`report`)."""
     manifest = handle.run_dir / "manifest.jsonl"
     made = len({r["index"] for r in read_manifest(manifest)}) if manifest.exists() else 0
     body = {
@@ -34,7 +35,7 @@ def status_of(handle: RunHandle) -> dict:
         "images_planned": handle.planned,
         "error": handle.error,
     }
-    if handle.state in ("complete", "stopped", "failed") and (handle.run_dir / "report.json").is_file():
+    if report and handle.state in ("complete", "stopped", "failed") and (handle.run_dir / "report.json").is_file():
         body["report"] = json.loads((handle.run_dir / "report.json").read_text())
     return body
 
@@ -54,8 +55,17 @@ async def submit(request: Request):
     return json_response(status_of(handle), 201, {"Location": f"/v1/runs/{handle.id}"})
 
 
+@router.get("")
+def list_runs(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = Query(None, max_length=200)):
+    """This server's runs, newest first, `limit` at a time (each as GET /v1/runs/ID answers, without its
+    report); `next` is the `after` of the next page, null on the last. Read from the server's output
+    directory, so runs of earlier server processes are listed too."""
+    handles, after_this = request.app.state.service.list_runs(limit, after)
+    return {"runs": [status_of(handle, report=False) for handle in handles], "next": after_this}
+
+
 def _handle(service: Service, run_id: str) -> RunHandle | None:
-    return service.runs.get(run_id)
+    return service.find_run(run_id)
 
 
 @router.get("/{run_id}")

@@ -1,19 +1,29 @@
-"""Starting the server: its engines, then uvicorn (the one place it is called), then a clean stop on a signal."""
+"""Starting the server: its socket, then uvicorn (the one place it is called) while the engines load and warm
+up, then a clean stop on a signal, or exit 1 once its model or device has failed."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
 import threading
 from pathlib import Path
 
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display, Engine, EngineSpec
-from tpugen.errors import InputError
+from tpugen.errors import InputError, RunError
 from tpugen.logs import logger, to_console
 
 log = logger("serve")
 
 LOOPBACK_NAMES = ("localhost",)
+BACKLOG = 2048  # uvicorn's own: connections made while the model loads wait here for the event loop
+# How long a server whose device broke waits for its runs to stop after their batch before it exits anyway.
+BROKEN_GRACE_S = 120.0
 
 
 def is_loopback(host: str) -> bool:
@@ -65,44 +75,119 @@ def open_engines(run: ResolvedRun, display: Display) -> list[Engine]:
     return [Engine.open(spec, display=display, ranks_in_process=devices, device_index=i) for i in range(devices)]
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening before anything loads: a port in use is one line at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart reuses the port
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise RunError(f"--port {port}: {where} is in use") from None
+        if exc.errno == errno.EACCES:
+            raise RunError(f"--port {port}: {where}: permission denied (ports below 1024 need privileges)") from None
+        raise RunError(f"--host {host}: cannot listen on {where}: {exc.strerror or exc}") from None
+    return sock
+
+
 def serve(
     run: ResolvedRun, *, host: str = "127.0.0.1", port: int = 7860, api_key: str | None = None, display=None
 ) -> None:
-    """`tpugen serve`: load the engines, answer HTTP while they warm up (/readyz says when they are), and on
-    SIGTERM or SIGINT drain: new requests get 503, batches in flight finish, runs stop resumable; exit 0."""
+    """`tpugen serve`: bind the socket, then answer HTTP at once while the engines load and warm up in a
+    thread (/healthz 200 throughout, /readyz 503 saying what it is doing until ready).
+
+    SIGTERM or SIGINT drains: new requests get 503, those in flight their images, runs stop after their batch
+    (resumable); exit 0. A second signal stops at once: batches in flight abandoned, runs resumable, exit
+    128 + its number. A model that fails to load or warm up, or a broken device (a device loop that died,
+    serve.max_failed_batches failed batches in a row), is said by /readyz and the log, and once the requests
+    in flight are answered the process exits 1, for its supervisor to restart it."""
     display = display or Display()
     check_start(run, host, api_key)
+    sock = listen(host, port)
+    try:
+        _serve_on(sock, run, where=sock.getsockname(), api_key=api_key, display=display)
+    finally:
+        sock.close()
+
+
+def _serve_on(sock: socket.socket, run: ResolvedRun, *, where, api_key: str | None, display: Display) -> None:
     to_console()  # the server's own lines: tpugen serve: ...
     import uvicorn
 
     from tpugen.modes.serve.http import build_app
     from tpugen.modes.serve.service import Service
 
-    engines = open_engines(run, display)
-    service = Service(run, engines, output_root=Path(run.config.output.dir), display=display)
+    service = Service(
+        run,
+        [],
+        output_root=Path(run.config.output.dir),
+        display=display,
+        open_engines=lambda: open_engines(run, display),
+    )
 
     class DrainingServer(uvicorn.Server):
         """The first signal drains: the socket stays open so new requests get 503 while those in flight get
-        their images and runs stop after their batch; uvicorn then stops. A second signal stops at once."""
+        their images and runs stop after their batch; uvicorn then stops. A second signal stops at once. A
+        service that broke stops it too, once the requests it answered 503 are sent."""
 
         signals = 0
+        forced_by: int | None = None
 
         def handle_exit(self, sig, frame) -> None:
             self.signals += 1
             if self.signals > 1:
-                super().handle_exit(sig, frame)
+                # Not uvicorn's own handler: it would wait for every open connection (a request may wait
+                # serve.request_timeout_s) and then run the app's shutdown, which joins the batches in flight.
+                self.forced_by = sig
+                service.abandon()
+                self.force_exit = self.should_exit = True
+                # uvicorn skips the app's shutdown, and would print the lifespan task's cancellation as an error.
+                logging.getLogger("uvicorn.error").disabled = True
                 return
             service.begin_drain()
+            log.info(f"{signal.Signals(sig).name}: draining (a second signal stops at once)")
+            threading.Thread(
+                target=self.stop_after, args=(service.wait_drained,), name="tpugen-drain", daemon=True
+            ).start()
 
-            def stop_when_drained() -> None:
-                service.wait_drained()
-                # What uvicorn's own handler does, without recording the signal: uvicorn would raise a
-                # recorded one again once it has stopped, and a drained server exits 0.
-                self.should_exit = True
+        def stop_after(self, wait, *args) -> None:
+            wait(*args)
+            # What uvicorn's own handler does, without recording a signal: uvicorn would raise a recorded one
+            # again once it has stopped, and a drained server exits 0.
+            self.should_exit = True
 
-            threading.Thread(target=stop_when_drained, name="tpugen-drain", daemon=True).start()
+    def stop_when_broken() -> None:
+        service.broken.wait()
+        server.stop_after(service.wait_drained, BROKEN_GRACE_S)
 
-    config = uvicorn.Config(build_app(service, api_key), host=host, port=port, log_level="warning", access_log=False)
-    log.info(f"listening on http://{host}:{port} (warming up; GET /readyz says when ready)")
-    DrainingServer(config).run()
+    server = DrainingServer(uvicorn.Config(build_app(service, api_key), log_level="warning", access_log=False))
+    threading.Thread(target=stop_when_broken, name="tpugen-watchdog", daemon=True).start()
+    host, port = where[0], where[1]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    log.info(f"listening on {url} (loading {run.config.model.id}; GET /readyz says when it is ready)")
+    server.run(sockets=[sock])
+    if server.forced_by is not None:
+        name = signal.Signals(server.forced_by).name
+        log.error(f"stopped at once by a second {name}: batches in flight abandoned, runs resumable (tpugen resume)")
+        # Not a return through the CLI: the interpreter's exit would wait for the device threads mid-batch (and
+        # torch_xla's exit hooks for the device), which is what a second signal is for skipping.
+        _exit_now(128 + server.forced_by)
+    if service.fatal is not None:
+        raise service.fatal  # the CLI's boundary says it in one line; exit 1 (2 for a bad input found loading)
+    if service.starting():
+        # A signal while the model loads or compiles: nothing was served, so nothing is lost by not waiting,
+        # but the interpreter's exit under a thread inside XLA aborts the process (seen on XLA:CPU).
+        log.info("stopped while loading or compiling")
+        _exit_now(0)
     log.info("stopped")
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's shutdown, which would wait for (or abort under) threads mid-batch."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpugen.config import ResolvedRun, resolve, run_sizes
 from tpugen.config.loras import Lora, is_hub_lora, loras_key, resolve_lora
+from tpugen.config.prompts import planned_images
 from tpugen.config.request import ImageRequest, RequestLimits
 from tpugen.config.schema import LORA_SCALE_MAX, LoraConfig
 from tpugen.engine import Display, Engine, StopSignals, Topology
-from tpugen.engine.session import run_id_for
-from tpugen.errors import InputError, Interrupted, TpugenError, one_line
+from tpugen.engine.session import RUN_RECORD, read_run_record, recorded_prompts, run_id_for
+from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
 from tpugen.families import FAMILIES
 from tpugen.logs import logger
 from tpugen.modes.serve.metrics import Metrics
@@ -46,6 +50,10 @@ class Conflict(InputError):
     """A run id that is taken (409)."""
 
 
+class TooManyRuns(TpugenError):
+    """serve.max_runs runs are queued or running already (429)."""
+
+
 @dataclass(frozen=True)
 class ImageSpec(ImageRequest):
     """One image a request asks for, in tpugen's words: what ImageRequest's rules check, and how it is made."""
@@ -59,7 +67,7 @@ class RunHandle:
     """A run sent to the server (POST /v1/runs): it runs on the warm engine in a thread of its own."""
 
     id: str
-    run: ResolvedRun
+    run: ResolvedRun | None  # None: an ended run read back from its run directory (run_on_disk)
     run_dir: Path
     planned: int
     stop: StopSignals = field(default_factory=StopSignals)
@@ -67,16 +75,29 @@ class RunHandle:
     error: list[str] | None = None
     report: dict | None = None
     thread: threading.Thread | None = None
+    engine: int = 0  # which of the server's engines runs it
+    created: float = field(default_factory=time.time)
 
 
 class Service:
     """Engines opened from the server's config (one per device under execution.mode: multi), warmed for
     serve.sizes x serve.schedulers, each fed batches from the one queue by a device loop of its own."""
 
-    def __init__(self, run: ResolvedRun, engines: list[Engine], *, output_root: Path, display: Display) -> None:
+    def __init__(
+        self,
+        run: ResolvedRun,
+        engines: list[Engine],
+        *,
+        output_root: Path,
+        display: Display,
+        open_engines: Callable[[], list[Engine]] | None = None,
+    ) -> None:
+        """`engines` open already, or none and `open_engines`, which start() calls in its thread: the server
+        answers HTTP while the model loads."""
         config = run.config
         self.run = run
         self.engines = engines
+        self._open_engines = open_engines
         self.display = display
         self.output_root = output_root
         self.family = FAMILIES[run.family]
@@ -91,46 +112,77 @@ class Service:
         # Read when /metrics is, so they are never a step behind the queue.
         self.metrics.queue_depth.set_function(self.queue.depth)
         self.metrics.requests_open.set_function(self.queue.open_count)
-        self.state = "warming"  # warming, ready, draining, failed
-        self.failure: str | None = None
-        self.runs: dict[str, RunHandle] = {}
+        self.state = "loading"  # loading, compiling, ready, draining, failed
+        self.failure: str | None = None  # what /readyz says broke, once failed
+        self.fatal: BaseException | None = None  # what tpugen serve exits with, once failed
+        self.broken = threading.Event()  # set on failing: tpugen serve then exits 1 (server.py)
+        self.abandoned = False  # a second signal: the process exits under the batches in flight
+        # Each (shape key, scheduler) warmup compiles, one at a time so /readyz can count them.
+        plan = self.warm_plan()
+        self._warm_keys = [(batch, scheduler) for scheduler in self.schedulers for batch in plan.batches]
+        self.runs: dict[str, RunHandle] = {}  # queued or running only: an ended run is read from its directory
+        self._ended_unwritten: OrderedDict[str, RunHandle] = OrderedDict()  # ended before their directory existed
         self._runs_lock = threading.Lock()
         self._batches = 0
+        self._failed_in_a_row: dict[int, int] = {}  # id(engine) -> batches failed since its last good one
         self._count_lock = threading.Lock()
         self._loops: list[threading.Thread] = []
+        self._starter: threading.Thread | None = None
 
     # ---------------------------------------------------------------- start and stop
 
     def start(self) -> None:
-        """Warm every shape key and scheduler in a thread (the server answers /readyz 503 meanwhile), then
-        start the device loops."""
-        threading.Thread(target=self._warm_then_serve, name="tpugen-warmup", daemon=True).start()
+        """In a thread: open the engines (unless they were given), warm every shape key and scheduler (the
+        server answers meanwhile, /readyz 503 saying which), then start the device loops."""
+        self._starter = threading.Thread(target=self._load_then_serve, name="tpugen-warmup", daemon=True)
+        self._starter.start()
 
-    def _warm_then_serve(self) -> None:
+    def starting(self) -> bool:
+        """Whether the engines are still loading or warming up (a signal then stops it between shape keys)."""
+        return self._starter is not None and self._starter.is_alive()
+
+    def _load_then_serve(self) -> None:
         try:
-            # One engine at a time: the first compiles, the others find its graphs in the process's cache.
-            plan = self.warm_plan()
-            for engine in self.engines:
-                engine.backend.bind_thread()
-                # A flash attention fallback (once per engine) forgets every key warmed before it: a second
-                # pass compiles those again without the kernel.
-                for _ in range(2):
-                    for scheduler in self.schedulers:
-                        engine.warmup(plan, self.display, scheduler=scheduler)
-                    if all(engine.is_warm(b.shape, s) for b in plan.batches for s in self.schedulers):
-                        break
-        except BaseException as exc:  # the server stays up to say why, never ready
-            self.failure = one_line(exc)
-            self.state = "failed"
-            log.error(f"warmup failed: {self.failure}")
+            if self._open_engines is not None:
+                self.engines = self._open_engines()
+            self._advance("compiling")
+            self._warm()
+        except BaseException as exc:
+            what = "warmup" if self.engines else "loading the model"
+            self.break_down(f"{what} failed: {one_line(exc)}", exc)
+            return
+        if self.state != "compiling":  # a signal came during warmup, or it failed: nothing to serve
             return
         for number, engine in enumerate(self.engines):
-            loop = threading.Thread(target=self._device_loop, args=(engine,), name=f"tpugen-device-{number}")
+            # Daemon threads: a second signal ends the process under a batch in flight (stop() joins them).
+            loop = threading.Thread(
+                target=self._device_loop, args=(engine,), name=f"tpugen-device-{number}", daemon=True
+            )
             loop.start()
             self._loops.append(loop)
-        if self.state == "warming":
-            self.state = "ready"
+        self._advance("ready")
         log.info(f"ready, {len(self.engines)} device loop(s), warm: {self.warm_summary()}")
+
+    def _advance(self, state: str) -> None:
+        """loading -> compiling -> ready; never over draining or failed."""
+        with self._count_lock:
+            if self.state in ("loading", "compiling"):
+                self.state = state
+
+    def _warm(self) -> None:
+        # One engine at a time: the first compiles, the others find its graphs in the process's cache.
+        for engine in self.engines:
+            engine.backend.bind_thread()
+            # A flash attention fallback (once per engine) forgets every key warmed before it: a second
+            # pass compiles those again without the kernel.
+            for _ in range(2):
+                for batch, scheduler in self._warm_keys:
+                    if self.state != "compiling":
+                        return
+                    if not engine.is_warm(batch.shape, scheduler):
+                        engine.warmup(RunPlan(batch.items, (batch,)), self.display, scheduler=scheduler)
+                if all(engine.is_warm(batch.shape, scheduler) for batch, scheduler in self._warm_keys):
+                    break
 
     def warm_plan(self) -> RunPlan:
         """One batch per warm size, at the config's steps and guidance."""
@@ -147,29 +199,98 @@ class Service:
         names = ", ".join(s or self.engines[0].loaded.default_scheduler for s in self.schedulers)
         return f"sizes {sizes} (width x height; {'cfg' if self.cfg else 'no cfg'}, batch {self.batch_size}); samplers {names}"
 
+    def warm_progress(self) -> tuple[int, int]:
+        """(shape keys x schedulers x engines compiled so far, how many there are to compile)."""
+        engines = list(self.engines)
+        done = sum(engine.is_warm(batch.shape, s) for engine in engines for batch, s in self._warm_keys)
+        return done, len(self._warm_keys) * max(len(engines), 1)
+
+    def readiness(self) -> dict:
+        """What /readyz says: the state; while not ready, what the server is doing; once failed, why."""
+        body: dict = {"status": self.state}
+        engines = len(self.engines)
+        if self.state == "loading":
+            multi = self.run.config.execution.mode == "multi"
+            body["detail"] = f"loading {self.run.config.model.id}" + (" (an engine per device)" if multi else "")
+        elif self.state == "compiling":
+            done, total = self.warm_progress()
+            keys = f"{_count(len(self.sizes), 'size')} x {_count(len(self.schedulers), 'sampler')}"
+            body["detail"] = (
+                f"compiling {min(done + 1, total)} of {total} shape keys ({keys} x {_count(engines, 'engine')})"
+            )
+        elif self.state == "draining":
+            with self._runs_lock:
+                runs = len(self.runs)
+            requests = len(self.queue.open_requests())
+            body["detail"] = f"draining: {_count(requests, 'request')} and {_count(runs, 'run')} in flight"
+        if engines:
+            body["warm"] = self.warm_summary()
+        if self.failure:
+            body["error"] = self.failure
+        return body
+
     def begin_drain(self) -> None:
         """SIGTERM/SIGINT: refuse new work, stop runs after their batch in flight (resumable); requests in
         flight still get their images."""
-        self.state = "draining"
+        with self._count_lock:
+            if self.state != "failed":
+                self.state = "draining"
         with self._runs_lock:
             for handle in self.runs.values():
                 handle.stop.request(signal.SIGTERM)
 
-    def wait_drained(self) -> None:
-        """Until no request waits for images and no run is running (each is bounded: a request by its
-        timeout, a run by its batch in flight)."""
-        while self.queue.open_requests() or any(h.state in ("queued", "running") for h in list(self.runs.values())):
+    def wait_drained(self, timeout: float | None = None) -> bool:
+        """Until no request waits for images and no run is queued or running (each is bounded: a request by
+        its timeout, a run by its batch in flight), or `timeout` seconds; whether it drained."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.queue.open_requests() or self.runs:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
             time.sleep(0.05)
+        return True
 
     def stop(self) -> None:
         """After the last request: wait for the runs, then stop the device loops after their batch."""
+        if self.abandoned:  # a second signal: the process exits under them
+            return
         self.begin_drain()
-        for handle in list(self.runs.values()):
-            if handle.thread is not None:
-                handle.thread.join()
+        with self._runs_lock:
+            threads = [handle.thread for handle in self.runs.values() if handle.thread is not None]
+        for thread in threads:
+            thread.join()
         self.queue.close()
         for loop in self._loops:
             loop.join()
+
+    def abandon(self) -> None:
+        """A second signal: stop at once. Requests still waiting are answered 503; batches in flight are
+        abandoned with the process, and runs stay resumable (their manifests hold whole lines only)."""
+        self.abandoned = True
+        self.begin_drain()
+        self._answer_waiting(NotReady("the server is stopping at once (a second signal)"))
+        self.queue.close()
+
+    def break_down(self, reason: str, cause: BaseException | None = None) -> None:
+        """The server cannot serve (its model did not load or warm up, or its device is broken): /readyz 503
+        with `reason`, the requests waiting answered 503 at once, runs stopped after their batch. `broken` is
+        set: tpugen serve exits 1 once those are answered (server.py), raising `cause` (default: a RunError
+        of `reason`)."""
+        with self._count_lock:
+            if self.state == "failed":
+                return
+            self.state, self.failure = "failed", reason
+            self.fatal = cause if cause is not None else RunError(reason)
+        log.error(reason)
+        self._answer_waiting(NotReady(reason))
+        with self._runs_lock:
+            for handle in self.runs.values():
+                handle.stop.request(signal.SIGTERM)
+        self.broken.set()
+
+    def _answer_waiting(self, error: BaseException) -> None:
+        for request in self.queue.open_requests():
+            if not request.done:
+                request.fail(error)
 
     # ---------------------------------------------------------------- images for requests
 
@@ -279,15 +400,36 @@ class Service:
         return self.queue.interrupt()
 
     def _device_loop(self, engine: Engine) -> None:
-        engine.backend.bind_thread()
-        while True:
-            taken = self.queue.take(timeout=0.25)
-            if taken is None:
-                if self.queue.closed:
-                    return
-                continue
-            key, jobs = taken
-            self._run_batch(engine, key, [job for job in jobs if not job.request.done])
+        try:
+            engine.backend.bind_thread()
+            while True:
+                taken = self.queue.take(timeout=0.25)
+                if taken is None:
+                    if self.queue.closed:
+                        return
+                    continue
+                key, jobs = taken
+                self._run_batch(engine, key, [job for job in jobs if not job.request.done])
+        except BaseException as exc:  # the loop is gone, and no other thread makes this engine's batches
+            self.metrics.device_failures.inc()
+            self.break_down(f"device loop {self._number(engine)} died: {one_line(exc)}")
+
+    def _number(self, engine: Engine) -> int:
+        return next((i for i, e in enumerate(self.engines) if e is engine), 0)
+
+    def _batch_failed(self, engine: Engine, exc: Exception) -> None:
+        """A batch that failed through no fault of its requests: counted, and serve.max_failed_batches of them
+        in a row on one engine mean its device is broken."""
+        self.metrics.device_failures.inc()
+        with self._count_lock:
+            failed = self._failed_in_a_row.get(id(engine), 0) + 1
+            self._failed_in_a_row[id(engine)] = failed
+        limit = self.serve.max_failed_batches
+        if failed >= limit:
+            self.break_down(
+                f"{failed} batches in a row failed on engine {self._number(engine)} (serve.max_failed_batches: "
+                f"{limit}); the last: {one_line(exc)}"
+            )
 
     def _run_batch(self, engine: Engine, key: BatchKey, jobs: list[ImageJob]) -> None:
         if not jobs:
@@ -313,11 +455,13 @@ class Service:
         batch = Batch(
             number, ShapeKey(key.height, key.width, self.batch_size, key.cfg), items, self.batch_size - len(items)
         )
+        cold = False
         try:
             # Every graph compiled here is one after warmup: a new shape (serve.new_shapes: compile; reject
             # refused it at the door) or, if a count shows up for a warm one, a shape planning missed.
             before = engine.backend.counters()
-            if not engine.is_warm(batch.shape, key.scheduler):
+            cold = not engine.is_warm(batch.shape, key.scheduler)
+            if cold:
                 log.info(f"compiling {batch.shape} for a request (serve.new_shapes: compile)")
                 compile_start = time.perf_counter()
                 engine.warmup(RunPlan(items, (batch,)), scheduler=key.scheduler)
@@ -330,7 +474,12 @@ class Service:
             log.error(f"batch {number} failed: {one_line(exc)}")
             for job in jobs:
                 job.request.fail(exc)
+            if not isinstance(exc, Exception):
+                raise  # SystemExit and the like end the loop, which the watchdog hears of
+            if counts_against_the_device(exc, cold_shape=cold):
+                self._batch_failed(engine, exc)
             return
+        self._failed_in_a_row[id(engine)] = 0
         # Counted before the images are handed over: a client that reads /metrics after its answer sees its batch.
         if before is not None and after is not None and after.compiles > before.compiles:
             self.metrics.compiles_after_warmup.inc(after.compiles - before.compiles)
@@ -353,7 +502,8 @@ class Service:
     # ---------------------------------------------------------------- runs
 
     def start_run(self, data: dict) -> RunHandle:
-        """A run config sent by a client, checked, then run in a thread on the first engine."""
+        """A run config sent by a client, checked, then run in a thread on the engine with the fewest runs;
+        TooManyRuns past serve.max_runs queued or running."""
         if self.state != "ready":
             raise NotReady(self.failure or f"the server is {self.state}; try again shortly")
         run = self.resolve_run(data)
@@ -375,11 +525,45 @@ class Service:
         with self._runs_lock:
             if run_id in self.runs or (run_dir.exists() and any(run_dir.iterdir())):
                 raise Conflict(f"output.run_id: {run_id} exists on this server; choose another run_id")
-            handle = RunHandle(run_id, run, run_dir, len(plan.items))
-            handle.thread = threading.Thread(target=self._execute_run, args=(handle,), name=f"tpugen-run-{run_id}")
+            limit = self.serve.max_runs
+            if len(self.runs) >= limit:
+                raise TooManyRuns(
+                    f"{len(self.runs)} runs are queued or running (serve.max_runs: {limit}); send it again when "
+                    "one ends"
+                )
+            engine = idlest([sum(h.engine == i for h in self.runs.values()) for i in range(len(self.engines))])
+            handle = RunHandle(run_id, run, run_dir, len(plan.items), engine=engine)
+            # A daemon thread: a second signal ends the process under its batch in flight (stop() joins it).
+            handle.thread = threading.Thread(
+                target=self._execute_run, args=(handle,), name=f"tpugen-run-{run_id}", daemon=True
+            )
             self.runs[run_id] = handle
         handle.thread.start()
+        log.info(f"run {run_id}: {handle.planned} images on engine {engine} of {len(self.engines)}")
         return handle
+
+    def find_run(self, run_id: str) -> RunHandle | None:
+        """A run of this server: queued or running, else ended, read back from its run directory."""
+        with self._runs_lock:
+            handle = self.runs.get(run_id)
+            unwritten = self._ended_unwritten.get(run_id)
+        return handle or run_on_disk(self.output_root, run_id) or unwritten
+
+    def list_runs(self, limit: int, after: str | None = None) -> tuple[list[RunHandle], str | None]:
+        """(a page of `limit` of this server's runs, newest first, the id to ask for the next page after; None
+        on the last page). The runs queued or running, and those in its output directory (by when each
+        started: run.json's time). `after`: the last id of the page before."""
+        with self._runs_lock:
+            live = {handle.id: handle.created for handle in self.runs.values()}
+        started = {**live, **runs_on_disk(self.output_root)}
+        order = sorted(started, key=lambda run_id: (-started[run_id], run_id))
+        if after is not None:
+            if after not in started:
+                raise InputError(f"after: no run {after!r} on this server")
+            order = order[order.index(after) + 1 :]
+        page = order[:limit]
+        handles = [handle for handle in map(self.find_run, page) if handle is not None]
+        return handles, page[-1] if len(order) > limit else None
 
     def resolve_run(self, data: dict) -> ResolvedRun:
         """A client's run config under the server's model and way of running (absent or equal is fine)."""
@@ -481,12 +665,13 @@ class Service:
     def _execute_run(self, handle: RunHandle) -> None:
         from tpugen.modes.single import run_single
 
+        engine = self.engines[handle.engine]
         handle.state = "running"
-        self.engines[0].backend.bind_thread()
         try:
+            engine.backend.bind_thread()
             handle.report = run_single(
                 handle.run,
-                engine=self.engines[0],
+                engine=engine,
                 topology=Topology(),
                 stop=handle.stop,
                 display=self.display,
@@ -499,9 +684,92 @@ class Service:
             handle.state, handle.error = "failed", exc.lines
         except BaseException as exc:
             handle.state, handle.error = "failed", [one_line(exc)]
+        finally:
+            self._forget(handle)
         log.info(f"run {handle.id} {handle.state}")
 
-    def stop_run(self, run_id: str) -> RunHandle:
-        handle = self.runs[run_id]
-        handle.stop.request(signal.SIGTERM)
+    def _forget(self, handle: RunHandle) -> None:
+        """An ended run leaves memory: its run directory answers for it. One that ended before it had one (it
+        failed as it started) is kept, the last few of them, to say why."""
+        with self._runs_lock:
+            self.runs.pop(handle.id, None)
+            if not (handle.run_dir / RUN_RECORD).is_file():
+                self._ended_unwritten[handle.id] = handle
+                while len(self._ended_unwritten) > 16:
+                    self._ended_unwritten.popitem(last=False)
+
+    def stop_run(self, run_id: str) -> RunHandle | None:
+        """Stop a queued or running run after its batch in flight (resumable); None if none is."""
+        with self._runs_lock:
+            handle = self.runs.get(run_id)
+        if handle is not None:
+            handle.stop.request(signal.SIGTERM)
         return handle
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def counts_against_the_device(exc: BaseException, *, cold_shape: bool) -> bool:
+    """Whether a failed batch says the device or its runtime is broken, which a restart may cure: what the
+    runtime raises (RuntimeError: XLA's INTERNAL or UNAVAILABLE, out of memory) or tpugen's RunError, for a
+    shape that warmed up fine. Not a request's own doing, which a restart would meet again: its bad input found
+    only in its batch (InputError); a shape compiled for it (serve.new_shapes: compile), since a size that does
+    not fit must fail its own requests, not the server; a Python error of the pipeline's code for its values
+    (diffusers' DDIM at 1000 steps raises IndexError)."""
+    if cold_shape or isinstance(exc, InputError):
+        return False
+    return isinstance(exc, (RuntimeError, RunError, MemoryError))
+
+
+def idlest(runs_per_engine: list[int]) -> int:
+    """The engine a new run goes to: the one with the fewest runs, the first of those tied."""
+    return min(range(len(runs_per_engine)), key=lambda i: (runs_per_engine[i], i))
+
+
+def runs_on_disk(root: Path) -> dict[str, float]:
+    """The run directories under `root` (each holds run.json), by id: when each started (run.json's time)."""
+    found: dict[str, float] = {}
+    try:
+        paths = list(root.iterdir())
+    except OSError:  # no run yet: the directory is made by the first
+        return found
+    for path in paths:
+        if path.name.startswith("."):
+            continue
+        try:
+            found[path.name] = (path / RUN_RECORD).stat().st_mtime
+        except OSError:  # not a run directory
+            continue
+    return found
+
+
+def run_on_disk(root: Path, run_id: str) -> RunHandle | None:
+    """An ended run read back from its run directory under `root`; None if there is none. Its state is its
+    report.json's: none means the server stopped under it (a second signal, a crash); `tpugen resume` goes on."""
+    if run_id.startswith(".") or Path(run_id).name != run_id:
+        return None
+    run_dir = root / run_id
+    if not (run_dir / RUN_RECORD).is_file():
+        return None
+    try:
+        record = read_run_record(run_dir)
+        planned = planned_images(recorded_prompts(record), record["config"]["images_per_prompt"])
+    except (InputError, KeyError, TypeError, ValueError) as exc:
+        return RunHandle(run_id, None, run_dir, 0, state="failed", error=[one_line(exc)])
+    try:
+        report = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        report = None
+    if not isinstance(report, dict):
+        resume = f"resume with: tpugen resume {run_dir}"
+        lines = ["the server stopped before the run ended (it has no report.json)", resume]
+        return RunHandle(run_id, None, run_dir, planned, state="stopped", error=lines)
+    error = report.get("error")
+    if report.get("complete"):
+        state = "complete"
+    else:
+        state = "stopped" if str(error or "").startswith("interrupted") else "failed"
+    planned = report.get("images_planned") or planned
+    return RunHandle(run_id, None, run_dir, planned, state=state, error=[error] if error else None, report=report)
