@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv at the repo root if missing and install tpugen with its xla and dev extras.
+# Create .venv at the repo root if missing and install tpugen with its xla, dev and docs extras.
 # Idempotent: reinstalls only when pyproject.toml changed since the last successful install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,10 +13,10 @@ fi
 stamp=.venv/.tpugen-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing tpugen[xla,dev] into .venv (torch 2.9.0 + torch_xla 2.9.0, the server, Ray and peft: several GB the first time)"
+  echo "setup: installing tpugen[xla,dev,docs] into .venv (torch 2.9.0 + torch_xla 2.9.0, the server, Ray, peft and mkdocs: several GB the first time)"
   # Some machines' pip configs point at local index folders that do not exist; those warnings are noise.
-  .venv/bin/python -m pip install -q -e '.[xla,dev]' 2>&1 | grep -v "^WARNING: Location 'file:" || true
-  PJRT_DEVICE=CPU .venv/bin/python -c "import torch, torch_xla, torchvision, diffusers, transformers, peft, fastapi, uvicorn, ray, httpx, tpugen" \
+  .venv/bin/python -m pip install -q -e '.[xla,dev,docs]' 2>&1 | grep -v "^WARNING: Location 'file:" || true
+  PJRT_DEVICE=CPU .venv/bin/python -c "import torch, torch_xla, torchvision, diffusers, transformers, peft, fastapi, uvicorn, ray, httpx, mkdocs, material, tpugen" \
     || { echo "setup: the install failed (see above)" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

@@ -119,17 +119,17 @@ def test_skip_warmup_in_multi_mode_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-def test_every_environment_variable_is_in_the_settings_and_the_readme():
-    """The variables tpugen reads are listed once (tpugen.settings) and the README's table names each of them;
-    outside the settings and the device seam no module reads tpugen's or the hub's variables itself."""
+def test_every_environment_variable_is_in_the_settings_and_the_docs():
+    """The variables tpugen reads are listed once (tpugen.settings) and the docs' environment page (generated from
+    it) names each of them; outside the settings and the device seam no module reads tpugen's or the hub's
+    variables itself."""
     import re
     from pathlib import Path
 
     from tpugen.settings import VARIABLES
 
     root = Path(__file__).resolve().parent.parent
-    readme = root.joinpath("README.md").read_text()
-    table = readme[readme.index("## Environment") : readme.index("## Development")]
+    table = root.joinpath("docs", "reference", "environment.md").read_text()
     assert {v.name for v in VARIABLES} <= set(re.findall(r"`([A-Z_]+)(?:=1)?`", table))
     own = ("TPUGEN_CACHE", "TPUGEN_DEBUG", "HF_HUB_OFFLINE", "HF_TOKEN")
     readers = [

@@ -26,15 +26,29 @@ LORA_SCALE_MAX = 4.0
 
 
 class LoraConfig(_Section):
-    # A .safetensors LoRA file (relative to the config file), a folder holding one, or a hub repo id org/name.
-    # Formats: diffusers/PEFT and kohya (sd-scripts), for the UNet or transformer and the text encoders.
-    id: str
-    # How strongly it is fused into the weights, from 0 to 4 (1.0: as trained).
-    scale: float = 1.0
-    # The file inside a hub repo or a folder (default: its only .safetensors, or pytorch_lora_weights.safetensors).
-    weight_name: str | None = None
-    # The file's sha256, filled in when the config is resolved; set it to pin the file (any other is refused).
-    sha256: str | None = None
+    id: str = Field(
+        description=(
+            "A .safetensors LoRA file (relative to the config file), a folder holding one, or a hub repo id "
+            "org/name. Formats: diffusers/PEFT and kohya (sd-scripts), for the UNet or transformer and the "
+            "text encoders."
+        )
+    )
+    scale: float = Field(
+        default=1.0, description="How strongly it is fused into the weights, from 0 to 4 (1.0: as trained)."
+    )
+    weight_name: str | None = Field(
+        default=None,
+        description=(
+            "The file inside a hub repo or a folder (default: its only .safetensors, or "
+            "pytorch_lora_weights.safetensors)."
+        ),
+    )
+    sha256: str | None = Field(
+        default=None,
+        description=(
+            "The file's sha256, filled in when the config is resolved; set it to pin the file (any other is refused)."
+        ),
+    )
 
     @field_validator("scale")
     @classmethod
@@ -55,19 +69,51 @@ class LoraConfig(_Section):
 
 
 class ModelConfig(_Section):
-    id: str
-    revision: str | None = None
-    variant: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    scheduler: str | None = None
-    # Code from a model repository runs only when the config says so.
-    allow_remote_code: bool = False
-    custom_pipeline: str | None = None
-    # SDXL's invisible watermark (runs on the host, so off by default on TPU).
-    watermark: bool = False
-    # LoRAs fused into the weights on the host before the model moves to the device, in this order: the compiled
-    # graphs stay the base model's (no compile per LoRA), and a warm engine can switch them without compiling.
-    loras: list[LoraConfig] = []
+    id: str = Field(
+        description=(
+            "A built-in (tiny-sd, ...; `tpugen models` lists them), a local diffusers folder (relative to the"
+            " config file), or a hub id org/name."
+        )
+    )
+    revision: str | None = Field(
+        default=None, description="The hub revision (branch, tag or commit), passed to from_pretrained."
+    )
+    variant: str | None = Field(default=None, description="The weights variant (fp16, ...), passed to from_pretrained.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32",
+        description=(
+            "The weights' and activations' dtype: bfloat16 on a TPU (its native format, half the memory of float32)."
+        ),
+    )
+    scheduler: str | None = Field(
+        default=None,
+        description=(
+            "A common name (DPM++ 2M, DPM++ 2M Karras, DPM++ 2M SDE, Euler, Euler a, Heun, LMS, DDIM, PNDM, "
+            "UniPC, DEIS, LCM) or a diffusers scheduler class name; unset keeps the model's own. "
+            "Flow-matching families keep theirs."
+        ),
+    )
+    allow_remote_code: bool = Field(
+        default=False,
+        description=(
+            "Run code that ships with a model (trust_remote_code, custom_pipeline): only when the config says so."
+        ),
+    )
+    custom_pipeline: str | None = Field(
+        default=None,
+        description="A diffusers community pipeline to load instead of the model's own (needs allow_remote_code).",
+    )
+    watermark: bool = Field(
+        default=False, description="SDXL's invisible watermark (runs on the host, so off by default on TPU)."
+    )
+    loras: list[LoraConfig] = Field(
+        default=[],
+        description=(
+            "LoRAs fused into the weights on the host before the model moves to the device, in this order: "
+            "the compiled graphs stay the base model's (no compile per LoRA), and a warm engine can switch "
+            "them without compiling."
+        ),
+    )
 
     @field_validator("scheduler")
     @classmethod
@@ -78,15 +124,31 @@ class ModelConfig(_Section):
 
 
 class PodConfig(_Section):
-    # num_workers is set by `tpugen pod-run`; the index, unless set, is TPU_WORKER_ID / CLOUD_TPU_TASK_ID, else
-    # torch_xla's host index.
-    worker_index: int | None = Field(default=None, ge=0)
-    num_workers: int | None = Field(default=None, ge=1)
+    worker_index: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "This worker's index in a pod; unset: TPU_WORKER_ID, CLOUD_TPU_TASK_ID, else torch_xla's host "
+            "index (pod-run sets it for each worker)."
+        ),
+    )
+    num_workers: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "The pod's worker count, set by `tpugen pod-run`; worker i makes the images whose index % num_workers == i."
+        ),
+    )
 
 
 class TorchTpuConfig(_Section):
-    # eager (strict, the default), defer_and_fuse (TORCH_TPU_DEFER_AND_FUSE=1), or compile (torch.compile "tpu").
-    mode: Literal["eager", "defer_and_fuse", "compile"] = "eager"
+    mode: Literal["eager", "defer_and_fuse", "compile"] = Field(
+        default="eager",
+        description=(
+            "eager (strict, the default), defer_and_fuse (TORCH_TPU_DEFER_AND_FUSE=1), or compile "
+            '(torch.compile "tpu").'
+        ),
+    )
 
 
 def _check_auto_or_bool(value: Any) -> Any:
@@ -123,28 +185,64 @@ def _check_step_cache_method(value: Any) -> Any:
 
 
 class StepCacheConfig(_Section):
-    # none, or taylorseer: diffusers' TaylorSeer (diffusers.hooks.TaylorSeerCacheConfig, attached with
-    # transformer.enable_cache): between full steps, the attention outputs are predicted from a Taylor series of
-    # the last full ones. Each step's kind follows from its index alone, so on XLA each kind is one graph,
-    # compiled in warmup. Images differ from uncached ones (the PNG record and parameters say so).
-    method: Annotated[str, AfterValidator(_check_step_cache_method)] = "none"
+    method: Annotated[str, AfterValidator(_check_step_cache_method)] = Field(
+        default="none",
+        description=(
+            "none, or taylorseer: diffusers' TaylorSeer (diffusers.hooks.TaylorSeerCacheConfig, attached with"
+            " transformer.enable_cache): between full steps, the attention outputs are predicted from a "
+            "Taylor series of the last full ones. Each step's kind follows from its index alone, so on XLA "
+            "each kind is one graph, compiled in warmup. Images differ from uncached ones (the PNG record and"
+            " parameters say so)."
+        ),
+    )
     # The rest are TaylorSeerCacheConfig's own options, with its names and defaults.
-    # Full steps come every cache_interval steps once caching has started; the others are predicted.
-    cache_interval: int = Field(default=5, ge=1)
-    # Steps 0 .. this - 1 run full (they gather the Taylor factors); at least 1, so step 0 always runs full.
-    disable_cache_before_step: int = Field(default=3, ge=1)
-    # From this step on every step runs full again (none: caching to the end).
-    disable_cache_after_step: int | None = Field(default=None, ge=1)
-    # The Taylor series' highest order (1: a straight line through the last two full steps).
-    max_order: int = Field(default=1, ge=0, le=4)
-    # The factors' dtype: float32 keeps the images closest to uncached ones (diffusers' default is bfloat16).
-    taylor_factors_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    # Regexes (re.fullmatch on module names) of modules predicted as zeros, and of modules Taylor-predicted;
-    # none: the attention of every transformer block.
-    skip_predict_identifiers: list[str] | None = None
-    cache_identifiers: list[str] | None = None
-    # TaylorSeer lite: blocks skipped, only proj_out predicted (faster, further from the uncached image).
-    use_lite_mode: bool = False
+    cache_interval: int = Field(
+        default=5,
+        ge=1,
+        description="Full steps come every cache_interval steps once caching has started; the others are predicted.",
+    )
+    disable_cache_before_step: int = Field(
+        default=3,
+        ge=1,
+        description=(
+            "Steps 0 .. this - 1 run full (they gather the Taylor factors); at least 1, so step 0 always runs full."
+        ),
+    )
+    disable_cache_after_step: int | None = Field(
+        default=None, ge=1, description="From this step on every step runs full again (none: caching to the end)."
+    )
+    max_order: int = Field(
+        default=1,
+        ge=0,
+        le=4,
+        description="The Taylor series' highest order (1: a straight line through the last two full steps).",
+    )
+    taylor_factors_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="bfloat16",
+        description=(
+            "The factors' dtype: float32 keeps the images closest to uncached ones (diffusers' default is bfloat16)."
+        ),
+    )
+    skip_predict_identifiers: list[str] | None = Field(
+        default=None,
+        description=(
+            "Regexes (re.fullmatch on module names) of modules predicted as zeros; unset: TaylorSeer's own "
+            "choice, the attention of every transformer block."
+        ),
+    )
+    cache_identifiers: list[str] | None = Field(
+        default=None,
+        description=(
+            "Regexes (re.fullmatch on module names) of modules Taylor-predicted; unset: the attention of "
+            "every transformer block."
+        ),
+    )
+    use_lite_mode: bool = Field(
+        default=False,
+        description=(
+            "TaylorSeer lite: blocks skipped, only proj_out predicted (faster, further from the uncached image)."
+        ),
+    )
 
     @field_validator("skip_predict_identifiers", "cache_identifiers")
     @classmethod
@@ -175,15 +273,35 @@ class StepCacheConfig(_Section):
 
 
 class CompileConfig(_Section):
-    # torch.compile the denoiser on the cpu and cuda backends (xla compiles through torch_xla already).
-    torch_compile: bool = False
-    # xla, Flux and SD3: run repeated blocks through torch_xla's scan, so one block per kind is compiled.
-    scan_blocks: bool = False
-    # xla: the denoiser's attention through torch_xla's Pallas flash-attention kernel (diffusers' XLA path). auto: on
-    # a TPU only; true: try it anywhere. If it cannot run (no jax, not a TPU, a compile error), the run goes on without.
-    flash_attention: AutoOrBool = "auto"
-    # Skip work between denoising steps with one of diffusers' step caches (transformer families).
-    step_cache: StepCacheConfig = StepCacheConfig()
+    torch_compile: bool = Field(
+        default=False,
+        description=(
+            "torch.compile the denoiser on the cpu and cuda backends (xla compiles through torch_xla already)."
+        ),
+    )
+    scan_blocks: bool = Field(
+        default=False,
+        description=(
+            "xla, every DiT family (SD3, Flux.1, FLUX.2, Z-Image, Qwen-Image): run each run of identical "
+            "blocks through torch_xla's scan with the weights stacked once, so one block per kind is "
+            "compiled."
+        ),
+    )
+    flash_attention: AutoOrBool = Field(
+        default="auto",
+        description=(
+            "xla: the denoiser's attention through torch_xla's Pallas flash-attention kernel (diffusers' XLA "
+            "path). auto: on a TPU only; true: try it anywhere. If it cannot run (no jax, not a TPU, a "
+            "compile error), the run goes on without."
+        ),
+    )
+    step_cache: StepCacheConfig = Field(
+        default=StepCacheConfig(),
+        description=(
+            "Skip work between denoising steps with one of diffusers' step caches (Flux.1 for now; see "
+            "compile.step_cache.method)."
+        ),
+    )
 
 
 def _check_placement(value: Any) -> Any:
@@ -206,10 +324,12 @@ Placement = Annotated[Any, AfterValidator(_check_placement)]
 
 
 class MeshConfig(_Section):
-    # Devices that each take a share of the batch (batch_size must divide by it).
-    data: int = Field(default=1, ge=1)
-    # Devices each weight is split over; 0 = every device the data axis leaves.
-    model: int = Field(default=0, ge=0)
+    data: int = Field(
+        default=1, ge=1, description="Devices that each take a share of the batch (batch_size must divide by it)."
+    )
+    model: int = Field(
+        default=0, ge=0, description="Devices each weight is split over; 0 = every device the data axis leaves."
+    )
 
 
 # Where a ray run's driver finds its cluster: local (a throwaway cluster on this machine, for the run), auto
@@ -250,55 +370,119 @@ def _check_resources(value: Any) -> Any:
 
 
 class RayConfig(_Section):
-    address: Annotated[str, AfterValidator(_check_ray_address)] = "local"
-    # A number, or auto: one per TPU host of the cluster (as many as resources_per_worker fit on its TPU
-    # nodes), else one per node.
-    workers: Annotated[Any, AfterValidator(_check_workers)] = "auto"
-    # What each worker asks Ray for; default {TPU: chips per host} on a cluster with TPUs, else {CPU: 1}.
-    resources_per_worker: Annotated[Any, AfterValidator(_check_resources)] = None
-    # How often Ray starts a lost worker again (it opens and warms its engine again each time).
-    max_restarts: int = Field(default=3, ge=0)
-    # Passed to ray.init (pip, env_vars, working_dir, ...).
-    runtime_env: dict[str, Any] | None = None
-    # How long the address may take to answer.
-    connect_timeout_s: float = Field(default=30.0, gt=0)
-    # A batch's deadline, in seconds from when its worker could start it (its previous batch done): a worker
-    # that misses it is taken as lost (hung), its batches in flight go back to the queue and its actor is killed,
-    # so Ray restarts it while max_restarts allow. Warm batches take seconds; the warmup has no deadline, nor
-    # (with --skip-warmup) a worker's first batch of each shape key, which compiles. null: no deadline.
-    batch_timeout_s: float | None = Field(default=600.0, gt=0)
+    address: Annotated[str, AfterValidator(_check_ray_address)] = Field(
+        default="local",
+        description=(
+            "Where the driver finds its cluster: local (a throwaway cluster on this machine, for the run), "
+            "auto (the cluster `ray start` made, or RAY_ADDRESS), ray://HOST:PORT (Ray Client) or HOST:PORT "
+            "(the GCS address)."
+        ),
+    )
+    workers: Annotated[Any, AfterValidator(_check_workers)] = Field(
+        default="auto",
+        description=(
+            "A number, or auto: one per TPU host of the cluster (as many as resources_per_worker fit on its "
+            "TPU nodes), else one per node."
+        ),
+    )
+    resources_per_worker: Annotated[Any, AfterValidator(_check_resources)] = Field(
+        default=None,
+        description=(
+            "What each worker asks Ray for; default {TPU: chips per host} on a cluster with TPUs, else {CPU: 1}."
+        ),
+    )
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="How often Ray starts a lost worker again (it opens and warms its engine again each time).",
+    )
+    runtime_env: dict[str, Any] | None = Field(
+        default=None, description="Passed to ray.init (pip, env_vars, working_dir, ...)."
+    )
+    connect_timeout_s: float = Field(default=30.0, gt=0, description="How long the address may take to answer.")
+    batch_timeout_s: float | None = Field(
+        default=600.0,
+        gt=0,
+        description=(
+            "A batch's deadline, in seconds from when its worker could start it (its previous batch done): a "
+            "worker that misses it is taken as lost (hung), its batches in flight go back to the queue and "
+            "its actor is killed, so Ray restarts it while max_restarts allow. Warm batches take seconds; the"
+            " warmup has no deadline, nor (with --skip-warmup) a worker's first batch of each shape key, "
+            "which compiles. null: no deadline."
+        ),
+    )
 
 
 class ExecutionConfig(_Section):
-    backend: Literal["xla", "cpu", "cuda", "torch_tpu"] = "xla"
-    # single: one device; multi: one replica per device, through torch_xla.launch (xla) or torchrun, one
-    # process each (torch_tpu: process group tpu_dist, cuda: nccl, cpu: gloo, with cores processes); ray: batches
-    # handed out to the workers of a Ray cluster (execution.ray).
-    mode: Literal["single", "multi", "ray"] = "single"
-    # multi and spmd: how many devices (0 = every local device; on XLA:CPU, CPU_NUM_DEVICES or 1).
-    cores: int = Field(default=0, ge=0)
-    strict_shapes: bool = False
-    pod: PodConfig = PodConfig()
-    # model: each component moves to the device only while it runs (xla, cuda, torch_tpu).
-    offload: Literal["none", "model"] = "none"
-    # spmd (xla): one process drives every local device as a mesh; big weights are split over it.
-    sharding: Literal["none", "spmd"] = "none"
-    # The SPMD mesh: {data: D, model: M}, D x M = the devices (on XLA:CPU, execution.cores).
-    mesh: MeshConfig = MeshConfig()
-    # xla: whole components on different chips of this VM: auto (greedy by size), or {component: chip index}.
-    placement: Placement = "none"
-    # The TPU generation memory plans are made for (HBM per chip: v4 32 GB, v5e 16, v5p 95, v6e 32).
-    chip: Literal["v4", "v5e", "v5p", "v6e"] = "v5e"
-    # Overrides the chip's HBM in GB.
-    chip_memory_gb: float | None = Field(default=None, gt=0)
-    torch_tpu: TorchTpuConfig = TorchTpuConfig()
-    ray: RayConfig = RayConfig()
+    backend: Literal["xla", "cpu", "cuda", "torch_tpu"] = Field(
+        default="xla",
+        description=(
+            "xla (torch_xla), cpu (eager PyTorch, the reference), cuda (eager on an NVIDIA GPU) or torch_tpu "
+            "(TorchTPU)."
+        ),
+    )
+    mode: Literal["single", "multi", "ray"] = Field(
+        default="single",
+        description=(
+            "single: one device; multi: one replica per device, through torch_xla.launch (xla) or torchrun, "
+            "one process each (torch_tpu: process group tpu_dist, cuda: nccl, cpu: gloo, with cores "
+            "processes); ray: batches handed out to the workers of a Ray cluster (execution.ray)."
+        ),
+    )
+    cores: int = Field(
+        default=0,
+        ge=0,
+        description="multi and spmd: how many devices (0 = every local device; on XLA:CPU, CPU_NUM_DEVICES or 1).",
+    )
+    strict_shapes: bool = Field(
+        default=False,
+        description=(
+            "Any compile after warmup stops the run (exit 1), naming the batch and shape key (also generate "
+            "--strict-shapes)."
+        ),
+    )
+    pod: PodConfig = Field(default=PodConfig(), description="A worker's place in a TPU pod slice (`tpugen pod-run`).")
+    offload: Literal["none", "model"] = Field(
+        default="none",
+        description="model: each component moves to the device only while it runs (xla, cuda, torch_tpu).",
+    )
+    sharding: Literal["none", "spmd"] = Field(
+        default="none",
+        description="spmd (xla): one process drives every local device as a mesh; big weights are split over it.",
+    )
+    mesh: MeshConfig = Field(
+        default=MeshConfig(),
+        description=(
+            "The SPMD mesh (execution.sharding: spmd): {data: D, model: M}, D x M = the devices (on XLA:CPU, "
+            "execution.cores)."
+        ),
+    )
+    placement: Placement = Field(
+        default="none",
+        description=(
+            "xla: whole components on different chips of this VM: auto (greedy by size), or {component: chip index}."
+        ),
+    )
+    chip: Literal["v4", "v5e", "v5p", "v6e"] = Field(
+        default="v5e",
+        description="The TPU generation memory plans are made for (HBM per chip: v4 32 GB, v5e 16, v5p 95, v6e 32).",
+    )
+    chip_memory_gb: float | None = Field(default=None, gt=0, description="Overrides the chip's HBM in GB.")
+    torch_tpu: TorchTpuConfig = Field(
+        default=TorchTpuConfig(), description="TorchTPU's options (execution.backend: torch_tpu)."
+    )
+    ray: RayConfig = Field(default=RayConfig(), description="A run over a Ray cluster (execution.mode: ray only).")
 
 
 class CacheConfig(_Section):
-    # auto: on where XLA can reload compiled programs (TPU); off on XLA:CPU, which cannot.
-    enabled: bool | Literal["auto"] = "auto"
-    dir: str | None = None
+    enabled: bool | Literal["auto"] = Field(
+        default="auto",
+        description="auto: on where XLA can reload compiled programs (TPU); off on XLA:CPU, which cannot.",
+    )
+    dir: str | None = Field(
+        default=None,
+        description="The cache's folder; unset: TPUGEN_CACHE/xla, one subdirectory per device kind and process.",
+    )
 
 
 # A run id is a folder name here and, with pod-run, in gcloud scp paths that a shell on every worker reads:
@@ -312,8 +496,17 @@ def is_safe_run_id(value: str) -> bool:
 
 
 class OutputConfig(_Section):
-    dir: str = "outputs"
-    run_id: str | None = None
+    dir: str = Field(
+        default="outputs",
+        description="Where run directories go (relative to the working directory), or gs://bucket/prefix for pod-run.",
+    )
+    run_id: str | None = Field(
+        default=None,
+        description=(
+            "The run directory's name; unset: a UTC timestamp and the config hash. 1 to 128 ASCII letters, "
+            "digits, '.', '_' or '-', not starting with '.' or '-'."
+        ),
+    )
 
     @field_validator("run_id")
     @classmethod
@@ -360,34 +553,72 @@ Size = Annotated[list[int], AfterValidator(_check_size)]
 
 
 class ServeConfig(_Section):
-    # The sizes kept warm, [height, width] pairs; unset: the config's own sizes (sizes, or height x width).
-    sizes: list[Size] | None = None
-    # Schedulers kept warm besides the model's own (the names model.scheduler takes).
-    schedulers: list[str] = []
-    # A request for a size, CFG or scheduler that is not warm: reject (422 naming what is warm), or compile
-    # it once (it then stays warm).
-    new_shapes: Literal["reject", "compile"] = "reject"
-    # How long the first image of a batch waits for companions with the same shape, steps and guidance.
-    batch_window_ms: int = Field(default=20, ge=0, le=60_000)
-    # Requests waiting or running at once; one more gets 503 with Retry-After.
-    max_queue: int = Field(default=64, ge=1)
-    # Images one request may ask for (A1111 batch_size x n_iter, OpenAI n).
-    max_images_per_request: int = Field(default=16, ge=1)
-    # Images one run sent to /v1/runs may plan (prompts x images_per_prompt x sizes); more gets 422.
-    max_images_per_run: int = Field(default=10_000, ge=1)
-    # A request still waiting after this long gets 504 and its images are dropped from the queue.
-    request_timeout_s: float = Field(default=600.0, gt=0)
-    # A folder of LoRA .safetensors files that requests name by file stem (A1111's <lora:NAME:SCALE>, and
-    # model.loras of runs sent to /v1/runs); relative to the config file.
-    lora_dir: str | None = None
-    # Runs sent to /v1/runs that may be queued or running at once; one more gets 429 with Retry-After. Under
-    # execution.mode: multi each run goes to the engine with the fewest runs, so set it to the device count
-    # or more to keep every chip busy with runs.
-    max_runs: int = Field(default=2, ge=1)
-    # Batches in a row that may fail on one engine (not counting a request's own bad input) before the server
-    # calls its device broken: /readyz turns 503 with the last error, and once the requests in flight are
-    # answered the process exits 1 so its supervisor (systemd, Kubernetes, Ray) restarts it.
-    max_failed_batches: int = Field(default=3, ge=1)
+    sizes: list[Size] | None = Field(
+        default=None,
+        description=(
+            "The sizes kept warm, [height, width] pairs; unset: the config's own sizes (sizes, or height x width)."
+        ),
+    )
+    schedulers: list[str] = Field(
+        default=[], description="Schedulers kept warm besides the model's own (the names model.scheduler takes)."
+    )
+    new_shapes: Literal["reject", "compile"] = Field(
+        default="reject",
+        description=(
+            "A request for a size, CFG or scheduler that is not warm: reject (422 naming what is warm), or "
+            "compile it once (it then stays warm)."
+        ),
+    )
+    batch_window_ms: int = Field(
+        default=20,
+        ge=0,
+        le=60_000,
+        description=(
+            "How long the first image of a batch waits for companions with the same shape, steps and guidance."
+        ),
+    )
+    max_queue: int = Field(
+        default=64, ge=1, description="Requests waiting or running at once; one more gets 503 with Retry-After."
+    )
+    max_images_per_request: int = Field(
+        default=16, ge=1, description="Images one request may ask for (A1111 batch_size x n_iter, OpenAI n)."
+    )
+    max_images_per_run: int = Field(
+        default=10_000,
+        ge=1,
+        description="Images one run sent to /v1/runs may plan (prompts x images_per_prompt x sizes); more gets 422.",
+    )
+    request_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="A request still waiting after this long gets 504 and its images are dropped from the queue.",
+    )
+    lora_dir: str | None = Field(
+        default=None,
+        description=(
+            "A folder of LoRA .safetensors files that requests name by file stem (A1111's <lora:NAME:SCALE>, "
+            "and model.loras of runs sent to /v1/runs); relative to the config file."
+        ),
+    )
+    max_runs: int = Field(
+        default=2,
+        ge=1,
+        description=(
+            "Runs sent to /v1/runs that may be queued or running at once; one more gets 429 with Retry-After."
+            " Under execution.mode: multi each run goes to the engine with the fewest runs, so set it to the "
+            "device count or more to keep every chip busy with runs."
+        ),
+    )
+    max_failed_batches: int = Field(
+        default=3,
+        ge=1,
+        description=(
+            "Batches in a row that may fail on one engine (not counting a request's own bad input) before the"
+            " server calls its device broken: /readyz turns 503 with the last error, and once the requests in"
+            " flight are answered the process exits 1 so its supervisor (systemd, Kubernetes, Ray) restarts "
+            "it."
+        ),
+    )
 
     @field_validator("schedulers")
     @classmethod
@@ -399,25 +630,89 @@ class ServeConfig(_Section):
 
 
 class RunConfig(_Section):
-    model: ModelConfig
-    prompts: list[Prompt] | None = None
-    prompts_file: str | None = None
-    negative_prompt: str = ""
-    height: int | None = Field(default=None, gt=0)
-    width: int | None = Field(default=None, gt=0)
-    sizes: list[Size] | None = None
-    # None: the model's (or its family's) own default, filled in when the config is resolved.
-    steps: int | None = Field(default=None, ge=MIN_STEPS, le=MAX_STEPS)
-    guidance_scale: float | None = Field(default=None, ge=0)
-    seed: int = Field(default=0, ge=0, lt=MAX_SEED + 1)
-    batch_size: int = Field(default=1, ge=1)
-    images_per_prompt: int = Field(default=1, ge=1)
-    execution: ExecutionConfig = ExecutionConfig()
-    compile: CompileConfig = CompileConfig()
-    cache: CacheConfig = CacheConfig()
-    output: OutputConfig = OutputConfig()
-    # `tpugen serve`: what the server keeps warm and how it batches requests (other commands ignore it).
-    serve: ServeConfig = ServeConfig()
+    model: ModelConfig = Field(description="The pipeline: which model, in which dtype, with which scheduler and LoRAs.")
+    prompts: list[Prompt] | None = Field(
+        default=None,
+        description=(
+            "The prompts, inline: strings, or mappings with the keys of a .jsonl line (prompt, "
+            "negative_prompt, seed, steps, guidance_scale, height, width). Give prompts or prompts_file; a "
+            "server's config needs neither."
+        ),
+    )
+    prompts_file: str | None = Field(
+        default=None,
+        description=(
+            "A .txt file (one prompt per line) or a .jsonl file (per line: prompt, negative_prompt, seed, "
+            "steps, guidance_scale, height, width), relative to the config file."
+        ),
+    )
+    negative_prompt: str = Field(default="", description="The negative prompt of every prompt without its own.")
+    height: int | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Image height in pixels, a multiple of 8. Unset: the model's own default, else its family's (64 "
+            "for the tiny models, 512 for SD 1.x, 768 for SD 2.x, 1024 for SDXL, SD3 and Flux; `tpugen "
+            "models` lists them)."
+        ),
+    )
+    width: int | None = Field(
+        default=None, gt=0, description="Image width in pixels, a multiple of 8; unset: as for height."
+    )
+    sizes: list[Size] | None = Field(
+        default=None,
+        description=(
+            "Instead of height and width: [height, width] pairs such as [[1024, 1024], [768, 1344]], every "
+            "prompt at every size (a .jsonl line may set its own height and width)."
+        ),
+    )
+    steps: int | None = Field(
+        default=None,
+        ge=MIN_STEPS,
+        le=MAX_STEPS,
+        description=(
+            "Denoising steps; unset: the model's (or its family's) own default, filled in when the config is resolved."
+        ),
+    )
+    guidance_scale: float | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Classifier-free guidance (on above 1 for most families; `tpugen models` gives each family's "
+            "rule); unset: the model's or its family's default."
+        ),
+    )
+    seed: int = Field(
+        default=0,
+        ge=0,
+        lt=MAX_SEED + 1,
+        description="Image i of the run uses seed + i (a .jsonl line's seed s gives s + k for its k-th image).",
+    )
+    batch_size: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Images per pipeline call: larger batches use the chip better, and each batch size is one more "
+            "compile. The last batch is padded to it."
+        ),
+    )
+    images_per_prompt: int = Field(
+        default=1, ge=1, description="Images made from each prompt (a run plans at most 1,000,000 images)."
+    )
+    execution: ExecutionConfig = Field(
+        default=ExecutionConfig(), description="How the run is executed: backend, mode, devices, memory strategy."
+    )
+    compile: CompileConfig = Field(default=CompileConfig(), description="How the denoiser is compiled and sped up.")
+    cache: CacheConfig = Field(default=CacheConfig(), description="torch_xla's persistent compile cache.")
+    output: OutputConfig = Field(
+        default=OutputConfig(), description="Where the run directory goes and what it is called."
+    )
+    serve: ServeConfig = Field(
+        default=ServeConfig(),
+        description=(
+            "`tpugen serve`: what the server keeps warm and how it batches requests (other commands ignore it)."
+        ),
+    )
 
     @field_validator("height", "width")
     @classmethod
