@@ -257,3 +257,15 @@ def test_one_clients_single_image_is_not_held_behind_anothers_many(server, clien
     assert done["big"][:2] == (200, 8) and done["small"][:2] == (200, 1)
     # Served in turn, the small request's image goes in the first or second batch (before: after all of big's).
     assert done["small"][2] < done["big"][2]
+
+
+def test_a_requests_progress_counts_each_step_as_it_reaches_the_device(server, client):
+    # Before, a request's step went from 0 to `steps` when its batch was done: a one-batch request's progress
+    # was 0 until it was 1.
+    _, service = server
+    body = {**BASE, "prompt": "a stepping cat", "force_task_id": "task(steps1)"}
+    assert client.post("/sdapi/v1/txt2img", json=body).status_code == 200
+    job = service.progress.live("request", "task(steps1)")
+    running = [(e.data["step"], e.data["images_done"]) for e in job.events if e.data.get("state") == "running"]
+    assert running == [(1, 0), (2, 0), (3, 0), (3, 1)]  # steps 1..3 of its batch, then its image made
+    assert job.events[-1].name == "end" and job.fraction == 1.0

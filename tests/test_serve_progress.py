@@ -100,3 +100,14 @@ def test_the_clients_reading_of_an_event_stream():
         b"\n",
     ]
     assert list(server_sent_events(stream)) == [(1, "progress", {"images_done": 0}), (2, "end", {"status": "complete"})]
+
+
+def test_a_jobs_fraction_counts_the_steps_of_its_images_on_a_device():
+    jobs = Jobs()
+    job = jobs.open("request", "r", images_planned=4, steps=10)
+    jobs.stepped(job, 5, images=2)  # half the steps of a batch holding 2 of its 4 images
+    assert (job.step, job.state, job.fraction) == (5, "running", 0.25)
+    jobs.advance(job, 2)
+    assert (job.step, job.images_done, job.fraction) == (10, 2, 0.5)
+    jobs.stepped(job, 10, images=2)
+    assert job.fraction == 1.0

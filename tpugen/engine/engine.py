@@ -447,17 +447,26 @@ class Engine:
             phase.counters = counters.as_dict() if counters else None
         return phase
 
-    def generate(self, batch: Batch, scheduler: str | None = None, loras: Sequence[Lora] | None = None) -> list:
+    def generate(
+        self,
+        batch: Batch,
+        scheduler: str | None = None,
+        loras: Sequence[Lora] | None = None,
+        on_step: Callable[[int], None] | None = None,
+    ) -> list:
         """One batch's pixels, outside any run (a server's requests): uint8 HxWx3 arrays of its real rows, with
-        `scheduler` (None: the loaded one) and `loras` fused (None: whatever is fused now)."""
+        `scheduler` (None: the loaded one) and `loras` fused (None: whatever is fused now). `on_step(n)` is told
+        each denoising step as it is handed to the device (no step is read back to the host for it)."""
         with self.lock:
             if loras is not None:
                 self.use_loras(loras)
             self.loaded.use_scheduler(scheduler)
+            self.loaded.on_step = on_step
             try:
                 pixels = self._call(batch, Display())
                 self.backend.wait()
             finally:
+                self.loaded.on_step = None
                 self.loaded.use_scheduler(None)  # at rest, an engine has the scheduler it was loaded with
             return pixels
 

@@ -53,6 +53,7 @@ class LoadedPipeline:
         self.running = "text encoders"  # what runs on the device now, for an out-of-memory message
         self.out_of_memory_advice = "`tpugen plan CONFIG` shows each component's size against the chip"
         self._loop_started = False
+        self.on_step = None  # called with each denoising step's number (1..steps) as it is handed to the device
         # tpugen decodes the latents itself, so decoding and the conversion to pixels are one graph. A
         # safety checker or a watermark runs on the host, so pipelines with one keep their own path.
         host_steps = getattr(pipe, "safety_checker", None) is not None or getattr(pipe, "watermark", None) is not None
@@ -141,6 +142,9 @@ class LoadedPipeline:
         self.backend.sync()
         if step == 0:
             self._mark("first denoising step")
+        if self.on_step is not None:
+            # The step is handed to the device here, not finished: nothing is read back to know that.
+            self.on_step(step + 1)
         return {}
 
     # ---------------------------------------------------------------- noise, call, decode

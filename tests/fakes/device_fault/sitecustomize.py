@@ -16,7 +16,7 @@ if _MARK:
 
     _generate = _engine.Engine.generate
 
-    def _generate_or_fail(self, batch, scheduler=None, loras=None):
+    def _generate_or_fail(self, batch, scheduler=None, loras=None, on_step=None):
         prompts = " | ".join(item.prompt for item in batch.items)
         if _MARK in prompts:
             if "slowly" in prompts:
@@ -24,6 +24,6 @@ if _MARK:
             raise RuntimeError(f"INTERNAL: the device stopped answering (TPUGEN_TEST_DEVICE_FAULT={_MARK})")
         if "bad input here" in prompts:
             raise InputError("prompt: bad input found only in its batch (TPUGEN_TEST_DEVICE_FAULT)")
-        return _generate(self, batch, scheduler, loras)
+        return _generate(self, batch, scheduler, loras, on_step)
 
     _engine.Engine.generate = _generate_or_fail

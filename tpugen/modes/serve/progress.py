@@ -22,8 +22,9 @@ class Event:
 
 @dataclass
 class Job:
-    """A job's progress. Steps are counted per batch: `step` is `steps` once a batch of it is done (a count per
-    denoising step would need the device to report each step to the host)."""
+    """A job's progress. `step` is the denoising step of its batch on a device, counted as each step is handed to
+    the device (a request's batches; nothing is read back to know it), and `steps` once a batch of it is done;
+    a run's is counted per batch from its manifest."""
 
     kind: str  # "request" (an A1111 or OpenAI request) or "run" (POST /v1/runs)
     name: str  # a request's task id (A1111 force_task_id) or request id; a run's id
@@ -31,6 +32,7 @@ class Job:
     steps: int
     images_done: int = 0
     step: int = 0
+    images_in_flight: int = 0  # its images in the batch on a device now
     state: str = "queued"  # queued, running, then one of ENDED
     error: str | None = None
     summary: dict | None = None  # a run's report, in brief, once it ends
@@ -49,8 +51,12 @@ class Job:
 
     @property
     def fraction(self) -> float:
-        """How much of it is done, 0 to 1 (by images: a batch's images count once it is done)."""
-        return self.images_done / self.images_planned if self.images_planned else float(self.done)
+        """How much of it is done, 0 to 1: its images made, and of those on a device the share of steps handed
+        to it."""
+        if not self.images_planned:
+            return float(self.done)
+        going = self.images_in_flight * self.step / self.steps if self.steps and self.images_in_flight else 0.0
+        return min(1.0, (self.images_done + going) / self.images_planned)
 
     def eta(self) -> float | None:
         """Seconds left at the pace so far, once it has started and made something; else None."""
@@ -109,6 +115,16 @@ class Jobs:
                 job.state, job.started = "running", time.monotonic()
                 self._add(job, "progress", job.counts())
 
+    def stepped(self, job: Job, step: int, images: int) -> None:
+        """Step `step` of the batch holding `images` of its images is on the device."""
+        with self._lock:
+            if job.done:
+                return
+            if job.started is None:
+                job.started = time.monotonic()
+            job.state, job.step, job.images_in_flight = "running", min(step, job.steps), images
+            self._add(job, "progress", job.counts())
+
     def advance(self, job: Job, images: int) -> None:
         """`images` more of its images are made (a batch of them: every step of it done)."""
         with self._lock:
@@ -118,7 +134,7 @@ class Jobs:
                 job.started = time.monotonic()
             job.state = "running"
             job.images_done = min(job.images_done + images, job.images_planned)
-            job.step = job.steps
+            job.step, job.images_in_flight = job.steps, 0
             self._add(job, "progress", job.counts())
 
     def observe(self, job: Job, *, images_done: int, state: str) -> None:

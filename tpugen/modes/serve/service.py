@@ -431,6 +431,19 @@ class Service:
                 f"{limit}); the last: {one_line(exc)}"
             )
 
+    def _step_reporter(self, jobs: list[ImageJob]):
+        """What tells each request of a batch which step its images are at."""
+        requests: dict[int, list] = {}
+        for job in jobs:
+            requests.setdefault(id(job.request), [job.request, 0])[1] += 1
+
+        def stepped(step: int) -> None:
+            for request, count in requests.values():
+                if request.job is not None:
+                    self.progress.stepped(request.job, step, count)
+
+        return stepped
+
     def _run_batch(self, engine: Engine, key: BatchKey, jobs: list[ImageJob]) -> None:
         if not jobs:
             return
@@ -467,7 +480,9 @@ class Service:
                 engine.warmup(RunPlan(items, (batch,)), scheduler=key.scheduler)
                 log.info(f"compiled {batch.shape} in {time.perf_counter() - compile_start:.1f} s")
             start = time.perf_counter()
-            pixels = engine.generate(batch, scheduler=key.scheduler, loras=jobs[0].loras)
+            pixels = engine.generate(
+                batch, scheduler=key.scheduler, loras=jobs[0].loras, on_step=self._step_reporter(jobs)
+            )
             seconds = time.perf_counter() - start
             after = engine.backend.counters()
         except BaseException as exc:  # a request's failure never stops the loop
