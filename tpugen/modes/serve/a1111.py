@@ -213,6 +213,8 @@ def collect(problems: list[str], check, *args, **kwargs):
 
 @router.post("/txt2img")
 async def txt2img(request: Request):
+    """The web UI's text to image: its request fields (unset ones take the server's config), images as base64 PNGs with
+    their infotext, `info` as the web UI writes it."""
     service: Service = request.app.state.service
     body = await parse(request, Txt2Img, missing_features)
     # The rest runs in a worker thread: LoRA files are hashed, PNGs encoded and a reply of megabytes put in
@@ -265,6 +267,7 @@ def txt2img_reply(service: Service, body: Txt2Img):
 
 @router.get("/samplers")
 def samplers(request: Request) -> list[dict]:
+    """The samplers this server keeps warm, by the web UI's names."""
     service: Service = request.app.state.service
     if service.family.flow_matching:
         return [{"name": "Euler", "aliases": ["Flow Euler", "FlowMatchEulerDiscreteScheduler"], "options": {}}]
@@ -273,6 +276,7 @@ def samplers(request: Request) -> list[dict]:
 
 @router.get("/sd-models")
 def sd_models(request: Request) -> list[dict]:
+    """The one model this server serves, as the web UI lists checkpoints."""
     service: Service = request.app.state.service
     label = service.engines[0].model_label
     return [
@@ -306,6 +310,7 @@ def current_options(service: Service) -> dict:
 
 @router.get("/options")
 def options(request: Request) -> dict:
+    """The options a web UI client reads before it generates (the served checkpoint among them)."""
     return current_options(request.app.state.service)
 
 
@@ -443,6 +448,7 @@ def loras(request: Request) -> list[dict]:
 
 @router.get("/scripts")
 def scripts() -> dict:
+    """No scripts: the web UI's script lists, empty."""
     return {"txt2img": [], "img2img": []}
 
 

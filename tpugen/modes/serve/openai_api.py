@@ -45,6 +45,8 @@ def size_of(service: Service, size: str | None) -> tuple[int, int]:
 
 @router.post("/generations")
 async def generations(request: Request):
+    """OpenAI's image generation: `prompt`, `n`, `size` (a warm size) and `response_format: b64_json`; each image a
+    base64 PNG."""
     service: Service = request.app.state.service
     body = await parse(request, Generation)
     # The images, their PNGs and the base64 reply are made in a worker thread, off the event loop.

@@ -70,6 +70,7 @@ def _handle(service: Service, run_id: str) -> RunHandle | None:
 
 @router.get("/{run_id}")
 def get_run(run_id: str, request: Request):
+    """A run's status (queued, running, complete, stopped, failed), its error lines, and its report once it ended."""
     handle = _handle(request.app.state.service, run_id)
     if handle is None:
         return problem_response(404, [f"no run {run_id!r} on this server"])
@@ -78,6 +79,7 @@ def get_run(run_id: str, request: Request):
 
 @router.get("/{run_id}/files")
 def list_files(run_id: str, request: Request):
+    """The files a run has written so far (images, manifest, report)."""
     handle = _handle(request.app.state.service, run_id)
     if handle is None:
         return problem_response(404, [f"no run {run_id!r} on this server"])
@@ -89,6 +91,7 @@ def list_files(run_id: str, request: Request):
 
 @router.get("/{run_id}/files/{name}")
 def get_file(run_id: str, name: str, request: Request):
+    """One file a run wrote, by name."""
     handle = _handle(request.app.state.service, run_id)
     if handle is None:
         return problem_response(404, [f"no run {run_id!r} on this server"])
