@@ -117,6 +117,21 @@ def run_naive() -> dict:
     }
 
 
+def _generate_fresh(workdir: Path, run_id: str, config: dict) -> dict:
+    """`tpugen generate` of `config` in a fresh process (so no compile is reused); its report.json."""
+    path = workdir / f"{run_id}.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "tpugen"), "generate", str(path), "--quiet"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PJRT_DEVICE": "CPU"},
+    )
+    if proc.returncode:
+        sys.exit(f"tpugen failed:\n{proc.stderr}")
+    return json.loads((workdir / run_id / "report.json").read_text())
+
+
 def run_tpugen(workdir: Path, run_id: str) -> dict:
     config = {
         "model": {"id": "tiny-sd"},
@@ -128,18 +143,8 @@ def run_tpugen(workdir: Path, run_id: str) -> dict:
         "execution": {"backend": "xla"},
         "output": {"dir": str(workdir), "run_id": run_id},
     }
-    path = workdir / f"{run_id}.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
     start = time.perf_counter()
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "tpugen"), "generate", str(path), "--quiet"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PJRT_DEVICE": "CPU"},
-    )
-    if proc.returncode:
-        sys.exit(f"tpugen failed:\n{proc.stderr}")
-    report = json.loads((workdir / run_id / "report.json").read_text())
+    report = _generate_fresh(workdir, run_id, config)
     full = [b for b in report["timed_phase"]["batches"] if not b["padding"] and not b["compiles"]]
     return {
         "compiles": report["xla_counters"]["warmup"]["compiles"] + report["compiles_after_warmup"],
@@ -549,18 +554,8 @@ def _step_cache_side(workdir: Path, model: str, step_cache: dict | None) -> dict
         "compile": {"step_cache": step_cache} if step_cache else {},
         "output": {"dir": str(workdir), "run_id": run_id},
     }
-    path = workdir / f"{run_id}.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
     start = time.perf_counter()
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "tpugen"), "generate", str(path), "--quiet"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PJRT_DEVICE": "CPU"},
-    )
-    if proc.returncode:
-        sys.exit(f"tpugen failed:\n{proc.stderr}")
-    report = json.loads((workdir / run_id / "report.json").read_text())
+    report = _generate_fresh(workdir, run_id, config)
     batches = report["timed_phase"]["batches"]
     (warm,) = report["warmup"]
     return {

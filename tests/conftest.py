@@ -287,3 +287,49 @@ def _device_free_unless_marked(request):
     yield
     if not before and "torch_xla" in sys.modules and request.node.get_closest_marker("xla") is None:
         pytest.fail("this test imported torch_xla (directly or through diffusers): mark it @pytest.mark.xla")
+
+
+def plain_diffusers_images(model: str, run_dir, prepare=None) -> dict[str, object]:
+    """Each image of `run_dir` made again by the family's plain diffusers pipeline on the CPU (no tpugen patch),
+    from the same noise, decoded by the pipeline itself; `prepare(pipe)` first, where given (a step cache
+    enabled on it, say)."""
+    import numpy as np
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from tpugen.families import BUILTINS
+    from tpugen.tiny import builtin_path
+
+    family = BUILTINS[model][1]
+    pipe = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
+    pipe.set_progress_bar_config(disable=True)
+    if prepare is not None:
+        prepare(pipe)
+    images = {}
+    for line in (run_dir / "manifest.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        generator = torch.Generator("cpu").manual_seed(record["seed"])
+        (noise,) = family.noise(pipe, [generator], record["height"], record["width"])
+        row = WorkItemRow(record["negative_prompt"])
+        arguments = {"guidance_scale": record["guidance_scale"]}
+        for key, value in family.call_arguments(pipe, [row], record["guidance_scale"]).items():
+            if key != "max_sequence_length":  # the pipeline's own text handling, not tpugen's fixed length
+                arguments[key] = value[0] if isinstance(value, list) else value
+        with torch.no_grad():
+            image = pipe(
+                prompt=record["prompt"],
+                height=record["height"],
+                width=record["width"],
+                num_inference_steps=record["steps"],
+                latents=noise,
+                generator=generator,
+                output_type="np",
+                **arguments,
+            ).images[0]
+        images[record["file"]] = (image * 255).round().clip(0, 255).astype(np.uint8)
+    return images
+
+
+class WorkItemRow:
+    def __init__(self, negative_prompt: str) -> None:
+        self.negative_prompt = negative_prompt

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli, tiny_config, with_prompts_file, write_config
+from conftest import plain_diffusers_images, run_cli, tiny_config, with_prompts_file, write_config
 from PIL import Image
 
 from tpugen.config.schema import StepCacheConfig
@@ -73,35 +73,13 @@ def test_no_step_cache_keeps_the_config_hash_and_a_cache_changes_it(tmp_path):
 def diffusers_images(run_dir, cache: dict | None) -> dict[str, np.ndarray]:
     """Each image of a tiny-flux run made again by plain diffusers on the CPU (eager, no tpugen patch) from the
     same noise, with `cache` (compile.step_cache) passed to transformer.enable_cache as diffusers' own config."""
-    import torch
-    from diffusers import DiffusionPipeline
-
     from tpugen.engine.step_cache import diffusers_config
-    from tpugen.tiny import builtin_path
 
-    flux = family("flux")
-    pipe = DiffusionPipeline.from_pretrained(str(builtin_path("tiny-flux")))
-    pipe.set_progress_bar_config(disable=True)
-    if cache is not None:
-        pipe.transformer.enable_cache(diffusers_config(StepCacheConfig(**cache)))
-    images = {}
-    for line in (run_dir / "manifest.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        generator = torch.Generator("cpu").manual_seed(record["seed"])
-        (noise,) = flux.noise(pipe, [generator], record["height"], record["width"])
-        with torch.no_grad():
-            image = pipe(
-                prompt=record["prompt"],
-                height=record["height"],
-                width=record["width"],
-                num_inference_steps=record["steps"],
-                guidance_scale=record["guidance_scale"],
-                latents=noise,
-                generator=generator,
-                output_type="np",
-            ).images[0]
-        images[record["file"]] = (image * 255).round().clip(0, 255).astype(np.uint8)
-    return images
+    def enable(pipe) -> None:
+        if cache is not None:
+            pipe.transformer.enable_cache(diffusers_config(StepCacheConfig(**cache)))
+
+    return plain_diffusers_images("tiny-flux", run_dir, prepare=enable)
 
 
 def _differences(run_dir, reference: dict) -> tuple[int, float]:
