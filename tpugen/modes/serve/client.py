@@ -172,13 +172,13 @@ def follow(server: Server, run_id: str, display=None) -> dict:
             pass  # dropped, or a garbled event: again from the last event seen
         dropped += 1
         time.sleep(POLL_SECONDS)
-    status = server.json("GET", path)
-    while status["status"] in ("queued", "running"):
-        time.sleep(POLL_SECONDS)
+    while True:  # shown at each look, the last one included: a run that ended while the streams dropped is shown
         status = server.json("GET", path)
         if display is not None:
             display.progress(status["images"], status["images_planned"])
-    return status
+        if status["status"] not in ("queued", "running"):
+            return status
+        time.sleep(POLL_SECONDS)
 
 
 def server_sent_events(lines: Iterable[bytes]) -> Iterator[tuple[int | None, str, dict]]:
