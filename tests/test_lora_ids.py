@@ -168,11 +168,13 @@ def test_records_name_a_lora_by_its_id_or_its_file_name_never_a_machine_path(tmp
 
 def fake_service(lora_dir: Path):
     """What Service.lora_named, lora_files, _run_loras, image_record and the /loras route read of a service."""
+    from tpugen.config.schema import CompileConfig
     from tpugen.modes.serve.service import Service
 
+    model = SimpleNamespace(id="tiny-sd", dtype="float32")
     service = SimpleNamespace(
         serve=SimpleNamespace(lora_dir=str(lora_dir)),
-        run=SimpleNamespace(family="sd", config=SimpleNamespace(model=SimpleNamespace(id="tiny-sd", dtype="float32"))),
+        run=SimpleNamespace(family="sd", config=SimpleNamespace(model=model, compile=CompileConfig())),
         engines=[SimpleNamespace(loaded=SimpleNamespace(default_scheduler="DDIM"), model_label="tiny-sd")],
     )
     service.lora_files = lambda: Service.lora_files(service)

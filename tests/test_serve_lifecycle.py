@@ -148,7 +148,7 @@ class _FakeEngine:
         self.model_label = "tiny-sd"
         self.warm = set()
 
-    def is_warm(self, shape, scheduler=None) -> bool:
+    def is_warm(self, shape, scheduler=None, steps=None) -> bool:  # no step cache: steps compile nothing
         return (str(shape), scheduler or "DDIM") in self.warm
 
     def warmup(self, plan, display=None, scheduler=None) -> list:

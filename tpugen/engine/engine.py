@@ -16,7 +16,7 @@ from tpugen.config import CacheConfig, CompileConfig, ExecutionConfig, ModelConf
 from tpugen.config.loras import Lora, loras_key
 from tpugen.engine.loras import LoraWeights, check_fit, file_shapes, loadable_components, unet_config_of
 from tpugen.engine.pipeline import LoadedPipeline, quiet_libraries, read_shared
-from tpugen.engine.step_cache import install_step_cache, step_cache_problem, step_counts
+from tpugen.engine.step_cache import covers, install_step_cache, step_cache_problem, step_counts
 from tpugen.errors import InputError, RunError, TpugenError
 from tpugen.families import family as family_named
 from tpugen.memory import (
@@ -102,6 +102,9 @@ class Engine:
         self.load_seconds = load_seconds
         self.memory = memory  # the memory plan (tpugen.memory.MemoryPlan) where the model's size is known
         self.warm: dict[tuple[str, str], dict] = {}  # (shape key, scheduler) -> its warmup entry
+        # (shape key, scheduler) -> the most steps it was warmed at: under a step cache, which kinds of step
+        # (graphs of their own) are compiled; without one, steps compile nothing and this is not read.
+        self._warm_steps: dict[tuple[str, str], int] = {}
         # One batch at a time on the device: a server's device loop and a run on the same engine take turns.
         self.lock = threading.RLock()
         self._weights = weights  # tpugen.engine.loras.LoraWeights; None for a pipeline without a LoRA loader
@@ -352,9 +355,10 @@ class Engine:
         results = []
         for shape, batch in first_batch.items():
             key = (str(shape), choice)
-            if key in self.warm:
+            if self.is_warm(shape, scheduler, batch.steps):
                 results.append(WarmupEntry.warm_already(shape).as_dict())
                 continue
+            warmed_steps = self._warm_steps.get(key, 0) if key in self.warm else 0
             checkpoint()
             display.phase(f"warmup: compiling {shape} (on a TPU the first compile can take many minutes)")
             with self.lock:
@@ -370,6 +374,7 @@ class Engine:
                     self.loaded.use_scheduler(None)  # at rest, an engine has the scheduler it was loaded with
             entry = WarmupEntry.measured(shape, seconds, delta, census, dict(self.loaded.phase_memory)).as_dict()
             self.warm[key] = entry
+            self._warm_steps[key] = max(warmed_steps, batch.steps)
             results.append(entry)
         return results
 
@@ -475,10 +480,22 @@ class Engine:
         cache = self.spec.compile.step_cache
         return step_counts(cache, steps) if cache.method != "none" else {}
 
-    def is_warm(self, shape, scheduler: str | None = None) -> bool:
-        """Whether a call of this shape key and scheduler (None: the loaded one) would compile nothing."""
+    def is_warm(self, shape, scheduler: str | None = None, steps: int | None = None) -> bool:
+        """Whether a call of this shape key and scheduler (None: the loaded one) would compile nothing. `steps`:
+        the call's, which matter under a step cache (each kind of step is a graph: tpugen.engine.step_cache);
+        None asks about the shape key and scheduler alone."""
         choice = find_scheduler(scheduler).name if scheduler else self.loaded.default_scheduler
-        return (str(shape), choice) in self.warm
+        key = (str(shape), choice)
+        if key not in self.warm:
+            return False
+        cache = self.spec.compile.step_cache
+        return steps is None or cache.method == "none" or covers(cache, self._warm_steps.get(key, 0), steps)
+
+    def warm_steps(self, shape, scheduler: str | None = None) -> int | None:
+        """The most steps this shape key and scheduler were warmed at (None: not warm)."""
+        choice = find_scheduler(scheduler).name if scheduler else self.loaded.default_scheduler
+        key = (str(shape), choice)
+        return self._warm_steps.get(key) if key in self.warm else None
 
 
 def _check_loras(spec: EngineSpec, loras, pipeline_class, shapes, unet) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+from tpugen.config.request import MAX_STEPS
 from tpugen.config.schema import StepCacheConfig
 
 STEP_CACHE_HOOK = "step cache"
@@ -33,6 +36,53 @@ def schedule(config: StepCacheConfig, steps: int) -> tuple[str, ...]:
         full = step < before or (step - before - 1) % interval == 0 or (after is not None and step >= after)
         kinds.append("full" if full else "cached")
     return tuple(kinds)
+
+
+def _as_traced(value: float) -> float | str:
+    """A Python number as torch_xla traces it: 0 and +-1 are constants baked into the graph, any other value is
+    the graph's input (so two such values share one graph)."""
+    return value if value in (0, 1, -1) else "input"
+
+
+def step_graphs(config: StepCacheConfig, steps: int) -> tuple[tuple, ...]:
+    """What tells each step's graph from the others' under the cache, step by step, following TaylorSeerState:
+    a full step after the first also updates the Taylor factors (divided differences, divided by the steps since
+    the last full one), a cached step sums the factors it holds times offset**order / order!. The graph depends
+    on how many factors there are and on which of those numbers torch_xla bakes in as constants (`_as_traced`),
+    not on the other numbers' values. Without a cache every step is one kind (the step count compiles nothing)."""
+    if config.method == "none":
+        return (("step",),) * steps
+    graphs: list[tuple] = []
+    factors, last_full = 0, None
+    for step, kind in enumerate(schedule(config, steps)):
+        if kind == "full":
+            if last_full is None:
+                graphs.append(("full", "first"))
+                factors = 1
+            else:
+                differences = min(factors, config.max_order)
+                graphs.append(("full", differences, _as_traced(step - last_full) if differences else None))
+                factors = 1 + differences
+            last_full = step
+        else:
+            offset = step - last_full
+            coefficients = tuple(_as_traced(offset**order / math.factorial(order)) for order in range(factors))
+            graphs.append(("cached", factors, coefficients))
+    return tuple(graphs)
+
+
+def covers(config: StepCacheConfig, warmed_steps: int, steps: int) -> bool:
+    """Whether a call of `warmed_steps` steps compiled every step graph a call of `steps` steps runs (always,
+    for fewer: the schedule of fewer steps is a prefix of that of more)."""
+    return steps <= warmed_steps or set(step_graphs(config, steps)) <= set(step_graphs(config, warmed_steps))
+
+
+def warm_steps(config: StepCacheConfig, steps: int, most: int = MAX_STEPS) -> int:
+    """The steps a server's warmup call runs so that a request of any step count up to `most` compiles nothing:
+    `steps`, or more where a cache's step graphs appear only later (interval 3 from step 2: all 5 by 6 steps)."""
+    graphs = step_graphs(config, most)
+    first_seen = {graph: index for index, graph in reversed(list(enumerate(graphs)))}
+    return max(steps, max(first_seen.values()) + 1)
 
 
 def step_counts(config: StepCacheConfig, steps: int) -> dict[str, int]:

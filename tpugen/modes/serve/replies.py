@@ -41,6 +41,8 @@ def image_record(service: Service, image) -> dict:
     engine = service.engines[0]
     model = service.run.config.model
     loras = {"loras": [lora.record() for lora in image.loras]} if getattr(image, "loras", ()) else {}
+    cache = service.run.config.compile.step_cache.record()  # cached images are not the uncached ones
+    step_cache = {"step_cache": cache} if cache else {}
     return {
         "prompt": image.prompt,
         "negative_prompt": image.negative_prompt,
@@ -54,6 +56,7 @@ def image_record(service: Service, image) -> dict:
         "model_id": model.id,
         "dtype": model.dtype,
         **loras,
+        **step_cache,
         "tpugen_version": __version__,
     }
 

@@ -9,16 +9,17 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tpugen.config import ResolvedRun, resolve, run_sizes
 from tpugen.config.loras import Lora, is_hub_lora, loras_key, resolve_lora
 from tpugen.config.prompts import planned_images
 from tpugen.config.request import ImageRequest, RequestLimits
-from tpugen.config.schema import LORA_SCALE_MAX, LoraConfig
+from tpugen.config.schema import LORA_SCALE_MAX, LoraConfig, StepCacheConfig
 from tpugen.engine import Display, Engine, StopSignals, Topology
 from tpugen.engine.session import RUN_RECORD, read_run_record, recorded_prompts, run_id_for
+from tpugen.engine.step_cache import warm_steps
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
 from tpugen.families import FAMILIES
 from tpugen.logs import logger
@@ -179,17 +180,19 @@ class Service:
                 for batch, scheduler in self._warm_keys:
                     if self.state != "compiling":
                         return
-                    if not engine.is_warm(batch.shape, scheduler):
+                    if not engine.is_warm(batch.shape, scheduler, batch.steps):
                         engine.warmup(RunPlan(batch.items, (batch,)), self.display, scheduler=scheduler)
-                if all(engine.is_warm(batch.shape, scheduler) for batch, scheduler in self._warm_keys):
+                if all(engine.is_warm(batch.shape, scheduler, batch.steps) for batch, scheduler in self._warm_keys):
                     break
 
     def warm_plan(self) -> RunPlan:
-        """One batch per warm size, at the config's steps and guidance."""
+        """One batch per warm size, at the config's guidance and steps, or under a step cache at the steps
+        that compile every kind of step a request of any step count runs (`warm_steps`)."""
         config = self.run.config
+        steps = warm_steps(config.compile.step_cache, config.steps)
         batches = []
         for height, width in self.sizes:
-            item = WorkItem(0, 0, "warmup", "", 0, config.steps, config.guidance_scale, height, width, self.cfg)
+            item = WorkItem(0, 0, "warmup", "", 0, steps, config.guidance_scale, height, width, self.cfg)
             shape = ShapeKey(height, width, self.batch_size, self.cfg)
             batches.append(Batch(len(batches), shape, (item,), self.batch_size - 1))
         return RunPlan(tuple(b.items[0] for b in batches), tuple(batches))
@@ -197,12 +200,18 @@ class Service:
     def warm_summary(self) -> str:
         sizes = ", ".join(f"{w}x{h}" for h, w in self.sizes)
         names = ", ".join(s or self.engines[0].loaded.default_scheduler for s in self.schedulers)
-        return f"sizes {sizes} (width x height; {'cfg' if self.cfg else 'no cfg'}, batch {self.batch_size}); samplers {names}"
+        summary = f"sizes {sizes} (width x height; {'cfg' if self.cfg else 'no cfg'}, batch {self.batch_size}); samplers {names}"
+        cache = self.run.config.compile.step_cache
+        if cache.method != "none":
+            # One per server: the hooks are on the loaded denoiser, so no request or run can switch it.
+            options = ", ".join(f"{key} {value}" for key, value in cache.options().items() if value is not None)
+            summary += f"; step cache {cache.method} ({options}), the server's only one, warm for any steps"
+        return summary
 
     def warm_progress(self) -> tuple[int, int]:
         """(shape keys x schedulers x engines compiled so far, how many there are to compile)."""
         engines = list(self.engines)
-        done = sum(engine.is_warm(batch.shape, s) for engine in engines for batch, s in self._warm_keys)
+        done = sum(engine.is_warm(batch.shape, s, batch.steps) for engine in engines for batch, s in self._warm_keys)
         return done, len(self._warm_keys) * max(len(engines), 1)
 
     def readiness(self) -> dict:
@@ -334,13 +343,16 @@ class Service:
     def _not_warm(self, key: BatchKey) -> str | None:
         engine = self.engines[0]
         shape = ShapeKey(key.height, key.width, self.batch_size, key.cfg)
-        if engine.is_warm(shape, key.scheduler):
+        if engine.is_warm(shape, key.scheduler, key.steps):
             return None
         scheduler = key.scheduler or engine.loaded.default_scheduler
         if (key.height, key.width) not in self.sizes:
             what = f"size {key.width}x{key.height} is not warm"
         elif key.cfg != self.cfg:
             what = f"{'CFG on' if key.cfg else 'CFG off (guidance 1 or less)'} at {key.width}x{key.height} is not warm"
+        elif engine.is_warm(shape, key.scheduler):
+            warmed = engine.warm_steps(shape, key.scheduler)
+            what = f"{key.steps} steps need step graphs (compile.step_cache) not compiled at {warmed} steps"
         else:
             what = f"sampler {scheduler!r} is not warm"
         return f"{what} (serve.new_shapes: reject); warm: {self.warm_summary()}"
@@ -473,11 +485,15 @@ class Service:
             # Every graph compiled here is one after warmup: a new shape (serve.new_shapes: compile; reject
             # refused it at the door) or, if a count shows up for a warm one, a shape planning missed.
             before = engine.backend.counters()
-            cold = not engine.is_warm(batch.shape, key.scheduler)
+            cold = not engine.is_warm(batch.shape, key.scheduler, key.steps)
             if cold:
                 log.info(f"compiling {batch.shape} for a request (serve.new_shapes: compile)")
                 compile_start = time.perf_counter()
-                engine.warmup(RunPlan(items, (batch,)), scheduler=key.scheduler)
+                # Under a step cache, at the steps that compile its every kind of step: compiled once for
+                # requests of any steps, not again for each step count that brings a new kind.
+                steps = warm_steps(self.run.config.compile.step_cache, key.steps)
+                warm_items = tuple(replace(item, steps=steps) for item in items)
+                engine.warmup(RunPlan(warm_items, (replace(batch, items=warm_items),)), scheduler=key.scheduler)
                 log.info(f"compiled {batch.shape} in {time.perf_counter() - compile_start:.1f} s")
             start = time.perf_counter()
             pixels = engine.generate(
@@ -530,7 +546,10 @@ class Service:
         plan = plan_run(run)
         if self.serve.new_shapes == "reject":
             engine = self.engines[0]
-            cold = [str(shape) for shape in plan.shape_keys if not engine.is_warm(shape)]
+            most_steps: dict = {}
+            for batch in plan.batches:
+                most_steps[batch.shape] = max(most_steps.get(batch.shape, 0), batch.steps)
+            cold = [str(shape) for shape, steps in most_steps.items() if not engine.is_warm(shape, None, steps)]
             if cold:
                 raise NotWarm(
                     f"the run needs {', '.join(cold)}, not warm (serve.new_shapes: reject); warm: {self.warm_summary()}"
@@ -599,6 +618,8 @@ class Service:
                     continue  # allowed: LoRAs are switched on the warm engine (names in serve.lora_dir)
                 if section == "model" and key == "allow_remote_code" and value:
                     problems.append("model.allow_remote_code: a run sent to the server cannot run a model's code")
+                elif section == "compile" and key == "step_cache":
+                    problems.extend(self._step_cache_problem(value))
                 elif key not in ours or ours[key] != value:
                     problems.append(
                         f"{section}.{key}: the server runs {section}.{key}: {ours.get(key)!r}; leave it out or equal"
@@ -617,6 +638,20 @@ class Service:
         # A client's output.dir means nothing here: the server writes under its own root, by run id.
         merged["output"] = {"dir": str(self.output_root), "run_id": (data.get("output") or {}).get("run_id")}
         return resolve(merged, base_dir=Path(self.serve.lora_dir or self.output_root))
+
+    def _step_cache_problem(self, given) -> list[str]:
+        """A run's compile.step_cache against the server's: equal once its defaults are filled in, or refused,
+        since the server's one cache is on its loaded denoiser, warm for every request and run."""
+        from pydantic import ValidationError
+
+        ours = self.run.config.compile.step_cache
+        try:
+            if isinstance(given, dict) and StepCacheConfig(**given) == ours:
+                return []
+        except ValidationError:
+            pass
+        runs = "no step cache" if ours.method == "none" else f"step cache {ours.method} with {ours.options()}"
+        return [f"compile.step_cache: the server runs {runs} for all its requests and runs; leave it out or equal"]
 
     def _run_loras(self, loras) -> list:
         """model.loras of a run sent here: each id a LoRA's name in serve.lora_dir, or a hub repo (org/name)."""
