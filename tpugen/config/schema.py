@@ -298,8 +298,8 @@ class CompileConfig(_Section):
     step_cache: StepCacheConfig = Field(
         default=StepCacheConfig(),
         description=(
-            "Skip work between denoising steps with one of diffusers' step caches (Flux.1 for now; see "
-            "compile.step_cache.method)."
+            "Skip work between denoising steps with one of diffusers' step caches (Flux.1, FLUX.2 [klein] and "
+            "Qwen-Image for now; see compile.step_cache.method). A server has its config's one, warm for any steps."
         ),
     )
 

@@ -249,7 +249,7 @@ class TransformerFamily(Family):
     timesteps_on_host = True
     patch: int | None = None  # latent pixels per token side (None: the denoiser config's patch_size, else 2)
     extra_text_tokens = 0  # text tokens joined to the latent tokens beyond text_tokens (SD3's CLIP tokens)
-    step_cache_refusal = "is not checked against diffusers' own cached images on tpugen yet (Flux.1 is)"
+    step_cache_refusal = "is not checked against diffusers' own cached images on tpugen yet"
 
     def attention_geometry(
         self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int

@@ -141,6 +141,12 @@ class Flux2(TransformerFamily):
     # FLUX.2's processors on diffusers' "_native_xla" backend (enable_xla_flash_attention), as Flux.1's; diffusers
     # 0.42 gives the kernel no partition spec.
     flash_attention = FlashRoute(("transformer",), is_flux=True, takes_partition_spec=False)
+    # diffusers' cache hooks keep their state per cache_context, which Flux2KleinPipeline names and
+    # Flux2Pipeline does not (its transformer call would fail: "No cache context is set").
+    step_cache_refusal = (
+        "diffusers 0.42's Flux2Pipeline calls its transformer outside a cache_context, which diffusers' step caches "
+        "need (FLUX.2 [klein] has one)"
+    )
 
     def noise(self, pipe, generators, height: int, width: int) -> list:
         """The latent in 2x2 patches (channels x 4), not yet packed into tokens: what `latents=` takes."""
@@ -188,6 +194,8 @@ class Flux2Klein(Flux2):
     pipeline_classes = ("Flux2KleinPipeline",)
     cfg = True
     guidance_note = "CFG against an empty prompt above guidance 1"
+    # diffusers' TaylorSeer on Flux2Transformer2DModel (CacheMixin); the pipeline names the cond and uncond contexts.
+    step_cache_refusal = None
     builtins = (
         Builtin(
             "tiny-flux2-klein",

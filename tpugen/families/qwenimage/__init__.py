@@ -101,6 +101,8 @@ class QwenImage(TransformerFamily):
         ),
     )
     scan_attributes = {"transformer_blocks": ("encoder_hidden_states", "hidden_states")}
+    # diffusers' TaylorSeer on QwenImageTransformer2DModel (CacheMixin); the pipeline names the cond and uncond contexts.
+    step_cache_refusal = None
     denoiser_rules = {
         "QwenImageTransformer2DModel": ATTENTION
         + ADALN
