@@ -107,3 +107,18 @@ def test_a_step_cache_server_answers_any_steps_with_no_compile_after_warmup(tmp_
                 "compile.step_cache: the server runs step cache taylorseer with "
             )
         assert metric(url, "tpugen_compiles_after_warmup_total") == 0
+        # Why the server warms at 6, on its engine at a size of its own: warmed at 4 steps, a call of 6 compiles
+        # the one step graph step_graphs says 4 lacks (a step predicted 2 steps after a full one), and no other.
+        from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem
+
+        engine = service.engines[0]
+        shape = ShapeKey(64, 96, 2, False)
+
+        def batch(steps: int) -> Batch:
+            return Batch(0, shape, (WorkItem(0, 0, "a fox", "", 5, steps, 7.5, 64, 96, False),), 1)
+
+        engine.warmup(RunPlan(batch(4).items, (batch(4),)))
+        assert engine.is_warm(shape, None, 4) and not engine.is_warm(shape, None, 6)
+        before = engine.backend.counters()
+        engine.generate(batch(6))
+        assert (engine.backend.counters() - before).compiles == 1
