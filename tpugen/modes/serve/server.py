@@ -82,6 +82,9 @@ def listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart reuses the port
+        # Accepted connections inherit it. Without it a reply's head and body wait on each other (Nagle against the
+        # client's delayed ACK): 44 ms per request on a kept-alive connection here, against 0.7 ms.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(BACKLOG)
     except OSError as exc:
