@@ -286,7 +286,7 @@ def undescribed_cli_parameters() -> list[str]:
 
 # The server's APIs by path, in the order the page lists them.
 HTTP_GROUPS = (
-    ("Operations", ("/healthz", "/readyz", "/metrics")),
+    ("Operations", ("/healthz", "/readyz", "/metrics", "/v1/server")),
     ("The AUTOMATIC1111 web UI API", ("/sdapi/", "/internal/")),
     ("The OpenAI images API", ("/v1/images/",)),
     ("tpugen runs", ("/v1/runs",)),
@@ -354,8 +354,9 @@ def http_page() -> str:
         "# HTTP reference",
         "",
         "Every route `tpugen serve` answers, from its OpenAPI document (a running server serves the same at",
-        "`/openapi.json` and as Swagger UI at `/docs`). With an API key set, every route but `/healthz` and `/readyz`",
-        "needs it: `Authorization: Bearer KEY`, or basic auth with the key as the password. Errors are",
+        "`/openapi.json` and as Swagger UI at `/docs`). With an API key set, every route but `/healthz`, `/readyz` and",
+        "the page's own files (`GET /`, [the page](../guides/page.md)) needs it: `Authorization: Bearer KEY`, or",
+        "basic auth with the key as the password. Errors are",
         '`{"detail": [lines]}` with one line per problem. The guide to the server: [A warm server](../guides/serve.md).',
         "",
     ]

@@ -13,13 +13,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tpugen import __version__
 from tpugen.config.messages import format_error
 from tpugen.errors import InputError, TpugenError, one_line
-from tpugen.modes.serve import a1111, openai_api, ops, runs_api
+from tpugen.modes.serve import a1111, openai_api, ops, page, runs_api
 from tpugen.modes.serve.queue import QueueFull
 from tpugen.modes.serve.replies import MAX_BODY_BYTES, TooLarge, problem_response
 from tpugen.modes.serve.request_ids import RequestIds
 from tpugen.modes.serve.service import Conflict, NotReady, Service, TimedOut, TooManyRuns
 
-OPEN_PATHS = ("/healthz", "/readyz")  # answered without the API key, and while draining
+# Answered without the API key, and while draining; the page's files hold no data (each call it makes has the key).
+OPEN_PATHS = ("/healthz", "/readyz", *page.OPEN_PATHS)
 # Answered while the model loads (no engine yet), besides OPEN_PATHS and reading runs: nothing here needs one.
 ENGINE_FREE_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json")
 
@@ -100,6 +101,8 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
     app.include_router(a1111.internal_router, dependencies=secured)
     app.include_router(openai_api.router, dependencies=secured)
     app.include_router(runs_api.router, dependencies=secured)
+    app.include_router(page.router)
+    app.include_router(page.api_router, dependencies=secured)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
