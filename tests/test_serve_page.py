@@ -165,35 +165,41 @@ def test_a_person_makes_an_image_through_the_key_a_busy_server_and_a_bad_field(s
 
 
 @pytest.mark.xla
-def test_a_person_browses_the_runs_and_a_runs_gallery_and_report(server, browser, shots):
-    url, _ = server
+def test_a_person_watches_a_run_then_browses_the_runs_its_gallery_and_its_report(server, browser, shots):
+    url, service = server
+    engine = service.engines[0]
     with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
-        sent = client.post("/v1/runs", content=run_body("page-run"))
-        assert sent.status_code == 201, sent.text
-        status = wait_run(client, "page-run")
-        assert status["status"] == "complete", status
-        planned = status["images_planned"]
+        # The engine held here: the run waits at its first batch, so the page sees it running, from its events.
+        engine.lock.acquire()
+        try:
+            sent = client.post("/v1/runs", content=run_body("page-run"))
+            assert sent.status_code == 201, sent.text
+            planned = sent.json()["images_planned"]
+            browser.get(f"{url}/#/runs/page-run")
+            if browser.execute_script("return !sessionStorage.getItem('tpugen-api-key')"):  # run on its own
+                until(browser, lambda d: d.find_element("id", "key-form").is_displayed(), "the page asks for the key")
+                browser.find_element("id", "key").send_keys(KEY + "\n")
+            until(
+                browser,
+                lambda d: f"running: 0 of {planned} images" in text(d, "run-progress-text"),
+                "the run's progress, from its server-sent events",
+            )
+        finally:
+            engine.lock.release()
+        # Its end event: the page reads the run again, its report among it.
+        until(browser, lambda d: d.find_elements("id", "report-warmup"), "the report, once the run ended")
+        assert wait_run(client, "page-run")["status"] == "complete"
         first = client.get("/v1/runs/page-run/images", params={"limit": 2}).json()
         rest = client.get("/v1/runs/page-run/images", params={"offset": 2, "limit": 2}).json()
         assert (len(first["images"]), first["next"], first["total"]) == (2, 2, planned)
         assert [i["index"] for i in first["images"] + rest["images"]] == list(range(planned)) and rest["next"] is None
         assert httpx.get(f"{url}/v1/runs/page-run/images").status_code == 401
-    browser.get(f"{url}/#/runs")
-    if browser.execute_script("return !sessionStorage.getItem('tpugen-api-key')"):  # run on its own
-        until(browser, lambda d: d.find_element("id", "key-form").is_displayed(), "the page asks for the key")
-        browser.find_element("id", "key").send_keys(KEY + "\n")
-    row = until(browser, lambda d: d.find_elements("css selector", '#runs tbody tr[data-run="page-run"]'), "the run")[0]
-    assert browser.find_elements("css selector", "#runs tbody tr")[0] == row  # newest first
-    assert "complete" in row.text and f"{planned} of {planned}" in row.text
-    browser.save_screenshot(str(shots / "page-runs.png"))
-
-    row.find_element("tag name", "a").click()
+    assert not browser.find_element("id", "run-progress").is_displayed()
     until(browser, lambda d: len(d.find_elements("css selector", "#gallery img")) == planned, "the run's thumbnails")
     thumbs = browser.find_elements("css selector", "#gallery img")
     assert {t.get_attribute("loading") for t in thumbs} == {"lazy"}
     until(browser, lambda d: decoded(d, "#gallery img"), "a thumbnail fetched with the key")
     assert decoded(browser, "#gallery img") == [64, 64]
-    until(browser, lambda d: d.find_elements("id", "report-warmup"), "the report")
     facts = text(browser, "report-facts")
     assert "compiles after warmup\n0" in facts and "complete" in facts
     warmup_rows = browser.find_elements("css selector", "#report-warmup tbody tr")
@@ -210,3 +216,11 @@ def test_a_person_browses_the_runs_and_a_runs_gallery_and_report(server, browser
     browser.save_screenshot(str(shots / "page-viewer.png"))
     browser.find_element("id", "viewer-close").click()
     until(browser, lambda d: not d.find_element("id", "viewer").is_displayed(), "the viewer closed", 10)
+
+    browser.find_element("id", "nav-runs").click()
+    row = until(browser, lambda d: d.find_elements("css selector", '#runs tbody tr[data-run="page-run"]'), "the run")[0]
+    assert browser.find_elements("css selector", "#runs tbody tr")[0] == row  # newest first
+    assert "complete" in row.text and f"{planned} of {planned}" in row.text
+    browser.save_screenshot(str(shots / "page-runs.png"))
+    row.find_element("tag name", "a").click()
+    until(browser, lambda d: len(d.find_elements("css selector", "#gallery img")) == planned, "the gallery again")

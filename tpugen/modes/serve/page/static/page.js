@@ -613,15 +613,17 @@ function showReport(report) {
      String(b.images), fixed(b.seconds, 3), fixed(b.compiles, 0)]);
   const recompiles = (report.recompiles || []).map((event) =>
     element("li", { text: `batch ${event.batch} (${shapeText(event.shape_key)}) compiled ${event.compiles} graphs` }));
+  const warmupTable = table(["shape key", "wall s", "graphs compiled", "compile s"],
+    warmup.length ? warmup : [["(skipped)", "", "", ""]]);
+  const batchTable = table(["batch", "shape key", "images", "seconds", "compiles"], batches);
+  warmupTable.id = "report-warmup";
+  batchTable.id = "report-batches";
   $("report").replaceChildren(
-    element("h3", { text: "Report" }), list,
-    element("h3", { text: "Warmup (compile) per shape key" }),
-    table(["shape key", "wall s", "graphs compiled", "compile s"], warmup.length ? warmup : [["(skipped)", "", "", ""]]),
-    element("h3", { text: "Timed phase, per batch" }),
-    table(["batch", "shape key", "images", "seconds", "compiles"], batches),
-    ...(recompiles.length ? [element("h3", { text: "Recompiles" }), element("ul", {}, ...recompiles)] : []));
-  $("report").querySelectorAll("table")[0].id = "report-warmup";
-  $("report").querySelectorAll("table")[1].id = "report-batches";
+    element("div", {}, element("h3", { text: "Report" }), list),
+    element("div", {},
+      element("h3", { text: "Warmup (compile) per shape key" }), warmupTable,
+      element("h3", { text: "Timed phase, per batch" }), batchTable,
+      ...(recompiles.length ? [element("h3", { text: "Recompiles" }), element("ul", {}, ...recompiles)] : [])));
 }
 
 // ---------------------------------------------------------------- views
