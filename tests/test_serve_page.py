@@ -134,6 +134,7 @@ def test_a_person_makes_an_image_through_the_key_a_busy_server_and_a_bad_field(s
     Select(browser.find_element("id", "sampler")).select_by_value("Euler a")
     prompt = browser.find_element("name", "prompt")
     prompt.send_keys("a lighthouse at dawn")
+    browser.find_element("css selector", '#loras input[value="style"]').click()  # sent as <lora:style:1>
     service.queue.max_requests, limit = 0, service.queue.max_requests
     try:
         prompt.send_keys(Keys.CONTROL + Keys.ENTER)  # Ctrl+Enter submits
@@ -144,6 +145,7 @@ def test_a_person_makes_an_image_through_the_key_a_busy_server_and_a_bad_field(s
     assert decoded(browser, "#results img") == [64, 64]
     parameters = text(browser, "results")
     assert "a lighthouse at dawn" in parameters and "Sampler: Euler a" in parameters and "Size: 64x64" in parameters
+    assert re.search(r'Lora hashes: "style: [0-9a-f]{12}"', parameters)
     link = browser.find_element("css selector", "#results a.download")
     assert link.get_attribute("download").endswith(".png") and link.get_attribute("href").startswith("data:image/png")
     assert not browser.find_element("id", "busy").is_displayed()
