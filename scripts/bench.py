@@ -24,11 +24,12 @@ With `serve` instead (scripts/bench.py serve): `tpugen serve` against fresh proc
 (4) /healthz latency p50/p99, polled every 10 ms while a request for 16 images at 512x512 is made and encoded,
     against /healthz on an idle server; writes bench/serve.json.
 
-With --step-cache instead: compile.step_cache taylorseer (cache_interval 3, disable_cache_before_step 2, float32
-factors) against none, each a fresh `tpugen generate` process on XLA:CPU: a random-weight Flux at the real depth
-(tiny-flux-deep: 19 double + 38 single blocks, tiny width), 128x128, 12 steps, batch 1. Seconds per image of the
-timed phase, compiles in warmup and after it, and how far the cached images are from the uncached ones (max and
-mean difference in /255, PSNR); writes bench/step-cache.json. --step-cache-model names another built-in (a
+With --step-cache instead: each compile.step_cache method against none, each a fresh `tpugen generate` process
+on XLA:CPU: taylorseer (cache_interval 3, disable_cache_before_step 2, float32 factors) and magcache (threshold
+0.06, max_skip_steps 3, its mag_ratios measured first by `tpugen calibrate` on the same model and steps), on a
+random-weight Flux at the real depth (tiny-flux-deep: 19 double + 38 single blocks, tiny width), 128x128, 12 steps,
+batch 1. Seconds per image of the timed phase, compiles in warmup and after it, and how far the cached images are
+from the uncached ones (max and mean difference in /255, PSNR); writes bench/step-cache.json. --step-cache-model names another built-in (a
 shallower one where time is short).
 """
 
@@ -539,10 +540,11 @@ STEP_CACHE_TAYLORSEER = {
 }
 
 
-def _step_cache_side(workdir: Path, model: str, step_cache: dict | None) -> dict:
-    """One fresh `tpugen generate` process: its timed phase and compiles, and where its images are."""
-    run_id = "taylorseer" if step_cache else "none"
-    config = {
+STEP_CACHE_MAGCACHE = {"method": "magcache", "threshold": 0.06, "max_skip_steps": 3, "retention_ratio": 0.2}
+
+
+def _step_cache_config(workdir: Path, model: str, run_id: str, step_cache: dict | None) -> dict:
+    return {
         "model": {"id": model},
         "prompts": STEP_CACHE_PROMPTS,
         "height": 128,
@@ -554,6 +556,25 @@ def _step_cache_side(workdir: Path, model: str, step_cache: dict | None) -> dict
         "compile": {"step_cache": step_cache} if step_cache else {},
         "output": {"dir": str(workdir), "run_id": run_id},
     }
+
+
+def _calibrated(workdir: Path, model: str) -> dict:
+    """STEP_CACHE_MAGCACHE with the ratios `tpugen calibrate` measures, in a fresh process, for the bench's run."""
+    path = workdir / "calibrate.yaml"
+    path.write_text(json.dumps(_step_cache_config(workdir, model, "calibrate", None)))
+    ratios = workdir / "ratios.yaml"
+    tpugen = str(Path(sys.executable).parent / "tpugen")
+    command = [tpugen, "calibrate", str(path), "--out", str(ratios), "--quiet"]
+    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    if proc.returncode:
+        sys.exit(f"tpugen calibrate failed:\n{proc.stderr}")
+    return {**STEP_CACHE_MAGCACHE, "mag_ratios": str(ratios)}
+
+
+def _step_cache_side(workdir: Path, model: str, step_cache: dict | None) -> dict:
+    """One fresh `tpugen generate` process: its timed phase and compiles, and where its images are."""
+    run_id = step_cache["method"] if step_cache else "none"
+    config = _step_cache_config(workdir, model, run_id, step_cache)
     start = time.perf_counter()
     report = _generate_fresh(workdir, run_id, config)
     batches = report["timed_phase"]["batches"]
@@ -597,17 +618,22 @@ def _image_difference(run_dir: Path, reference: Path) -> dict:
 
 
 def run_step_cache_bench(model: str) -> dict:
-    """TaylorSeer against no step cache, side by side, each in a fresh process; prints the table."""
+    """Each step cache against none, side by side, each in a fresh process; prints the table."""
     with tempfile.TemporaryDirectory(prefix="tpugen-bench-step-cache-") as tmp:
         tmp = Path(tmp)
         print(f"no step cache ({model}, 128x128, 12 steps) ...", flush=True)
-        none = _step_cache_side(tmp, model, None)
+        sides = {"none": _step_cache_side(tmp, model, None)}
         print("taylorseer ...", flush=True)
-        taylorseer = _step_cache_side(tmp, model, STEP_CACHE_TAYLORSEER)
-        difference = _image_difference(Path(taylorseer["run_dir"]), Path(none["run_dir"]))
-    speedup = none["seconds_per_image"] / taylorseer["seconds_per_image"]
+        sides["taylorseer"] = _step_cache_side(tmp, model, STEP_CACHE_TAYLORSEER)
+        print("magcache: tpugen calibrate, then the run ...", flush=True)
+        magcache = _calibrated(tmp, model)
+        sides["magcache"] = _step_cache_side(tmp, model, magcache)
+        magcache["mag_ratios"] = _read_ratios(Path(magcache["mag_ratios"]))
+        for name in ("taylorseer", "magcache"):
+            sides[name]["difference"] = _image_difference(Path(sides[name]["run_dir"]), Path(sides["none"]["run_dir"]))
+            sides[name]["speedup"] = sides["none"]["seconds_per_image"] / sides[name]["seconds_per_image"]
     print(f"\n{model}, 128x128, 12 steps, batch 1, {len(STEP_CACHE_PROMPTS)} timed images per side, XLA:CPU")
-    print(f"{'':34}{'none':>12}{'taylorseer':>12}")
+    print(f"{'':34}" + "".join(f"{name:>12}" for name in sides))
     for key, label, form in [
         ("seconds_per_image", "timed s per image", "{:12.3f}"),
         ("steps_full", "steps full (timed phase)", "{:12d}"),
@@ -617,25 +643,30 @@ def run_step_cache_bench(model: str) -> dict:
         ("warmup_seconds", "warmup s", "{:12.1f}"),
         ("compiles_after_warmup", "compiles after warmup", "{:12d}"),
     ]:
-        print(f"{label:34}" + form.format(none[key]) + form.format(taylorseer[key]))
+        print(f"{label:34}" + "".join(form.format(side[key]) for side in sides.values()))
     print(
-        f"{'transfers to host per batch':34}{str(none['transfers_to_host_per_batch']):>12}"
-        f"{str(taylorseer['transfers_to_host_per_batch']):>12}"
+        f"{'transfers to host per batch':34}"
+        + "".join(f"{str(s['transfers_to_host_per_batch']):>12}" for s in sides.values())
     )
-    print(f"speed-up of the timed phase: {speedup:.2f}x")
-    print(
-        f"taylorseer vs none: max {difference['max']:.0f}/255, mean {difference['mean']:.3f}/255, "
-        f"PSNR {difference['psnr_db']:.1f} dB over {difference['images']} images"
-    )
+    for name in ("taylorseer", "magcache"):
+        difference = sides[name]["difference"]
+        print(
+            f"{name}: {sides[name]['speedup']:.2f}x the timed phase of none; against none's images: max "
+            f"{difference['max']:.0f}/255, mean {difference['mean']:.3f}/255, PSNR {difference['psnr_db']:.1f} dB "
+            f"over {difference['images']} images"
+        )
     return {
         "model": model,
         "workload": {"height": 128, "width": 128, "steps": 12, "batch_size": 1, "images": len(STEP_CACHE_PROMPTS)},
-        "taylorseer_options": STEP_CACHE_TAYLORSEER,
-        "none": none,
-        "taylorseer": taylorseer,
-        "speedup": speedup,
-        "difference": difference,
+        "options": {"taylorseer": STEP_CACHE_TAYLORSEER, "magcache": magcache},
+        **sides,
     }
+
+
+def _read_ratios(path: Path) -> list[float]:
+    import yaml
+
+    return yaml.safe_load(path.read_text())["mag_ratios"]
 
 
 def main() -> None:
@@ -648,7 +679,7 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side (medians are reported)")
     parser.add_argument("--compile", action="store_true", help="scan_blocks vs unrolled compile seconds instead")
-    parser.add_argument("--step-cache", action="store_true", help="TaylorSeer vs no step cache on a deep Flux instead")
+    parser.add_argument("--step-cache", action="store_true", help="each step cache vs none on a deep Flux instead")
     parser.add_argument("--step-cache-model", default="tiny-flux-deep", help="the built-in for --step-cache")
     parser.add_argument("--naive-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compile-worker", nargs=3, type=int, help=argparse.SUPPRESS)

@@ -1,4 +1,5 @@
-"""compile.step_cache: diffusers' TaylorSeer on a static schedule, against diffusers' own cached images."""
+"""compile.step_cache: diffusers' TaylorSeer and MagCache on a static schedule, against diffusers' own cached
+images, and `tpugen calibrate` for MagCache's ratios."""
 
 from __future__ import annotations
 
@@ -38,7 +39,6 @@ def test_the_schedule_is_diffusers_rule_from_the_step_index():
 def test_refused_methods_and_families_say_why_in_one_line(tmp_path):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path, model={"id": "tiny-flux"}))
     for method, words in [
-        ("magcache", "mag_ratios"),
         ("first_block_cache", "cannot run as static graphs"),
         ("fastercache", "not supported yet"),
         ("pyramid_attention_broadcast", "not supported yet"),
@@ -48,7 +48,25 @@ def test_refused_methods_and_families_say_why_in_one_line(tmp_path):
         assert result.stderr.startswith(f"error: compile.step_cache.method: {method} ") and words in result.stderr
     result = run_cli("validate", config, "compile.step_cache.cache_interval=3")
     assert result.exit_code == 2
-    assert "compile.step_cache: cache_interval: TaylorSeer's options; set method: taylorseer" in result.stderr
+    assert (
+        "compile.step_cache: cache_interval: taylorseer's option(s), not for no step cache; set method: taylorseer"
+        in result.stderr
+    )
+    result = run_cli("validate", config, "compile.step_cache.method=magcache", "compile.step_cache.max_order=2")
+    assert "max_order: taylorseer's option(s), not for method magcache" in result.stderr
+    result = run_cli("validate", config, "compile.step_cache.method=magcache")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert "magcache needs the model's mag_ratios: measure them with `tpugen calibrate CONFIG`" in result.stderr
+    for value, words in [([], "a non-empty list"), ([1.0, -2], "each above 0"), ("dev", "'dev' is neither flux")]:
+        step_cache = {"method": "magcache", "mag_ratios": value}
+        given = tiny_config(tmp_path, model={"id": "tiny-flux"}, compile={"step_cache": step_cache})
+        result = run_cli("validate", write_config(tmp_path / "m.yaml", given))
+        assert result.exit_code == 2 and words in result.stderr, result.output
+    result = run_cli(
+        "validate", config, "compile.step_cache.method=magcache", "compile.step_cache.mag_ratios=gone.yaml"
+    )
+    assert result.exit_code == 2 and "compile.step_cache.mag_ratios: " in result.stderr
+    assert "gone.yaml: config file does not exist" in result.stderr
 
     cache = StepCacheConfig(**TAYLORSEER)
     for name in ("sd", "sdxl"):
@@ -75,16 +93,33 @@ def test_no_step_cache_keeps_the_config_hash_and_a_cache_changes_it(tmp_path):
     assert hash_of("c.yaml", step_cache=TAYLORSEER) != plain
 
 
-def diffusers_images(run_dir, cache: dict | None, model: str = "tiny-flux") -> dict[str, np.ndarray]:
+def diffusers_images(run_dir, cache: dict | None, model: str = "tiny-flux", steps: int = 28, decisions=None):
     """Each image of a `model` run made again by plain diffusers on the CPU (eager, no tpugen patch) from the
-    same noise, with `cache` (compile.step_cache) passed to transformer.enable_cache as diffusers' own config."""
+    same noise, with `cache` (compile.step_cache) passed to transformer.enable_cache as diffusers' own config
+    (for calls of `steps`: MagCache's num_inference_steps). `decisions`: a list MagCache's own head hook's
+    choice (compute or skip) is appended to at each step of the conditional pass."""
     from tpugen.engine.step_cache import diffusers_config
 
     def enable(pipe) -> None:
-        if cache is not None:
-            pipe.transformer.enable_cache(diffusers_config(StepCacheConfig(**cache)))
+        if cache is None:
+            return
+        pipe.transformer.enable_cache(diffusers_config(StepCacheConfig(**cache), steps))
+        if decisions is not None:
+            head = next(m for m in pipe.transformer.modules() if _hook(m, "mag_cache_leader_block_hook"))
+            hook = _hook(head, "mag_cache_leader_block_hook")
+
+            def record(module, args, output) -> None:
+                if hook.state_manager.context.name == "cond":
+                    decisions.append("full" if hook.state_manager.get_state().should_compute else "cached")
+
+            head.register_forward_hook(record)
 
     return plain_diffusers_images(model, run_dir, prepare=enable)
+
+
+def _hook(module, name: str):
+    registry = getattr(module, "_diffusers_hook", None)
+    return registry.get_hook(name) if registry is not None else None
 
 
 def _differences(run_dir, reference: dict) -> tuple[int, float]:
@@ -157,4 +192,92 @@ def test_taylorseer_on_xla_is_diffusers_own_with_no_compile_after_warmup(model, 
     # The cache really ran: a tiny random Flux moves its pixels little (measured: the uncached images within
     # 1/255 of the cached ones, on 6% of the values; diffusers' cached images equal to the last bit here), so
     # what shows it is how many values differ from the uncached images against from diffusers' cached ones.
+    assert uncached[1] > 0.01 and uncached[1] > 10 * cached[1], (cached, uncached)
+
+
+@pytest.mark.xla  # diffusers' own ratio stretching (diffusers imports torch_xla); no device work
+def test_the_magcache_schedule_is_its_head_hooks_rule_on_the_ratios():
+    from tpugen.engine.step_cache import warm_call_steps, warm_steps
+
+    flat = StepCacheConfig(method="magcache", mag_ratios=[1.0] * 8, max_skip_steps=2)
+    full, cached = "full", "cached"
+    # Steps 0 and 1 retained (0.2 of 8, rounded); then at most 2 skipped in a row, and a full step after them.
+    assert schedule(flat, 8) == (full, full, cached, cached, full, cached, cached, full)
+    assert step_graphs(flat, 8) == tuple((kind,) for kind in schedule(flat, 8))
+    assert step_counts(flat, 8) == {"steps_full": 4, "steps_cached": 4}
+    # Ratios far from 1 add up past the threshold at once: from then on every step runs full.
+    rising = StepCacheConfig(method="magcache", mag_ratios=[1.0, 2.0])
+    assert schedule(rising, 2) == (full, full)  # stretched to 2 steps: [1, 2]; step 0 has no residual yet
+    assert schedule(rising, 3) == (full, cached, full)  # to 3: [1, 1, 2]
+    assert warm_call_steps(rising, [2]) == 2 and warm_call_steps(rising, [2, 3]) == 3
+    assert warm_call_steps(flat, [8, 2]) == 8
+    assert warm_steps(rising, 2) == 3  # a server warmed at 2 steps would compile the skipped step later
+    assert warm_steps(StepCacheConfig(), 2) == 2
+
+
+# MagCache: the ratios `tpugen calibrate` measures on Flux.1; FLUX.2 [klein] and Qwen-Image (with CFG, one state
+# per pass) with ratios given. A threshold under which some steps are skipped and some not.
+MAGCACHE = {"method": "magcache", "threshold": 0.1, "max_skip_steps": 2, "retention_ratio": 0.2}
+MAG_STEPS = 8
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-flux2-klein", "tiny-qwen-image"])
+def test_magcache_on_xla_is_diffusers_own_with_no_compile_after_warmup(model, tmp_path):
+    prompts = ["a lighthouse at dawn", "a red fox in snow"]
+    cache = dict(MAGCACHE)
+    if model == "tiny-flux":
+        cache["mag_ratios"] = "ratios.yaml"
+    else:
+        cache["mag_ratios"] = [1.0, 0.99, 1.04, 1.02, 0.97, 1.01, 0.96, 0.95]
+    # Batch 3: a shape key no other test compiles for these models (see the TaylorSeer test above).
+    config = tiny_config(tmp_path, model={"id": model}, prompts=prompts, steps=MAG_STEPS, batch_size=3)
+    config["compile"] = {"step_cache": cache}
+    path = write_config(tmp_path / "c.yaml", config)
+    if model == "tiny-flux":
+        # Calibration first: the file the config names does not exist yet, so only calibrate can read the config.
+        assert run_cli("validate", path).exit_code == 2
+        # At batch 1, so that the generate below compiles its shape key (batch 3) itself.
+        result = run_cli("calibrate", path, "batch_size=1", "--quiet")
+        assert result.exit_code == 0, result.output
+        written = (tmp_path / "ratios.yaml").read_text()
+        assert "mag_ratios:" in written and f"steps: {MAG_STEPS}" in written
+        from tpugen.config import load_config
+
+        ratios = load_config(path).config.compile.step_cache.mag_ratios
+        assert len(ratios) == MAG_STEPS and ratios[0] == 1.0 and ratios != [1.0] * MAG_STEPS
+        cache["mag_ratios"] = ratios
+    result = run_cli("generate", path, "--quiet")
+    assert result.exit_code == 0, result.output
+    run_dir = tmp_path / "outputs" / "run"
+    report = json.loads((run_dir / "report.json").read_text())
+    kinds = schedule(StepCacheConfig(**cache), MAG_STEPS)
+    assert "cached" in kinds and kinds.count("full") > 1, kinds
+
+    assert report["compiles_after_warmup"] == 0
+    (warm,) = report["warmup"]
+    # Two kinds of step, a full one (which keeps its residual) and a skipped one, compiled in warmup.
+    assert warm["graphs_per_phase"] == {
+        "text encoding": 1,
+        "first denoising step": 1,
+        "later denoising steps": 1,
+        "decoding": 1,
+    }
+    (batch,) = report["timed_phase"]["batches"]
+    assert (batch["steps_full"], batch["steps_cached"]) == (kinds.count("full"), kinds.count("cached"))
+    assert batch["transfers_to_host"] == 1
+    assert report["device"]["step_cache"]["options"]["mag_ratios"] == cache["mag_ratios"]
+    png = Image.open(next(run_dir.glob("00000-*.png")))
+    assert json.loads(png.text["tpugen"])["step_cache"]["mag_ratios"] == cache["mag_ratios"]
+    assert (
+        "Step cache: magcache threshold=0.1 max_skip_steps=2 retention_ratio=0.2 mag_ratios=[8 values],"
+        in png.text["parameters"]
+    )
+
+    decisions: list[str] = []
+    cached = _differences(run_dir, diffusers_images(run_dir, cache, model, MAG_STEPS, decisions))
+    # diffusers' own hook decided each step as tpugen's schedule did, for each image.
+    assert decisions == list(kinds) * len(prompts), decisions
+    uncached = _differences(run_dir, diffusers_images(run_dir, None, model))
+    assert cached[0] <= CACHED_VS_DIFFUSERS, cached
     assert uncached[1] > 0.01 and uncached[1] > 10 * cached[1], (cached, uncached)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +124,46 @@ def attention_fit(memory, attention: dict, execution, *, flash_route: bool) -> s
     else:
         held_text = f"the weights {held_text}"
     return f"does not fit: {held_text} are over the {memory.chip}'s {memory.chip_gb:g} GB; use {remedy}"
+
+
+def calibration_target(config_path: Path) -> Path:
+    """Where `tpugen calibrate` writes by default: the ratios file the config names, else CONFIG.mag_ratios.yaml."""
+    from tpugen.config.yamlio import read_yaml
+
+    named = ((read_yaml(config_path).get("compile") or {}).get("step_cache") or {}).get("mag_ratios")
+    if isinstance(named, str) and named.endswith((".yaml", ".yml", ".json")):
+        path = Path(named).expanduser()
+        return path if path.is_absolute() else config_path.resolve().parent / path
+    return config_path.resolve().with_name(f"{config_path.stem}.mag_ratios.yaml")
+
+
+def calibrate(run: ResolvedRun, out: Path, *, display: Display | None = None):
+    """`tpugen calibrate`: MagCache's ratios for the config's model, written to `out` (YAML, written whole or not
+    at all) for compile.step_cache.mag_ratios to name. Returns the Calibration."""
+    prepare_environment(run)
+    from tpugen.config.yamlio import dump_yaml
+    from tpugen.modes.single import calibrate as measure
+    from tpugen.outputs.files import atomic_write_text
+
+    result = measure(run, display=display)
+    record = {
+        "model": result.model,
+        "steps": result.steps,
+        "height": result.height,
+        "width": result.width,
+        "scheduler": result.scheduler,
+        "mag_ratios": [round(r, 5) for r in result.mag_ratios],
+    }
+    if out.suffix == ".json":
+        text = json.dumps(record, indent=1) + "\n"
+    else:
+        text = (
+            f"# MagCache ratios measured by tpugen calibrate: one call of {result.steps} steps at {result.width}x"
+            f"{result.height}. Name this file in compile.step_cache.mag_ratios.\n" + dump_yaml(record)
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, text)
+    return result
 
 
 def serve(run: ResolvedRun, *, host: str, port: int, api_key: str | None, display: Display | None = None) -> None:

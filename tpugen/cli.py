@@ -411,6 +411,34 @@ def warmup(config: ConfigPath, overrides: Overrides = None, quiet: Quiet = False
     out.print(f"persistent compile cache: {cache['note']}" + (f" ({cache['dir']})" if cache.get("dir") else ""))
 
 
+@app.command()
+@_boundary
+def calibrate(
+    config: ConfigPath,
+    overrides: Overrides = None,
+    out_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Where to write the ratios (YAML). Default: the file the config's compile.step_cache.mag_ratios "
+            "names, else CONFIG's name with .mag_ratios.yaml beside it.",
+        ),
+    ] = None,
+    quiet: Quiet = False,
+) -> None:
+    """Measure MagCache's mag_ratios for the config's model: its first batch once, nothing skipped, the ratio of
+    each step's residual to the last one's. compile.step_cache.mag_ratios then names the file."""
+    from tpugen import app
+    from tpugen.config import load_config
+
+    target = out_file or app.calibration_target(config)
+    run = load_config(config, overrides or [], step_cache=False)
+    result = app.calibrate(run, target, display=_RichDisplay(quiet))
+    shown = ", ".join(f"{r:.4f}" for r in result.mag_ratios)
+    out.print(f"mag_ratios ({result.steps} steps at {result.width}x{result.height}, {result.seconds:.1f} s): [{shown}]")
+    out.print(f"wrote {target}; set compile.step_cache.mag_ratios: {target.name} (relative to the config)")
+
+
 @app.command("pod-run")
 @_boundary
 def pod_run(

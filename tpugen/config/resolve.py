@@ -45,10 +45,14 @@ def load_config(
     *,
     prompts: list[PromptSpec] | None = None,
     prompts_required: bool = True,
+    step_cache: bool = True,
 ) -> ResolvedRun:
-    """Read, override, validate and resolve a run config. Raises InputError listing every problem."""
+    """Read, override, validate and resolve a run config. Raises InputError listing every problem.
+    `step_cache=False` leaves the config's compile.step_cache out (what `tpugen calibrate` measures without)."""
     path = Path(path)
     data = read_yaml(path)
+    if not step_cache and isinstance(data.get("compile"), dict):
+        data["compile"].pop("step_cache", None)
     return resolve(data, overrides, base_dir=path.resolve().parent, prompts=prompts, prompts_required=prompts_required)
 
 
@@ -117,6 +121,8 @@ def resolve(
             problems.append(f"serve.lora_dir: {str(folder)!r} is not a folder")
         config.serve.lora_dir = str(folder.resolve())
 
+    _read_mag_ratios(config, base_dir, problems)
+
     if config.cache.dir is not None and config.cache.dir.startswith("gs://"):
         if config.execution.backend != "torch_tpu":  # TorchTPU's own cache reads and writes Cloud Storage
             problems.append(
@@ -162,6 +168,31 @@ def _size_problems(config: RunConfig, prompts: list[PromptSpec], family: Family)
     own = dict.fromkeys(size for spec in prompts for size in spec.sizes if size not in asked)
     problems += [f"prompts: a prompt's own {h}x{w} (height x width): {why}" for h, w in own if h % step or w % step]
     return problems
+
+
+def _read_mag_ratios(config: RunConfig, base_dir: Path, problems: list[str]) -> None:
+    """compile.step_cache.mag_ratios given as a file (what `tpugen calibrate` writes): its list, in place, so a
+    run's config.yaml and config hash hold the ratios themselves, not where they were read from."""
+    cache = config.compile.step_cache
+    if not isinstance(cache.mag_ratios, str) or not cache.mag_ratios.endswith((".yaml", ".yml", ".json")):
+        return
+    where = "compile.step_cache.mag_ratios"
+    path = Path(cache.mag_ratios).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    try:
+        data = read_yaml(path)  # JSON is YAML
+    except InputError as exc:
+        problems.append(f"{where}: {exc.lines[0]}")
+        return
+    ratios = data.get("mag_ratios")
+    if (
+        not isinstance(ratios, list)
+        or not ratios
+        or not all(isinstance(r, (int, float)) and 0 < r < 10 for r in ratios)
+    ):
+        problems.append(f"{where}: {path} has no mag_ratios list of ratios above 0 and below 10")
+        return
+    cache.mag_ratios = [float(r) for r in ratios]
 
 
 def _local_dir(key: str, value: str, problems: list[str]) -> str:

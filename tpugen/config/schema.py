@@ -164,15 +164,32 @@ AutoOrBool = Annotated[Any, AfterValidator(_check_auto_or_bool)]
 
 # The step caches diffusers 0.42 ships that tpugen does not run, each with why (compile.step_cache.method).
 STEP_CACHE_NOT_YET = {
-    "fastercache": "is not supported yet (only taylorseer is)",
-    "pyramid_attention_broadcast": "is not supported yet (only taylorseer is)",
-    "magcache": "is not supported yet: it needs mag_ratios calibrated for the model, which tpugen cannot make yet",
+    "fastercache": "is not supported yet (taylorseer and magcache are)",
+    "pyramid_attention_broadcast": "is not supported yet (taylorseer and magcache are)",
     "first_block_cache": (
         "cannot run as static graphs: its threshold compares each step's residual on the device, a branch on "
-        "the data (a read back to the host every step); use taylorseer"
+        "the data (a read back to the host every step); use taylorseer, or magcache (the same skip decided "
+        "from ratios calibrated once)"
     ),
 }
-STEP_CACHE_METHODS = ("none", "taylorseer")
+# Each method tpugen runs, with the options that are its own (named as diffusers' config class for it names them).
+STEP_CACHE_OPTIONS = {
+    "none": (),
+    "taylorseer": (
+        "cache_interval",
+        "disable_cache_before_step",
+        "disable_cache_after_step",
+        "max_order",
+        "taylor_factors_dtype",
+        "skip_predict_identifiers",
+        "cache_identifiers",
+        "use_lite_mode",
+    ),
+    "magcache": ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios"),
+}
+STEP_CACHE_METHODS = tuple(STEP_CACHE_OPTIONS)
+# diffusers' own precomputed MagCache ratios, by the name a config gives them (diffusers.hooks.mag_cache).
+KNOWN_MAG_RATIOS = {"flux": "FLUX_MAG_RATIOS"}
 
 
 def _check_step_cache_method(value: Any) -> Any:
@@ -181,21 +198,23 @@ def _check_step_cache_method(value: Any) -> Any:
     if value in STEP_CACHE_NOT_YET:
         raise ValueError(f"{value} {STEP_CACHE_NOT_YET[value]}")
     shown = value if not isinstance(value, str) else repr(value)
-    raise ValueError(f"must be none or taylorseer, got {shown}")
+    raise ValueError(f"must be none, taylorseer or magcache, got {shown}")
 
 
 class StepCacheConfig(_Section):
     method: Annotated[str, AfterValidator(_check_step_cache_method)] = Field(
         default="none",
         description=(
-            "none, or taylorseer: diffusers' TaylorSeer (diffusers.hooks.TaylorSeerCacheConfig, attached with"
+            "none; taylorseer: diffusers' TaylorSeer (diffusers.hooks.TaylorSeerCacheConfig, attached with"
             " transformer.enable_cache): between full steps, the attention outputs are predicted from a "
-            "Taylor series of the last full ones. Each step's kind follows from its index alone, so on XLA "
-            "each kind is one graph, compiled in warmup. Images differ from uncached ones (the PNG record and"
-            " parameters say so)."
+            "Taylor series of the last full ones; or magcache: diffusers' MagCache (MagCacheConfig): whole "
+            "steps skipped, the last full step's residual reused, where the model's calibrated mag_ratios "
+            "say the error stays under threshold. Each step's kind follows from the step index (and the "
+            "ratios) alone, so on XLA each kind is one graph, compiled in warmup. Images differ from uncached"
+            " ones (the PNG record and parameters say so)."
         ),
     )
-    # The rest are TaylorSeerCacheConfig's own options, with its names and defaults.
+    # TaylorSeerCacheConfig's own options, with its names and defaults.
     cache_interval: int = Field(
         default=5,
         ge=1,
@@ -244,6 +263,32 @@ class StepCacheConfig(_Section):
         ),
     )
 
+    # MagCacheConfig's own options, with its names and defaults. Its num_inference_steps is each call's steps
+    # (tpugen sets it), and its calibrate mode is `tpugen calibrate`.
+    threshold: float = Field(
+        default=0.06,
+        gt=0,
+        description="magcache: a step is skipped while the error its ratios add up to stays at or under this.",
+    )
+    max_skip_steps: int = Field(
+        default=3, ge=1, description="magcache: the most steps skipped in a row (K in the MagCache paper)."
+    )
+    retention_ratio: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="magcache: this share of the first steps always runs full (0.2 of 28 steps: the first 6).",
+    )
+    mag_ratios: list[float] | str | None = Field(
+        default=None,
+        description=(
+            "magcache: the model's magnitude ratios, one per step of a calibration run (stretched to any other"
+            " step count as diffusers does): a list, a .yaml/.json file that `tpugen calibrate` wrote "
+            "(relative to the config), or flux for diffusers' FLUX.1 [dev] ratios. A run's config.yaml holds "
+            "the list itself."
+        ),
+    )
+
     @field_validator("skip_predict_identifiers", "cache_identifiers")
     @classmethod
     def _regexes(cls, value: list[str] | None) -> list[str] | None:
@@ -254,22 +299,54 @@ class StepCacheConfig(_Section):
                 raise ValueError(f"{pattern!r} is not a regular expression: {exc}") from None
         return value
 
+    @field_validator("mag_ratios")
+    @classmethod
+    def _ratios(cls, value: list[float] | str | None) -> list[float] | str | None:
+        if isinstance(value, list) and (not value or any(not (0 < r < 10) for r in value)):
+            raise ValueError("must be a non-empty list of ratios, each above 0 and below 10")
+        if isinstance(value, str) and value not in KNOWN_MAG_RATIOS and not value.endswith((".yaml", ".yml", ".json")):
+            raise ValueError(f"{value!r} is neither {', '.join(KNOWN_MAG_RATIOS)} nor a .yaml or .json file of ratios")
+        return value
+
     @model_validator(mode="after")
-    def _options_need_a_method(self) -> StepCacheConfig:
+    def _options_of_the_method(self) -> StepCacheConfig:
         # Options at their defaults pass: a resolved config (a run's config.yaml) writes every key out.
         fields = type(self).model_fields
-        given = [name for name in fields if name != "method" and getattr(self, name) != fields[name].default]
-        if self.method == "none" and given:
-            raise ValueError(f"{', '.join(given)}: TaylorSeer's options; set method: taylorseer or leave them out")
+        own = STEP_CACHE_OPTIONS[self.method]
+        for method, names in STEP_CACHE_OPTIONS.items():
+            given = [n for n in names if n not in own and getattr(self, n) != fields[n].default]
+            if given:
+                what = "no step cache" if self.method == "none" else f"method {self.method}"
+                raise ValueError(
+                    f"{', '.join(given)}: {method}'s option(s), not for {what}; set method: {method} or leave them out"
+                )
+        if self.method == "magcache" and self.mag_ratios is None:
+            raise ValueError(
+                "magcache needs the model's mag_ratios: measure them with `tpugen calibrate CONFIG` and set "
+                "mag_ratios to the file it writes (or flux, for diffusers' FLUX.1 [dev] ratios)"
+            )
         return self
 
     def options(self) -> dict:
         """The method's own options, as diffusers' config class names them ({} for none)."""
-        return {} if self.method == "none" else self.model_dump(exclude={"method"})
+        return {name: getattr(self, name) for name in STEP_CACHE_OPTIONS[self.method]}
 
     def record(self) -> dict | None:
         """What an image record says of the cache (None: no cache, and the record stays as it was before)."""
         return None if self.method == "none" else {"method": self.method, **self.options()}
+
+
+def step_cache_options_text(options: dict, *, pair: str = "{} {}", sep: str = ", ") -> str:
+    """A step cache's options as a report, a PNG's parameters or the server's summary shows them: each set one
+    as `pair` (key, value), a long list (MagCache's ratios, which the records hold whole) by its length."""
+    shown = []
+    for key, value in options.items():
+        if value is None:
+            continue
+        if isinstance(value, list) and len(value) > 4:
+            value = f"[{len(value)} values]"
+        shown.append(pair.format(key, value))
+    return sep.join(shown)
 
 
 class CompileConfig(_Section):
@@ -299,7 +376,7 @@ class CompileConfig(_Section):
         default=StepCacheConfig(),
         description=(
             "Skip work between denoising steps with one of diffusers' step caches (Flux.1, FLUX.2 [klein] and "
-            "Qwen-Image for now; see compile.step_cache.method). A server has its config's one, warm for any steps."
+            "Qwen-Image; see compile.step_cache.method). A server has its config's one, warm for any steps."
         ),
     )
 

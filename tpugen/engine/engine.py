@@ -14,9 +14,10 @@ from tpugen.backends import FLASH_ATTENTION_HOOK, make_backend
 from tpugen.backends.base import NOT_A_TPU, XLA_ONLY, flash_failure
 from tpugen.config import CacheConfig, CompileConfig, ExecutionConfig, ModelConfig, ResolvedRun
 from tpugen.config.loras import Lora, loras_key
+from tpugen.config.schema import StepCacheConfig
 from tpugen.engine.loras import LoraWeights, check_fit, file_shapes, loadable_components, unet_config_of
 from tpugen.engine.pipeline import LoadedPipeline, quiet_libraries, read_shared
-from tpugen.engine.step_cache import covers, install_step_cache, step_cache_problem, step_counts
+from tpugen.engine.step_cache import calibrating, covers, step_cache_problem, step_counts, warm_call_steps
 from tpugen.errors import InputError, RunError, TpugenError
 from tpugen.families import family as family_named
 from tpugen.memory import (
@@ -164,7 +165,7 @@ class Engine:
             ) from exc
         loaded = LoadedPipeline(pipe, backend, family, label, scheduler_name)
         backend.prepare_on_device(pipe, family, spec.compile, loaded.hooks)
-        install_step_cache(pipe, family, spec.compile.step_cache, loaded.hooks)
+        loaded.use_step_cache(spec.compile.step_cache)
         loaded.out_of_memory_advice = advice
         # Whatever moving the weights left pending (FLUX.2's VAE has an int64 BatchNorm counter) is run now; left
         # lazy, it joined the first call's text graph, and every later call compiled that graph again.
@@ -344,13 +345,20 @@ class Engine:
 
     def _warm_keys(self, plan: RunPlan, display: Display, checkpoint: Checkpoint, scheduler: str | None) -> list[dict]:
         first_batch: dict = {}
-        cached = self.spec.compile.step_cache.method != "none"
+        cache = self.spec.compile.step_cache
+        counts: dict = {}
         for batch in plan.batches:
             known = first_batch.setdefault(batch.shape, batch)
-            if cached and batch.steps > known.steps:
-                # A step cache's kinds of step are graphs of their own; the schedule of fewer steps is a prefix
-                # of that of more, so the batch with the most steps compiles every kind the others use.
+            counts.setdefault(batch.shape, set()).add(batch.steps)
+            if cache.method != "none" and batch.steps > known.steps:
                 first_batch[batch.shape] = batch
+        if cache.method != "none":
+            # A step cache's kinds of step are graphs of their own: each shape key's warmup call runs the steps
+            # that compile every kind its batches use (under TaylorSeer, those of its batch with the most steps).
+            for shape, batch in first_batch.items():
+                steps = warm_call_steps(cache, counts[shape])
+                if steps != batch.steps:
+                    first_batch[shape] = replace(batch, items=tuple(replace(i, steps=steps) for i in batch.items))
         choice = find_scheduler(scheduler).name if scheduler else self.loaded.default_scheduler
         results = []
         for shape, batch in first_batch.items():
@@ -474,6 +482,21 @@ class Engine:
                 self.loaded.on_step = None
                 self.loaded.use_scheduler(None)  # at rest, an engine has the scheduler it was loaded with
             return pixels
+
+    def calibrate_mag_ratios(self, batch: Batch, display: Display) -> list[float]:
+        """`tpugen calibrate`: one call of `batch` under diffusers' MagCache calibration, its ratios (one per step).
+        Each ratio is read back to the host as its step ends, so the call is slower than a run's."""
+        problem = step_cache_problem(
+            StepCacheConfig(method="magcache", mag_ratios="flux"),
+            self.loaded.family,
+            scan_blocks=self.spec.compile.scan_blocks,
+        )
+        if problem:
+            raise InputError(problem)
+        with self.lock, calibrating(self.loaded.pipe, self.loaded.family, batch.steps) as ratios:
+            self._call(batch, display)
+            self.backend.wait()
+        return ratios
 
     def _step_counts(self, steps: int) -> dict:
         """How many of a call's steps ran full and how many cached ({} without a step cache)."""

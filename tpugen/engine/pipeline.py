@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from tpugen.engine.hooks import Hooks
-from tpugen.engine.step_cache import reset_step_cache
+from tpugen.engine.step_cache import install_step_cache, prepare_call, reset_step_cache
 from tpugen.errors import RunError
 from tpugen.families import Family
 from tpugen.families.base import TIMESTEPS_ON_HOST
@@ -54,6 +54,7 @@ class LoadedPipeline:
         self.out_of_memory_advice = "`tpugen plan CONFIG` shows each component's size against the chip"
         self._loop_started = False
         self.on_step = None  # called with each denoising step's number (1..steps) as it is handed to the device
+        self.step_cache = None  # compile.step_cache once use_step_cache installed it
         # tpugen decodes the latents itself, so decoding and the conversion to pixels are one graph. A
         # safety checker or a watermark runs on the host, so pipelines with one keep their own path.
         host_steps = getattr(pipe, "safety_checker", None) is not None or getattr(pipe, "watermark", None) is not None
@@ -108,6 +109,11 @@ class LoadedPipeline:
         self.family.scheduler_hooks(scheduler, self.hooks)
         if hasattr(scheduler, "set_begin_index"):
             self.hooks.wrap(scheduler, "set_timesteps", FROM_STEP_ZERO, _from_step_zero(scheduler))
+
+    def use_step_cache(self, config) -> None:
+        """compile.step_cache's hooks on the denoiser (tpugen.engine.step_cache); each call sets its steps."""
+        install_step_cache(self.pipe, self.family, config, self.hooks)
+        self.step_cache = config
 
     def use_scheduler(self, name: str | None) -> None:
         """Switch to the scheduler a user names (None: the one loaded), its hooks moved with it; the graphs
@@ -200,6 +206,8 @@ class LoadedPipeline:
         try:
             latents, generators = self._initial_noise(batch)
             reset_step_cache(self.pipe, self.family)  # a call that failed halfway left its step cache's state
+            if self.step_cache is not None:
+                prepare_call(self.pipe, self.family, self.step_cache, batch.steps)
             with torch.no_grad():  # inference_mode tensors break torch_xla (version counters)
                 output = self.pipe(**self._call_arguments(batch, latents, generators)).images
                 self._mark("later denoising steps")

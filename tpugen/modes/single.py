@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tpugen.config import ResolvedRun
@@ -11,6 +13,38 @@ from tpugen.engine import Display, Engine, EngineSpec, RunSession, StopSignals, 
 from tpugen.engine.session import check_run_dir_free
 from tpugen.outputs.report import RunReport, TimedPhase, persistent_cache_summary, write_report
 from tpugen.plan import plan_run
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What `tpugen calibrate` measured: MagCache's ratios for the model, from one call of the config's first
+    batch, and what that call was (the ratios are the model's and the schedule's, not the prompt's)."""
+
+    model: str
+    steps: int
+    height: int
+    width: int
+    scheduler: str
+    mag_ratios: list[float]
+    seconds: float
+
+
+def calibrate(run: ResolvedRun, *, display: Display | None = None) -> Calibration:
+    """`tpugen calibrate`: the config's first batch once, under diffusers' MagCache calibration."""
+    display = display or Display()
+    engine = Engine.open(EngineSpec.of(run), display=display)
+    try:
+        batch = plan_run(run).batches[0]
+        display.phase(f"calibrating MagCache: {batch.steps} steps of {batch.shape}")
+        start = time.perf_counter()
+        ratios = engine.calibrate_mag_ratios(batch, display)
+        seconds = time.perf_counter() - start
+        shape = batch.shape
+        return Calibration(
+            run.config.model.id, batch.steps, shape.height, shape.width, engine.scheduler_name, ratios, seconds
+        )
+    finally:
+        engine.close()
 
 
 def host_index_for(run: ResolvedRun):

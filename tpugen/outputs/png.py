@@ -10,6 +10,7 @@ from pathlib import Path
 
 from PIL import Image, PngImagePlugin
 
+from tpugen.config.schema import step_cache_options_text
 from tpugen.outputs.files import atomic_write_bytes
 
 SLUG_MAX = 40
@@ -61,7 +62,7 @@ def a1111_parameters(record: dict) -> str:
     if record.get("step_cache"):
         # Not an A1111 key (the web UI has no step cache): its images are not the uncached ones, so say which.
         cache = record["step_cache"]
-        options = " ".join(f"{k}={v}" for k, v in cache.items() if k != "method" and v is not None)
+        options = step_cache_options_text({k: v for k, v in cache.items() if k != "method"}, pair="{}={}", sep=" ")
         fields["Step cache"] = f"{cache['method']} {options}"
     fields["Version"] = f"tpugen {record['tpugen_version']}"
     lines.append(", ".join(f"{key}: {_a1111_value(value)}" for key, value in fields.items()))

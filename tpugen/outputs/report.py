@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from functools import cached_property
 from pathlib import Path
 
+from tpugen.config.schema import step_cache_options_text
 from tpugen.outputs.files import atomic_write_text, write_json
 from tpugen.outputs.sections import SINGLE, ModeSection, fmt, section_from_json
 
@@ -358,7 +359,7 @@ def _step_cache_lines(cache: dict | None, batches: list[dict]) -> list[str]:
     """The step cache's method and options, and how many denoising steps of the timed phase ran full and cached."""
     if not cache:
         return []
-    options = ", ".join(f"{key} {value}" for key, value in cache["options"].items() if value is not None)
+    options = step_cache_options_text(cache["options"])
     full = sum(b.get("steps_full") or 0 for b in batches)
     cached = sum(b.get("steps_cached") or 0 for b in batches)
     return [f"- step cache: {cache['method']} ({options}); timed phase: {full} steps ran full and {cached} cached"]

@@ -16,7 +16,7 @@ from tpugen.config import ResolvedRun, resolve, run_sizes
 from tpugen.config.loras import Lora, is_hub_lora, loras_key, resolve_lora
 from tpugen.config.prompts import planned_images
 from tpugen.config.request import ImageRequest, RequestLimits
-from tpugen.config.schema import LORA_SCALE_MAX, LoraConfig, StepCacheConfig
+from tpugen.config.schema import LORA_SCALE_MAX, LoraConfig, StepCacheConfig, step_cache_options_text
 from tpugen.engine import Display, Engine, StopSignals, Topology
 from tpugen.engine.session import RUN_RECORD, read_run_record, recorded_prompts, run_id_for
 from tpugen.engine.step_cache import warm_steps
@@ -204,7 +204,7 @@ class Service:
         cache = self.run.config.compile.step_cache
         if cache.method != "none":
             # One per server: the hooks are on the loaded denoiser, so no request or run can switch it.
-            options = ", ".join(f"{key} {value}" for key, value in cache.options().items() if value is not None)
+            options = step_cache_options_text(cache.options())
             summary += f"; step cache {cache.method} ({options}), the server's only one, warm for any steps"
         return summary
 
