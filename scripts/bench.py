@@ -25,10 +25,11 @@ With `serve` instead (scripts/bench.py serve): `tpugen serve` against fresh proc
     against /healthz on an idle server; writes bench/serve.json.
 
 With --step-cache instead: each compile.step_cache method against none, each a fresh `tpugen generate` process
-on XLA:CPU: taylorseer (cache_interval 3, disable_cache_before_step 2, float32 factors) and magcache (threshold
-0.06, max_skip_steps 3, its mag_ratios measured first by `tpugen calibrate` on the same model and steps), on a
+on XLA:CPU: taylorseer (cache_interval 3, disable_cache_before_step 2, float32 factors), magcache (threshold
+0.06, max_skip_steps 3, its mag_ratios measured first by `tpugen calibrate` on the same model and steps) and
+pyramid_attention_broadcast (diffusers' defaults: every other attention call reused inside timesteps 100..800), on a
 random-weight Flux at the real depth (tiny-flux-deep: 19 double + 38 single blocks, tiny width), 128x128, 12 steps,
-batch 1. Seconds per image of the timed phase, compiles in warmup and after it, and how far the cached images are
+batch 1. Seconds per image and per step of the timed phase, compiles in warmup and after it, and how far the cached images are
 from the uncached ones (max and mean difference in /255, PSNR); writes bench/step-cache.json. --step-cache-model names another built-in (a
 shallower one where time is short).
 """
@@ -541,6 +542,9 @@ STEP_CACHE_TAYLORSEER = {
 
 
 STEP_CACHE_MAGCACHE = {"method": "magcache", "threshold": 0.06, "max_skip_steps": 3, "retention_ratio": 0.2}
+STEP_CACHE_PAB = {"method": "pyramid_attention_broadcast"}
+# The table's column for each method (pyramid_attention_broadcast is too long a heading).
+STEP_CACHE_COLUMNS = {"pyramid_attention_broadcast": "PAB"}
 
 
 def _step_cache_config(workdir: Path, model: str, run_id: str, step_cache: dict | None) -> dict:
@@ -582,6 +586,8 @@ def _step_cache_side(workdir: Path, model: str, step_cache: dict | None) -> dict
     return {
         "seconds_per_image": statistics.mean(b["seconds"] / b["images"] for b in batches),
         "seconds_per_image_each": [b["seconds"] / b["images"] for b in batches],
+        # Each batch's seconds over its denoising steps (its text encoding and decoding included), as report.md's.
+        "seconds_per_step": sum(b["seconds"] for b in batches) / sum(b["steps"] for b in batches),
         "warmup_seconds": report["warmup_seconds"],
         "warmup_compiles": warm["compiles"],
         "step_graphs": warm["graphs_per_phase"]["first denoising step"]
@@ -629,13 +635,16 @@ def run_step_cache_bench(model: str) -> dict:
         magcache = _calibrated(tmp, model)
         sides["magcache"] = _step_cache_side(tmp, model, magcache)
         magcache["mag_ratios"] = _read_ratios(Path(magcache["mag_ratios"]))
-        for name in ("taylorseer", "magcache"):
+        print("pyramid_attention_broadcast ...", flush=True)
+        sides["pyramid_attention_broadcast"] = _step_cache_side(tmp, model, STEP_CACHE_PAB)
+        for name in ("taylorseer", "magcache", "pyramid_attention_broadcast"):
             sides[name]["difference"] = _image_difference(Path(sides[name]["run_dir"]), Path(sides["none"]["run_dir"]))
             sides[name]["speedup"] = sides["none"]["seconds_per_image"] / sides[name]["seconds_per_image"]
     print(f"\n{model}, 128x128, 12 steps, batch 1, {len(STEP_CACHE_PROMPTS)} timed images per side, XLA:CPU")
-    print(f"{'':34}" + "".join(f"{name:>12}" for name in sides))
+    print(f"{'':34}" + "".join(f"{STEP_CACHE_COLUMNS.get(name, name):>12}" for name in sides))
     for key, label, form in [
         ("seconds_per_image", "timed s per image", "{:12.3f}"),
+        ("seconds_per_step", "s per step", "{:12.3f}"),
         ("steps_full", "steps full (timed phase)", "{:12d}"),
         ("steps_cached", "steps cached (timed phase)", "{:12d}"),
         ("step_graphs", "step graphs compiled", "{:12d}"),
@@ -648,7 +657,8 @@ def run_step_cache_bench(model: str) -> dict:
         f"{'transfers to host per batch':34}"
         + "".join(f"{str(s['transfers_to_host_per_batch']):>12}" for s in sides.values())
     )
-    for name in ("taylorseer", "magcache"):
+    print("PAB: pyramid_attention_broadcast")
+    for name in ("taylorseer", "magcache", "pyramid_attention_broadcast"):
         difference = sides[name]["difference"]
         print(
             f"{name}: {sides[name]['speedup']:.2f}x the timed phase of none; against none's images: max "
@@ -658,7 +668,11 @@ def run_step_cache_bench(model: str) -> dict:
     return {
         "model": model,
         "workload": {"height": 128, "width": 128, "steps": 12, "batch_size": 1, "images": len(STEP_CACHE_PROMPTS)},
-        "options": {"taylorseer": STEP_CACHE_TAYLORSEER, "magcache": magcache},
+        "options": {
+            "taylorseer": STEP_CACHE_TAYLORSEER,
+            "magcache": magcache,
+            "pyramid_attention_broadcast": STEP_CACHE_PAB,
+        },
         **sides,
     }
 

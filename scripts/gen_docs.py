@@ -28,7 +28,7 @@ CHECKED_VALUES = {
     "_check_workers": "auto, or a number of workers (1 or more)",
     "_check_resources": "null, or {Ray resource: amount > 0}",
     "_check_prompt": "str or mapping",
-    "_check_step_cache_method": "none, taylorseer or magcache",
+    "_check_step_cache_method": "none, taylorseer, magcache or pyramid_attention_broadcast",
     "_check_ray_address": "local, auto, ray://HOST:PORT or HOST:PORT",
 }
 

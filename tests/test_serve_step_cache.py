@@ -57,6 +57,17 @@ def test_the_warm_plan_runs_the_steps_that_bring_every_kind_of_step(tmp_path):
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())
     assert [batch.steps for batch in service.warm_plan().batches] == [6]
 
+    # PAB: its warmup's stand-in timesteps (one step outside its range, skip-range steps inside) make every kind of
+    # step any request makes, so a server of 2 steps warms at 3 and then covers any step count.
+    path = flux_serve_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config.update(steps=2, compile={"step_cache": {"method": "pyramid_attention_broadcast"}})
+    run = load_config(write_config(path, config), prompts_required=False)
+    service = Service(run, [], output_root=tmp_path / "runs", display=Display())
+    assert [batch.steps for batch in service.warm_plan().batches] == [3]
+    pab = run.config.compile.step_cache
+    assert covers(pab, 3, 1000) and covers(pab, 3, 1) and not covers(pab, 2, 2)
+
 
 def test_a_run_cannot_switch_the_servers_step_cache(tmp_path):
     from tpugen.config import load_config

@@ -1,5 +1,5 @@
-"""compile.step_cache: diffusers' TaylorSeer and MagCache on a static schedule, against diffusers' own cached
-images, and `tpugen calibrate` for MagCache's ratios."""
+"""compile.step_cache: diffusers' TaylorSeer, MagCache and Pyramid Attention Broadcast on a static schedule,
+against diffusers' own cached images, and `tpugen calibrate` for MagCache's ratios."""
 
 from __future__ import annotations
 
@@ -11,7 +11,17 @@ from conftest import plain_diffusers_images, run_cli, tiny_config, with_prompts_
 from PIL import Image
 
 from tpugen.config.schema import StepCacheConfig
-from tpugen.engine.step_cache import schedule, step_cache_problem, step_counts, step_graphs
+from tpugen.engine.step_cache import (
+    covers,
+    pab_decisions,
+    pab_warm_timesteps,
+    schedule,
+    step_cache_problem,
+    step_counts,
+    step_graphs,
+    warm_call_steps,
+    warm_steps,
+)
 from tpugen.families import family
 
 TAYLORSEER = {
@@ -40,8 +50,7 @@ def test_refused_methods_and_families_say_why_in_one_line(tmp_path):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path, model={"id": "tiny-flux"}))
     for method, words in [
         ("first_block_cache", "cannot run as static graphs"),
-        ("fastercache", "not supported yet"),
-        ("pyramid_attention_broadcast", "not supported yet"),
+        ("fastercache", "splits one CFG batch into halves, and these families have none to split"),
     ]:
         result = run_cli("validate", config, f"compile.step_cache.method={method}")
         assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
@@ -54,6 +63,24 @@ def test_refused_methods_and_families_say_why_in_one_line(tmp_path):
     )
     result = run_cli("validate", config, "compile.step_cache.method=magcache", "compile.step_cache.max_order=2")
     assert "max_order: taylorseer's option(s), not for method magcache" in result.stderr
+    result = run_cli(
+        "validate",
+        config,
+        "compile.step_cache.method=taylorseer",
+        "compile.step_cache.spatial_attention_block_skip_range=3",
+    )
+    assert (
+        "spatial_attention_block_skip_range: pyramid_attention_broadcast's option(s), not for method taylorseer"
+        in result.stderr
+    )
+    result = run_cli(
+        "validate",
+        config,
+        "compile.step_cache.method=pyramid_attention_broadcast",
+        "compile.step_cache.spatial_attention_timestep_skip_range=[800, 100]",
+    )
+    assert result.exit_code == 2 and "must be [low, high] with low below high, got [800, 100]" in result.stderr
+    assert run_cli("validate", config, "compile.step_cache.method=pyramid_attention_broadcast").exit_code == 0
     result = run_cli("validate", config, "compile.step_cache.method=magcache")
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
     assert "magcache needs the model's mag_ratios: measure them with `tpugen calibrate CONFIG`" in result.stderr
@@ -278,6 +305,151 @@ def test_magcache_on_xla_is_diffusers_own_with_no_compile_after_warmup(model, tm
     cached = _differences(run_dir, diffusers_images(run_dir, cache, model, MAG_STEPS, decisions))
     # diffusers' own hook decided each step as tpugen's schedule did, for each image.
     assert decisions == list(kinds) * len(prompts), decisions
+    uncached = _differences(run_dir, diffusers_images(run_dir, None, model))
+    assert cached[0] <= CACHED_VS_DIFFUSERS, cached
+    assert uncached[1] > 0.01 and uncached[1] > 10 * cached[1], (cached, uncached)
+
+
+# Pyramid Attention Broadcast: its defaults (every other call inside timesteps 100..800).
+PAB = {"method": "pyramid_attention_broadcast"}
+
+
+def test_the_pab_schedule_is_its_hooks_rule_on_the_call_count_and_the_timesteps():
+    cache = StepCacheConfig(**PAB)
+    timesteps = [1000.0, 875.0, 750.0, 625.0, 500.0, 375.0, 250.0, 125.0]  # tiny Flux.1's 8 steps
+    computed, reused = "computed", "reused"
+    # One transformer call a step (Flux.1): from 750 on, inside the range, every odd call reuses attention.
+    assert pab_decisions(cache, timesteps) == ((computed,),) * 3 + ((reused,), (computed,)) * 2 + ((reused,),)
+    assert schedule(cache, 8, timesteps=timesteps) == ("full",) * 3 + ("cached", "full") * 2 + ("cached",)
+    assert step_counts(cache, 8, timesteps=timesteps) == {"steps_full": 5, "steps_cached": 3}
+    # CFG as two calls a step (Qwen-Image, FLUX.2 [klein]): the one count per module goes up twice a step, so
+    # with a skip range of 2 the unconditional call reuses what the conditional one just computed.
+    two = pab_decisions(cache, timesteps, calls=2)
+    assert two == ((computed, computed),) * 2 + ((computed, reused),) * 6
+    assert step_graphs(cache, 8, timesteps=timesteps, calls=2) == two
+    three = StepCacheConfig(**PAB, spatial_attention_block_skip_range=3)
+    assert pab_decisions(three, [900.0, 500.0, 400.0, 300.0], calls=2) == (
+        (computed, computed),
+        (reused, computed),
+        (reused, reused),
+        (computed, reused),
+    )
+    # The range is open at both ends (diffusers' `low < t < high`).
+    assert pab_decisions(cache, [1000.0, 800.0, 100.0, 500.0]) == ((computed,),) * 3 + ((reused,),)
+    try:
+        schedule(cache, 8)
+    except ValueError as exc:
+        assert "needs the call's 8 timesteps" in str(exc)
+    else:
+        raise AssertionError("a PAB schedule without timesteps")
+
+
+def test_a_pab_warmup_makes_every_kind_of_step_any_call_makes():
+    for every in (1, 2, 3, 4):
+        cache = StepCacheConfig(**PAB, spatial_attention_block_skip_range=every)
+        warm = pab_warm_timesteps(cache, warm_steps(cache, 2))
+        assert warm_steps(cache, 2) == 1 + every == warm_call_steps(cache, [2]) and warm_call_steps(cache, [9]) == 9
+        for calls in (1, 2):
+            warmed = set(pab_decisions(cache, warm, calls))
+            # Any timesteps of any length: here every pattern of inside and outside the range over 7 steps.
+            for pattern in range(2**7):
+                timesteps = [500.0 if pattern >> step & 1 else 900.0 for step in range(7)]
+                assert set(pab_decisions(cache, timesteps, calls)) <= warmed, (every, calls, timesteps)
+        assert covers(cache, 1 + every, 50) and not covers(cache, every, 2)
+
+
+# Flux.1: a second image at 4 steps, whose schedule is not a prefix of 8 steps' (its timesteps differ): warm
+# all the same. FLUX.2 [klein] and Qwen-Image (CFG, two transformer calls a step): one image at 8 steps.
+PAB_STEPS_OF = {"tiny-flux": (8, 4), "tiny-flux2-klein": (8,), "tiny-qwen-image": (8,)}
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("model", list(PAB_STEPS_OF))
+def test_pab_on_xla_is_diffusers_own_with_no_compile_after_warmup(model, tmp_path):
+    # A negative prompt as long as the prompt in tokens: plain diffusers' Qwen-Image does not pad its text, and
+    # its PAB hands the unconditional call the conditional call's attention output, text part included (tpugen
+    # pads both to 512 tokens).
+    prompts, negative = ["a red fox in snow", "a lighthouse at dawn"], "a dim grey blur"
+    lines = [json.dumps({"prompt": p, "steps": n}) for p, n in zip(prompts, PAB_STEPS_OF[model], strict=False)]
+    # Batch 5: a shape key no other test compiles for these models (see the TaylorSeer test above).
+    base = tiny_config(tmp_path, model={"id": model}, negative_prompt=negative, steps=8, batch_size=5)
+    config = with_prompts_file(tmp_path, {**base, "compile": {"step_cache": PAB}}, lines, "p.jsonl")
+    result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
+    assert result.exit_code == 0, result.output
+    run_dir = tmp_path / "outputs" / "run"
+    report = json.loads((run_dir / "report.json").read_text())
+
+    assert report["compiles_after_warmup"] == 0
+    (warm,) = report["warmup"]
+    # Two kinds of step, every call computing and some call reusing attention, both made by the warmup's
+    # stand-in timesteps (the first step outside PAB's range, the next two inside).
+    assert warm["graphs_per_phase"] == {
+        "text encoding": 1,
+        "first denoising step": 1,
+        "later denoising steps": 1,
+        "decoding": 1,
+    }
+    batches = report["timed_phase"]["batches"]
+    # The hooks test a host timestep on every call: still one read back to the host per batch.
+    assert [b["transfers_to_host"] for b in batches] == [1] * len(PAB_STEPS_OF[model])
+    assert report["device"]["step_cache"] == {"method": PAB["method"], "options": StepCacheConfig(**PAB).options()}
+    markdown = (run_dir / "report.md").read_text()
+    assert (
+        "- step cache: pyramid_attention_broadcast (spatial_attention_block_skip_range 2, "
+        "spatial_attention_timestep_skip_range [100, 800]); timed phase: " in markdown
+    )
+    per_step = sum(b["seconds"] for b in batches) / sum(b["steps"] for b in batches)
+    assert f"cached, {per_step:.3f} s per step" in markdown
+    png = Image.open(next(run_dir.glob("00000-*.png")))
+    assert json.loads(png.text["tpugen"])["step_cache"]["method"] == "pyramid_attention_broadcast"
+    # Quoted, as A1111 quotes a value holding a comma.
+    assert (
+        'Step cache: "pyramid_attention_broadcast spatial_attention_block_skip_range=2 '
+        'spatial_attention_timestep_skip_range=[100, 800]"' in png.text["parameters"]
+    )
+
+    # diffusers' own PAB, enabled as its docs do, its first hooked attention's choice and timestep at each call.
+    calls = 1 if model == "tiny-flux" else 2
+    seen: list[tuple[float, str]] = []
+
+    def enable(pipe) -> None:
+        from diffusers import PyramidAttentionBroadcastConfig
+
+        options = StepCacheConfig(**PAB).options()
+        pipe.transformer.enable_cache(
+            PyramidAttentionBroadcastConfig(**options, current_timestep_callback=lambda: pipe.current_timestep)
+        )
+        attention = next(m for m in pipe.transformer.modules() if _hook(m, "pyramid_attention_broadcast"))
+        hook = _hook(attention, "pyramid_attention_broadcast")
+        compute = hook.fn_ref.original_forward
+        ran: list[bool] = []
+
+        def computing(*args, **kwargs):
+            ran.append(True)
+            return compute(*args, **kwargs)
+
+        def record(module, args, output) -> None:
+            seen.append((float(pipe.current_timestep), "computed" if ran else "reused"))
+
+        hook.fn_ref.original_forward = computing
+        attention.register_forward_pre_hook(lambda module, args: ran.clear())
+        attention.register_forward_hook(record)
+
+    cached = _differences(run_dir, plain_diffusers_images(model, run_dir, prepare=enable))
+    # diffusers' hooks decided each call as tpugen's schedule does from the call's timesteps, image by image
+    # (the manifest's order), and the report counts each batch's steps by it.
+    manifest = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
+    counted = {}
+    for record in manifest:
+        calls_of_image, seen = seen[: record["steps"] * calls], seen[record["steps"] * calls :]
+        timesteps = [t for t, _ in calls_of_image[::calls]]
+        expected = pab_decisions(StepCacheConfig(**PAB), timesteps, calls)
+        assert [d for _, d in calls_of_image] == [d for step in expected for d in step], (record, calls_of_image)
+        kinds = schedule(StepCacheConfig(**PAB), record["steps"], timesteps=timesteps, calls=calls)
+        assert "cached" in kinds, kinds
+        counted[record["steps"]] = (kinds.count("full"), kinds.count("cached"))
+    assert not seen
+    assert {b["steps"]: (b["steps_full"], b["steps_cached"]) for b in batches} == counted
     uncached = _differences(run_dir, diffusers_images(run_dir, None, model))
     assert cached[0] <= CACHED_VS_DIFFUSERS, cached
     assert uncached[1] > 0.01 and uncached[1] > 10 * cached[1], (cached, uncached)

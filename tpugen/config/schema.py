@@ -164,8 +164,12 @@ AutoOrBool = Annotated[Any, AfterValidator(_check_auto_or_bool)]
 
 # The step caches diffusers 0.42 ships that tpugen does not run, each with why (compile.step_cache.method).
 STEP_CACHE_NOT_YET = {
-    "fastercache": "is not supported yet (taylorseer and magcache are)",
-    "pyramid_attention_broadcast": "is not supported yet (taylorseer and magcache are)",
+    "fastercache": (
+        "is not run: its skip of the unconditional pass splits one CFG batch into halves, and these families "
+        "have none to split (FLUX.2 [klein] and Qwen-Image run CFG as two transformer calls, guidance-distilled "
+        "Flux.1 none); its attention extrapolation alone (is_guidance_distilled) is not built yet: use "
+        "pyramid_attention_broadcast or taylorseer"
+    ),
     "first_block_cache": (
         "cannot run as static graphs: its threshold compares each step's residual on the device, a branch on "
         "the data (a read back to the host every step); use taylorseer, or magcache (the same skip decided "
@@ -186,6 +190,10 @@ STEP_CACHE_OPTIONS = {
         "use_lite_mode",
     ),
     "magcache": ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios"),
+    # No cross_attention_* or temporal_attention_*: Flux.1, FLUX.2 and Qwen-Image have neither kind (their one
+    # attention per block is joint, text and image together, and no module of theirs is_cross_attention), so
+    # diffusers would hook nothing with them.
+    "pyramid_attention_broadcast": ("spatial_attention_block_skip_range", "spatial_attention_timestep_skip_range"),
 }
 STEP_CACHE_METHODS = tuple(STEP_CACHE_OPTIONS)
 # diffusers' own precomputed MagCache ratios, by the name a config gives them (diffusers.hooks.mag_cache).
@@ -198,7 +206,7 @@ def _check_step_cache_method(value: Any) -> Any:
     if value in STEP_CACHE_NOT_YET:
         raise ValueError(f"{value} {STEP_CACHE_NOT_YET[value]}")
     shown = value if not isinstance(value, str) else repr(value)
-    raise ValueError(f"must be none, taylorseer or magcache, got {shown}")
+    raise ValueError(f"must be none, taylorseer, magcache or pyramid_attention_broadcast, got {shown}")
 
 
 class StepCacheConfig(_Section):
@@ -210,8 +218,11 @@ class StepCacheConfig(_Section):
             "Taylor series of the last full ones; or magcache: diffusers' MagCache (MagCacheConfig): whole "
             "steps skipped, the last full step's residual reused, where the model's calibrated mag_ratios "
             "say the error stays under threshold. Each step's kind follows from the step index (and the "
-            "ratios) alone, so on XLA each kind is one graph, compiled in warmup. Images differ from uncached"
-            " ones (the PNG record and parameters say so)."
+            "ratios) alone; or pyramid_attention_broadcast: diffusers' PAB (PyramidAttentionBroadcastConfig): "
+            "inside a range of timesteps, each attention's output is computed every "
+            "spatial_attention_block_skip_range calls and reused between, decided from its call count and the "
+            "timestep (on the host). So on XLA each kind of step is one graph, compiled in warmup. Images differ"
+            " from uncached ones (the PNG record and parameters say so)."
         ),
     )
     # TaylorSeerCacheConfig's own options, with its names and defaults.
@@ -288,6 +299,32 @@ class StepCacheConfig(_Section):
             "the list itself."
         ),
     )
+
+    # PyramidAttentionBroadcastConfig's own options, with its names; its current_timestep_callback is tpugen's
+    # (the pipeline's current timestep, a host value for these families).
+    spatial_attention_block_skip_range: int = Field(
+        default=2,
+        ge=1,
+        description=(
+            "pyramid_attention_broadcast: inside the timestep range, each attention is computed on every N-th of"
+            " its calls in a pipeline call (both CFG passes count) and its last output reused between (1: never "
+            "reused)."
+        ),
+    )
+    spatial_attention_timestep_skip_range: list[int] = Field(
+        default=[100, 800],
+        description=(
+            "pyramid_attention_broadcast: [low, high]: attention is reused only at timesteps strictly between "
+            "these (timesteps run from 1000 down to 0; outside, every call computes)."
+        ),
+    )
+
+    @field_validator("spatial_attention_timestep_skip_range")
+    @classmethod
+    def _timestep_range(cls, value: list[int]) -> list[int]:
+        if len(value) != 2 or value[0] >= value[1]:
+            raise ValueError(f"must be [low, high] with low below high, got {value}")
+        return value
 
     @field_validator("skip_predict_identifiers", "cache_identifiers")
     @classmethod

@@ -17,7 +17,14 @@ from tpugen.config.loras import Lora, loras_key
 from tpugen.config.schema import StepCacheConfig
 from tpugen.engine.loras import LoraWeights, check_fit, file_shapes, loadable_components, unet_config_of
 from tpugen.engine.pipeline import LoadedPipeline, quiet_libraries, read_shared
-from tpugen.engine.step_cache import calibrating, covers, step_cache_problem, step_counts, warm_call_steps
+from tpugen.engine.step_cache import (
+    calibrating,
+    call_step_counts,
+    covers,
+    step_cache_problem,
+    warm_call_steps,
+    warming,
+)
 from tpugen.errors import InputError, RunError, TpugenError
 from tpugen.families import family as family_named
 from tpugen.memory import (
@@ -374,7 +381,8 @@ class Engine:
                 try:
                     before = self.backend.counters()
                     start = time.perf_counter()
-                    _, census = self._call(batch, display, census=True)
+                    with warming(self.loaded.pipe, self.loaded.family, cache, batch.steps):
+                        _, census = self._call(batch, display, census=True)
                     self.backend.wait()
                     seconds = time.perf_counter() - start
                     delta = _delta(self.backend, before)
@@ -449,7 +457,7 @@ class Engine:
                         "compiles": delta.compiles if delta else None,
                         "executions": delta.executions if delta else None,
                         "transfers_to_host": delta.transfers_to_host if delta else None,
-                        **self._step_counts(batch.steps),
+                        **self._step_counts(batch),
                     }
                 )
                 display.batch_done(batch, seconds)
@@ -498,10 +506,9 @@ class Engine:
             self.backend.wait()
         return ratios
 
-    def _step_counts(self, steps: int) -> dict:
-        """How many of a call's steps ran full and how many cached ({} without a step cache)."""
-        cache = self.spec.compile.step_cache
-        return step_counts(cache, steps) if cache.method != "none" else {}
+    def _step_counts(self, batch: Batch) -> dict:
+        """How many of the call's steps just made ran full and how many cached ({} without a step cache)."""
+        return call_step_counts(self.loaded.pipe, self.loaded.family, self.spec.compile.step_cache, batch)
 
     def is_warm(self, shape, scheduler: str | None = None, steps: int | None = None) -> bool:
         """Whether a call of this shape key and scheduler (None: the loaded one) would compile nothing. `steps`:

@@ -9,6 +9,7 @@ from tpugen.config.request import MAX_STEPS
 from tpugen.config.schema import KNOWN_MAG_RATIOS, StepCacheConfig
 
 STEP_CACHE_HOOK = "step cache"
+PAB = "pyramid_attention_broadcast"
 
 
 def step_cache_problem(config: StepCacheConfig, family, *, scan_blocks: bool) -> str | None:
@@ -21,18 +22,65 @@ def step_cache_problem(config: StepCacheConfig, family, *, scan_blocks: bool) ->
     if scan_blocks:
         # A scan runs only the first block's code, so hooks on the other blocks would never run.
         return f"{where} hooks every block's attention, and compile.scan_blocks runs only the first block's code"
+    if config.method == PAB and not family.timesteps_on_host:
+        # PAB's hooks test the current timestep on every call: on the device, that is a read back each time.
+        return f"{where}: {family.title} keeps its timesteps on the device, and PAB tests one at every call"
     return None
 
 
-def schedule(config: StepCacheConfig, steps: int) -> tuple[str, ...]:
+def schedule(config: StepCacheConfig, steps: int, *, timesteps=None, calls: int = 1) -> tuple[str, ...]:
     """Each denoising step's kind, "full" or "cached", decided as diffusers' hooks decide it, from the step index
-    (and for MagCache its calibrated ratios) alone, never from the data. So on XLA every kind of step is a graph
-    of its own, all compiled by warmup."""
+    (for MagCache its calibrated ratios, for PAB the call's `timesteps`, host numbers, and its transformer
+    `calls` per step) alone, never from the data. So on XLA every kind of step is a graph of its own, all
+    compiled by warmup. A PAB step is cached where any of its calls reused attention."""
     if config.method == "taylorseer":
         return _taylorseer_kinds(config, steps)
     if config.method == "magcache":
         return _magcache_kinds(config, steps)
+    if config.method == PAB:
+        decisions = pab_decisions(config, _steps_of(timesteps, steps), calls)
+        return tuple("full" if "reused" not in step else "cached" for step in decisions)
     return ("full",) * steps
+
+
+def _steps_of(timesteps, steps: int) -> list[float]:
+    if timesteps is None or len(timesteps) != steps:
+        raise ValueError(f"pyramid_attention_broadcast's schedule needs the call's {steps} timesteps")
+    return [float(t) for t in timesteps]
+
+
+def pab_decisions(config: StepCacheConfig, timesteps, calls: int = 1) -> tuple[tuple[str, ...], ...]:
+    """PyramidAttentionBroadcastHook's choice, "computed" or "reused", for each transformer call of each step.
+    Its state is one per attention module, not per cache context: the count of calls goes up on every call,
+    so under CFG (two calls a step) it goes up twice a step and the unconditional call may reuse what the
+    conditional one just computed. Every hooked attention is called once per transformer call, so all decide
+    alike. A call computes when it is the first, when the timestep is not strictly inside the range, or when
+    its count is a multiple of spatial_attention_block_skip_range."""
+    low, high = config.spatial_attention_timestep_skip_range
+    every = config.spatial_attention_block_skip_range
+    decisions, iteration = [], 0
+    for t in timesteps:
+        inside = low < float(t) < high
+        step = []
+        for _ in range(calls):
+            step.append("computed" if iteration == 0 or not inside or iteration % every == 0 else "reused")
+            iteration += 1
+        decisions.append(tuple(step))
+    return tuple(decisions)
+
+
+def pab_warm_timesteps(config: StepCacheConfig, steps: int) -> list[float]:
+    """The stand-in timesteps a warmup call hands PAB's hooks (`warming`) so that their own rule makes every kind
+    of step any call can make: step 0 outside the range (every call computes), then skip-range steps inside
+    it, whose call counts run through every remainder the counts of a real call can have (the kind of a step
+    inside the range depends on nothing else), then outside again."""
+    low, high = config.spatial_attention_timestep_skip_range
+    inside = config.spatial_attention_block_skip_range
+    return [float(low)] + [(low + high) / 2] * min(inside, steps - 1) + [float(low)] * max(steps - 1 - inside, 0)
+
+
+def _pab_warm_steps(config: StepCacheConfig) -> int:
+    return 1 + config.spatial_attention_block_skip_range
 
 
 def _taylorseer_kinds(config: StepCacheConfig, steps: int) -> tuple[str, ...]:
@@ -91,16 +139,19 @@ def _as_traced(value: float) -> float | str:
     return value if value in (0, 1, -1) else "input"
 
 
-def step_graphs(config: StepCacheConfig, steps: int) -> tuple[tuple, ...]:
+def step_graphs(config: StepCacheConfig, steps: int, *, timesteps=None, calls: int = 1) -> tuple[tuple, ...]:
     """What tells each step's graph from the others' under the cache, step by step, following TaylorSeerState:
     a full step after the first also updates the Taylor factors (divided differences, divided by the steps since
     the last full one), a cached step sums the factors it holds times offset**order / order!. The graph depends
     on how many factors there are and on which of those numbers torch_xla bakes in as constants (`_as_traced`),
     not on the other numbers' values. Without a cache every step is one kind (the step count compiles nothing).
     MagCache has two: a full step (which also keeps its residual), and a skipped one (the input plus that
-    residual)."""
+    residual). PAB: which of the step's calls computed attention and which reused it (`pab_decisions`; the
+    output a reuse reads is an earlier step graph's, or this one's, whichever step it came from)."""
     if config.method == "none":
         return (("step",),) * steps
+    if config.method == PAB:
+        return pab_decisions(config, _steps_of(timesteps, steps), calls)
     if config.method == "magcache":
         return tuple((kind,) for kind in _magcache_kinds(config, steps))
     graphs: list[tuple] = []
@@ -128,6 +179,9 @@ def covers(config: StepCacheConfig, warmed_steps: int, steps: int) -> bool:
     to each step count, so its schedule is not, and the graphs are compared)."""
     if config.method == "taylorseer" and steps <= warmed_steps:
         return True
+    if config.method == PAB:
+        # Its warmup made every kind of step any call can make (`pab_warm_timesteps`), whatever the timesteps.
+        return warmed_steps >= _pab_warm_steps(config)
     return set(step_graphs(config, steps)) <= set(step_graphs(config, warmed_steps))
 
 
@@ -141,6 +195,8 @@ def warm_steps(config: StepCacheConfig, steps: int, most: int = MAX_STEPS) -> in
         return max(steps, max(first_seen.values()) + 1)
     if config.method == "magcache":
         return next((count for count in range(steps, most + 1) if "cached" in schedule(config, count)), steps)
+    if config.method == PAB:
+        return max(steps, _pab_warm_steps(config))  # one step outside the timestep range, skip-range inside
     return steps
 
 
@@ -152,23 +208,34 @@ def warm_call_steps(config: StepCacheConfig, counts) -> int:
     largest = counts[-1]
     if config.method == "none":
         return largest
+    if config.method == PAB:
+        return max(largest, _pab_warm_steps(config))
     every = set().union(*(step_graphs(config, count) for count in counts))
     return next((n for n in range(largest, MAX_STEPS + 1) if set(step_graphs(config, n)) >= every), largest)
 
 
-def step_counts(config: StepCacheConfig, steps: int) -> dict[str, int]:
-    """{"steps_full", "steps_cached"} of one pipeline call of `steps` steps."""
-    kinds = schedule(config, steps)
+def step_counts(config: StepCacheConfig, steps: int, *, timesteps=None, calls: int = 1) -> dict[str, int]:
+    """{"steps_full", "steps_cached"} of one pipeline call of `steps` steps (PAB: of these timesteps and calls)."""
+    kinds = schedule(config, steps, timesteps=timesteps, calls=calls)
     return {"steps_full": kinds.count("full"), "steps_cached": kinds.count("cached")}
 
 
-def diffusers_config(config: StepCacheConfig, steps: int, *, calibrate: bool = False):
-    """The config as diffusers' own class for the method (TaylorSeerCacheConfig, MagCacheConfig), to pass to
-    enable_cache, for calls of `steps` steps (MagCache's num_inference_steps; `prepare_call` changes it for a
-    call of other steps). `calibrate`: MagCache's calibration mode, which skips nothing and measures ratios."""
+def diffusers_config(config: StepCacheConfig, steps: int, *, calibrate: bool = False, pipe=None):
+    """The config as diffusers' own class for the method (TaylorSeerCacheConfig, MagCacheConfig,
+    PyramidAttentionBroadcastConfig), to pass to enable_cache, for calls of `steps` steps (MagCache's
+    num_inference_steps; `prepare_call` changes it for a call of other steps). `calibrate`: MagCache's
+    calibration mode, which skips nothing and measures ratios. `pipe`: PAB's, whose current timestep its
+    hooks read (`CurrentTimestep`)."""
     import torch
 
     options = config.options()
+    if config.method == PAB:
+        from diffusers import PyramidAttentionBroadcastConfig
+
+        if pipe is None:
+            raise ValueError("pyramid_attention_broadcast reads the pipeline's current timestep: pass its pipe")
+        options["spatial_attention_timestep_skip_range"] = tuple(options["spatial_attention_timestep_skip_range"])
+        return PyramidAttentionBroadcastConfig(**options, current_timestep_callback=CurrentTimestep(pipe))
     if config.method == "magcache":
         from diffusers import MagCacheConfig
 
@@ -191,15 +258,79 @@ def install_step_cache(pipe, family, config: StepCacheConfig, hooks, steps: int 
     if config.method == "none":
         return
     denoiser = getattr(pipe, family.denoiser)
-    denoiser.enable_cache(diffusers_config(config, steps))
+    denoiser.enable_cache(diffusers_config(config, steps, pipe=pipe))
     hooks.add(STEP_CACHE_HOOK, denoiser.disable_cache)
+
+
+class CurrentTimestep:
+    """PAB's current_timestep_callback: `pipe.current_timestep`, as diffusers' own example passes it (a CPU
+    tensor in these families' loops, so every hook's range test is host arithmetic, no read from the device).
+    It keeps each step's value of the call (`seen`, for the report's step counts); in a warmup call
+    (`warming`) it hands the hooks stand-in values instead."""
+
+    def __init__(self, pipe) -> None:
+        self.pipe = pipe
+        self.stand_ins: list[float] | None = None
+        self.seen: list[float] = []
+        self._last = None
+
+    def start_call(self) -> None:
+        self.seen, self._last = [], None
+
+    def __call__(self):
+        timestep = self.pipe.current_timestep
+        # The loop sets a new tensor object each step and the same one for every call within it (both CFG
+        # passes); holding the last one keeps its id from being reused.
+        if timestep is not self._last:
+            self._last = timestep
+            self.seen.append(float(timestep))
+        if self.stand_ins is not None:
+            return self.stand_ins[min(len(self.seen), len(self.stand_ins)) - 1]
+        return timestep
+
+
+def _timestep_callback(pipe, family) -> CurrentTimestep | None:
+    cache_config = getattr(getattr(pipe, family.denoiser, None), "_cache_config", None)
+    callback = getattr(cache_config, "current_timestep_callback", None)
+    return callback if isinstance(callback, CurrentTimestep) else None
+
+
+@contextlib.contextmanager
+def warming(pipe, family, config: StepCacheConfig, steps: int):
+    """Around a warmup call of `steps` steps: PAB's hooks get the stand-in timesteps `pab_warm_timesteps`, so
+    the call compiles every kind of step any later call makes (a no-op for the other methods, whose warmup
+    calls are real ones)."""
+    callback = _timestep_callback(pipe, family) if config.method == PAB else None
+    if callback is None:
+        yield
+        return
+    callback.stand_ins = pab_warm_timesteps(config, steps)
+    try:
+        yield
+    finally:
+        callback.stand_ins = None
+
+
+def call_step_counts(pipe, family, config: StepCacheConfig, batch) -> dict[str, int]:
+    """How many steps of the call just made ran full and cached ({} without a cache); PAB's from the timesteps
+    its hooks were handed and the transformer calls a step makes (two under CFG: these families run the
+    unconditional pass as a call of its own)."""
+    if config.method == "none":
+        return {}
+    if config.method != PAB:
+        return step_counts(config, batch.steps)
+    seen = _timestep_callback(pipe, family).seen
+    return step_counts(config, len(seen), timesteps=seen, calls=2 if batch.shape.cfg else 1)
 
 
 def prepare_call(pipe, family, config: StepCacheConfig, steps: int) -> None:
     """Before a call: MagCache's hooks count steps up to their config's num_inference_steps (then start over) and
-    read ratios stretched to it, so the config they share is set to this call's steps and its ratios."""
+    read ratios stretched to it, so the config they share is set to this call's steps and its ratios; PAB's
+    timestep callback starts the call's record afresh."""
     denoiser = getattr(pipe, family.denoiser, None)
     cache_config = getattr(denoiser, "_cache_config", None)
+    if config.method == PAB and (callback := _timestep_callback(pipe, family)) is not None:
+        callback.start_call()
     if config.method != "magcache" or cache_config is None or cache_config.calibrate:
         return
     if cache_config.num_inference_steps != steps:

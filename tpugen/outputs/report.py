@@ -356,13 +356,18 @@ def _lora_lines(loras: list[dict] | None) -> list[str]:
 
 
 def _step_cache_lines(cache: dict | None, batches: list[dict]) -> list[str]:
-    """The step cache's method and options, and how many denoising steps of the timed phase ran full and cached."""
+    """The step cache's method and options, how many denoising steps of the timed phase ran full and cached, and
+    its seconds per step (each batch's seconds over its steps: its text encoding and decoding included)."""
     if not cache:
         return []
     options = step_cache_options_text(cache["options"])
     full = sum(b.get("steps_full") or 0 for b in batches)
     cached = sum(b.get("steps_cached") or 0 for b in batches)
-    return [f"- step cache: {cache['method']} ({options}); timed phase: {full} steps ran full and {cached} cached"]
+    line = f"- step cache: {cache['method']} ({options}); timed phase: {full} steps ran full and {cached} cached"
+    steps = sum(b.get("steps") or 0 for b in batches)
+    if steps and all(b.get("seconds") is not None for b in batches):
+        line += f", {sum(b['seconds'] for b in batches) / steps:.3f} s per step"
+    return [line]
 
 
 def _placement_lines(placement: dict | None) -> list[str]:
