@@ -25,6 +25,19 @@ class WorkItem:
     # Classifier-free guidance (guidance above 1, in families that have it) doubles the denoiser's batch,
     # so it is part of the compiled shape.
     cfg: bool = True
+    # img2img and inpainting (tpugen.config.prompts.PromptSpec): the input images (absolute paths) and their
+    # sha256, how far the image is noised, and how it is fitted to the size.
+    init_image: str | None = None
+    init_image_sha256: str | None = None
+    mask_image: str | None = None
+    mask_image_sha256: str | None = None
+    strength: float | None = None
+    resize_mode: int = 0
+
+    @property
+    def task(self) -> str:
+        """txt2img, img2img (from an init image) or inpaint (an init image and a mask)."""
+        return "inpaint" if self.mask_image else "img2img" if self.init_image else "txt2img"
 
 
 @dataclass(frozen=True, order=True)
@@ -35,9 +48,12 @@ class ShapeKey:
     width: int
     batch_size: int
     cfg: bool
+    # img2img and inpaint encode their images before the loop: a graph of their own (tpugen.plan.WorkItem.task).
+    task: str = "txt2img"
 
     def __str__(self) -> str:
-        return f"{self.height}x{self.width} b{self.batch_size} {'cfg' if self.cfg else 'nocfg'}"
+        text = f"{self.height}x{self.width} b{self.batch_size} {'cfg' if self.cfg else 'nocfg'}"
+        return text if self.task == "txt2img" else f"{text} {self.task}"
 
 
 @dataclass(frozen=True)
@@ -60,6 +76,10 @@ class Batch:
     @property
     def guidance_scale(self) -> float:
         return self.items[0].guidance_scale
+
+    @property
+    def strength(self) -> float | None:
+        return self.items[0].strength
 
 
 @dataclass(frozen=True)
@@ -109,6 +129,12 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
                         height=height,
                         width=width,
                         cfg=family.uses_cfg(spec.guidance_scale),
+                        init_image=spec.init_image,
+                        init_image_sha256=spec.init_image_sha256,
+                        mask_image=spec.mask_image,
+                        mask_image_sha256=spec.mask_image_sha256,
+                        strength=spec.strength,
+                        resize_mode=spec.resize_mode,
                     )
                 )
                 k += 1
@@ -116,17 +142,19 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
 
 
 def plan_batches(items: list[WorkItem], batch_size: int) -> list[Batch]:
-    """Group items into full batches of one shape; a pipeline call also needs one step count and guidance.
+    """Group items into full batches of one shape; a pipeline call also needs one step count and guidance (and
+    for img2img one strength: the steps it runs).
 
     Items keep index order inside each group; groups come in the order of their first item. The last
     batch of a group is padded to `batch_size`, so every call has a planned shape and nothing recompiles.
     """
     groups: dict[tuple, list[WorkItem]] = {}
     for item in items:
-        groups.setdefault((item.height, item.width, item.cfg, item.steps, item.guidance_scale), []).append(item)
+        key = (item.height, item.width, item.cfg, item.task, item.steps, item.guidance_scale, item.strength)
+        groups.setdefault(key, []).append(item)
     batches = []
-    for (height, width, cfg, _steps, _guidance), members in groups.items():
-        shape = ShapeKey(height, width, batch_size, cfg)
+    for (height, width, cfg, task, *_), members in groups.items():
+        shape = ShapeKey(height, width, batch_size, cfg, task)
         for start in range(0, len(members), batch_size):
             chunk = tuple(members[start : start + batch_size])
             batches.append(Batch(len(batches), shape, chunk, batch_size - len(chunk)))

@@ -6,8 +6,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpugen.config.images import read_input_image
 from tpugen.config.messages import suggest
-from tpugen.config.request import entry_problems
+from tpugen.config.request import DEFAULT_STRENGTH, entry_problems
 from tpugen.config.schema import RunConfig
 from tpugen.lines import text_lines
 
@@ -22,9 +23,30 @@ class PromptSpec:
     steps: int
     guidance_scale: float
     sizes: tuple[tuple[int, int], ...]  # (height, width) pairs this prompt is rendered at
+    # img2img: the image the prompt starts from (absolute path) and its sha256; inpainting adds a mask (white:
+    # repaint). strength: the share of the steps run, on the image noised that far; resize_mode: how the image
+    # is fitted to each size (tpugen.config.request.RESIZE_MODES).
+    init_image: str | None = None
+    init_image_sha256: str | None = None
+    mask_image: str | None = None
+    mask_image_sha256: str | None = None
+    strength: float | None = None
+    resize_mode: int = 0
 
 
-JSONL_KEYS = {"prompt", "negative_prompt", "seed", "steps", "guidance_scale", "height", "width"}
+JSONL_KEYS = {
+    "prompt",
+    "negative_prompt",
+    "seed",
+    "steps",
+    "guidance_scale",
+    "height",
+    "width",
+    "init_image",
+    "mask_image",
+    "strength",
+    "resize_mode",
+}
 
 
 def _no_constant(name: str):
@@ -79,9 +101,12 @@ def read_prompt_file(path: Path, problems: list[str]) -> list[dict]:
     return entries
 
 
-def check_prompt_entry(entry: dict, where: str, run: RunConfig, problems: list[str]) -> PromptSpec | None:
+def check_prompt_entry(
+    entry: dict, where: str, run: RunConfig, problems: list[str], base_dir: Path | None = None
+) -> PromptSpec | None:
     """The prompt of a config's entry (a .jsonl line, or a mapping in prompts), or None with every problem it has
-    in `problems`, each after `where` (the rules: tpugen.config.request)."""
+    in `problems`, each after `where` (the rules: tpugen.config.request). Its images' paths are relative to
+    `base_dir`, the config's folder."""
     prompt = entry.get("prompt")
     if not isinstance(prompt, str):
         problems.append(f"{where}: 'prompt' must be a string" if "prompt" in entry else f"{where}: 'prompt' is missing")
@@ -94,6 +119,16 @@ def check_prompt_entry(entry: dict, where: str, run: RunConfig, problems: list[s
         sizes = ((entry.get("height", run.height), entry.get("width", run.width)),)
     else:
         sizes = run_sizes(run)
+    images = {}
+    for key in ("init_image", "mask_image"):
+        if key in entry:
+            found = read_input_image(entry[key], base_dir or Path.cwd(), f"{where}: {key}", problems)
+            if found is None:
+                return None
+            images[key], images[f"{key}_sha256"] = found.path, found.sha256
+    if images:
+        images["strength"] = float(entry.get("strength", DEFAULT_STRENGTH))
+        images["resize_mode"] = entry.get("resize_mode", 0)
     return PromptSpec(
         prompt=prompt,
         negative_prompt=entry.get("negative_prompt", run.negative_prompt),
@@ -101,6 +136,7 @@ def check_prompt_entry(entry: dict, where: str, run: RunConfig, problems: list[s
         steps=entry.get("steps", run.steps),
         guidance_scale=float(entry.get("guidance_scale", run.guidance_scale)),
         sizes=sizes,
+        **images,
     )
 
 
@@ -136,14 +172,14 @@ def resolve_prompts(
             if unknown:
                 problems.append(f"prompts[{i}]: unknown key {unknown[0]!r}{suggest(unknown[0], sorted(JSONL_KEYS))}")
                 continue
-            spec = check_prompt_entry(entry, f"prompts[{i}]", config, problems)
+            spec = check_prompt_entry(entry, f"prompts[{i}]", config, problems, base_dir)
             if spec:
                 prompts.append(spec)
     else:
         file = Path(config.prompts_file).expanduser()
         file = file if file.is_absolute() else base_dir / file
         for entry in read_prompt_file(file, problems):
-            spec = check_prompt_entry(entry, f"prompts_file:{entry['_line']}", config, problems)
+            spec = check_prompt_entry(entry, f"prompts_file:{entry['_line']}", config, problems, base_dir)
             if spec:
                 prompts.append(spec)
         config.prompts_file = str(file.resolve())

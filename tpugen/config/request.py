@@ -49,6 +49,19 @@ def guidance_ok(scale: float) -> bool:
         return False
 
 
+def strength_ok(strength: float) -> bool:
+    """img2img's strength (the web UI's denoising strength): the share of the steps run on the noised image."""
+    return math.isfinite(strength) and 0 < strength <= 1
+
+
+# How an input image is fitted to the run's size, as the web UI's resize_mode numbers them.
+RESIZE_MODES = {0: "just resize", 1: "crop and resize", 2: "resize and fill"}
+DEFAULT_STRENGTH = 0.75  # the web UI's denoising_strength default
+# An input image's largest side and file size: past them it is no image a run could use (a decompression bomb).
+MAX_INPUT_SIDE = 8192
+MAX_INPUT_BYTES = 64 * 1024 * 1024
+
+
 def seed_ok(seed: int) -> bool:
     return 0 <= seed <= MAX_SEED
 
@@ -96,6 +109,14 @@ _ENTRY_KEYS = {
     "guidance_scale": ((int, float), guidance_ok, "a finite number >= 0"),
     "height": (int, side_ok, f"a positive multiple of {SIDE_MULTIPLE}"),
     "width": (int, side_ok, f"a positive multiple of {SIDE_MULTIPLE}"),
+    "init_image": (str, lambda v: bool(v.strip()), "a path to an image (relative to the config)"),
+    "mask_image": (str, lambda v: bool(v.strip()), "a path to an image (relative to the config)"),
+    "strength": ((int, float), strength_ok, "a number above 0 and at most 1"),
+    "resize_mode": (
+        int,
+        lambda v: v in RESIZE_MODES,
+        f"one of {', '.join(f'{k} ({v})' for k, v in RESIZE_MODES.items())}",
+    ),
 }
 
 
@@ -113,6 +134,9 @@ def entry_problems(entry: dict) -> list[str]:
             value = entry[key]
             if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
                 problems.append(f"{key} must be {wanted}, got {value!r}")
+    for key in ("mask_image", "strength", "resize_mode"):
+        if key in entry and "init_image" not in entry:
+            problems.append(f"{key} is for a prompt with an init_image; give one or leave {key} out")
     return problems
 
 

@@ -235,10 +235,22 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
         del payload["compile"]["flash_attention"]
     if payload["compile"]["step_cache"]["method"] == "none":  # its options are refused without a method
         del payload["compile"]["step_cache"]
-    payload["prompts"] = [p.__dict__ for p in prompts]
+    payload["prompts"] = [_prompt_by_content(p) for p in prompts]
     payload.pop("prompts_file", None)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
     return digest[:8]
+
+
+def _prompt_by_content(prompt: PromptSpec) -> dict:
+    """A prompt as it counts in the hash: its input images by content (sha256), not where they are; a prompt
+    without images as it was before prompts could have them."""
+    fields = dict(prompt.__dict__)
+    if fields["init_image"] is None:
+        for key in ("init_image", "init_image_sha256", "mask_image", "mask_image_sha256", "strength", "resize_mode"):
+            del fields[key]
+        return fields
+    del fields["init_image"], fields["mask_image"]
+    return fields
 
 
 def dump_config(config: RunConfig) -> str:

@@ -749,15 +749,18 @@ class RunConfig(_Section):
         default=None,
         description=(
             "The prompts, inline: strings, or mappings with the keys of a .jsonl line (prompt, "
-            "negative_prompt, seed, steps, guidance_scale, height, width). Give prompts or prompts_file; a "
-            "server's config needs neither."
+            "negative_prompt, seed, steps, guidance_scale, height, width; for img2img init_image, a path "
+            "relative to the config, with strength (0 to 1, default 0.75) and resize_mode (0 just resize, 1 crop"
+            " and resize, 2 resize and fill); for inpainting also mask_image, white where to repaint). Give "
+            "prompts or prompts_file; a server's config needs neither."
         ),
     )
     prompts_file: str | None = Field(
         default=None,
         description=(
             "A .txt file (one prompt per line) or a .jsonl file (per line: prompt, negative_prompt, seed, "
-            "steps, guidance_scale, height, width), relative to the config file."
+            "steps, guidance_scale, height, width, init_image, mask_image, strength, resize_mode), relative to "
+            "the config file (as the images' paths are)."
         ),
     )
     negative_prompt: str = Field(default="", description="The negative prompt of every prompt without its own.")

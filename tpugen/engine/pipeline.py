@@ -60,6 +60,7 @@ class LoadedPipeline:
         host_steps = getattr(pipe, "safety_checker", None) is not None or getattr(pipe, "watermark", None) is not None
         self.decodes_itself = not host_steps
         self._schedulers = {scheduler_name: pipe.scheduler}
+        self._task_pipes: dict = {}  # img2img and inpaint pipelines made from pipe's components (task_pipe)
         self.default_scheduler = scheduler_name  # the one the model was loaded with (or the config named)
         self._sync_at_loop_start()
         family.install_hooks(pipe, backend.device, self.hooks)
@@ -75,10 +76,21 @@ class LoadedPipeline:
         second, different denoiser graph to compile. diffusers' loops all begin by reading
         `self.interrupt`, so a per-instance subclass whose property syncs on the first read is the hook.
         """
-        loaded = self
         base = type(self.pipe)
+        if self._patch_loop_start(self.pipe):
+
+            def restore() -> None:
+                self.pipe.__class__ = base
+
+            self.hooks.add("graph cut at the loop start", restore)
+
+    def _patch_loop_start(self, pipe) -> bool:
+        """The loop-start cut on `pipe` (the loaded pipeline, or one made from its components for img2img):
+        False where its class has no `interrupt` property to hook."""
+        loaded = self
+        base = type(pipe)
         if not isinstance(getattr(base, "interrupt", None), property):
-            return  # a pipeline without the hook: text encoding then joins the first step's graph
+            return False  # a pipeline without the hook: text encoding then joins the first step's graph
 
         def interrupt(pipe) -> bool:
             if not loaded._loop_started:
@@ -94,12 +106,33 @@ class LoadedPipeline:
             # the first component's (which is what diffusers would pick).
             device = self.backend.device
             patches["_execution_device"] = property(lambda pipe: device)
-        self.pipe.__class__ = type(base.__name__, (base,), patches)
+        pipe.__class__ = type(base.__name__, (base,), patches)
+        return True
 
-        def restore() -> None:
-            self.pipe.__class__ = base
+    def task_pipe(self, task: str):
+        """The pipeline for a batch's task: the loaded one for txt2img; for img2img and inpaint diffusers' own
+        pipeline of the family made from the same components (`AutoPipelineFor*.from_pipe`: no second load, the
+        same fused LoRAs and hooks), patched the same way, with the scheduler in use now."""
+        if task == "txt2img":
+            return self.pipe
+        if task not in self._task_pipes:
+            import diffusers
 
-        self.hooks.add("graph cut at the loop start", restore)
+            auto = {"img2img": diffusers.AutoPipelineForImage2Image, "inpaint": diffusers.AutoPipelineForInpainting}[
+                task
+            ]
+            try:
+                made = auto.from_pipe(self.pipe)
+            except (ValueError, KeyError) as exc:
+                raise RunError(
+                    f"{task}: diffusers 0.42 has no {task} pipeline for {type(self.pipe).__name__} ({exc})"
+                ) from None
+            made.set_progress_bar_config(disable=True)
+            self._patch_loop_start(made)
+            self._task_pipes[task] = made
+        made = self._task_pipes[task]
+        made.scheduler = self.pipe.scheduler
+        return made
 
     def _scheduler_hooks(self) -> None:
         """The scheduler's patches: the family's, and a loop that starts at step 0, so the scheduler never
@@ -109,6 +142,8 @@ class LoadedPipeline:
         self.family.scheduler_hooks(scheduler, self.hooks)
         if hasattr(scheduler, "set_begin_index"):
             self.hooks.wrap(scheduler, "set_timesteps", FROM_STEP_ZERO, _from_step_zero(scheduler))
+        if isinstance(getattr(scheduler, "alphas_cumprod", None), torch_tensor_type()):
+            self.hooks.wrap(scheduler, "add_noise", TABLES_ON_HOST, _tables_on_host(scheduler))
 
     def use_step_cache(self, config) -> None:
         """compile.step_cache's hooks on the denoiser (tpugen.engine.step_cache); each call sets its steps."""
@@ -122,7 +157,7 @@ class LoadedPipeline:
         wanted = choice.name if choice else next(iter(self._schedulers))
         if wanted == self.scheduler_name:
             return
-        for hook in (FROM_STEP_ZERO, TIMESTEPS_ON_HOST):
+        for hook in (FROM_STEP_ZERO, TIMESTEPS_ON_HOST, TABLES_ON_HOST):
             if hook in self.hooks.names():
                 self.hooks.remove(hook)
         if wanted not in self._schedulers:
@@ -184,6 +219,46 @@ class LoadedPipeline:
         arguments.update(self.family.call_arguments(self.pipe, rows, batch.guidance_scale))
         return arguments
 
+    def _image_arguments(self, batch: Batch, pipe) -> dict:
+        """An img2img or inpaint call's arguments: each row's images read and fitted to the batch's size on the
+        host, and no latents: diffusers noises the encoded image itself, drawing the noise from each image's
+        CPU generator (as it would on the CPU), and runs `strength` of the steps."""
+        import inspect
+
+        import torch
+
+        from tpugen.engine import images
+
+        shape, rows = batch.shape, batch.rows
+        fitted = [images.load(row.init_image, shape.width, shape.height, row.resize_mode) for row in rows]
+        arguments = {
+            "prompt": [row.prompt for row in rows],
+            "image": fitted,
+            "strength": batch.strength,
+            "height": shape.height,
+            "width": shape.width,
+            "num_inference_steps": batch.steps,
+            "guidance_scale": batch.guidance_scale,
+            "generator": [torch.Generator("cpu").manual_seed(row.seed) for row in rows],
+            "output_type": "latent" if self.decodes_itself else "pt",
+            "callback_on_step_end": self._step_end,
+        }
+        if shape.task == "inpaint":
+            arguments["mask_image"] = [
+                images.load(
+                    row.mask_image,
+                    shape.width,
+                    shape.height,
+                    row.resize_mode,
+                    mask=True,
+                    image_size=images.size_of(row.init_image),
+                )
+                for row in rows
+            ]
+        arguments.update(self.family.call_arguments(pipe, rows, batch.guidance_scale))
+        accepted = inspect.signature(type(pipe).__call__).parameters
+        return {key: value for key, value in arguments.items() if key in accepted}
+
     def _decode(self, latents, batch: Batch):
         """Latents to pixels in [0, 1], as each family's pipeline would, as one graph."""
         shape = batch.shape
@@ -204,12 +279,17 @@ class LoadedPipeline:
         self._loop_started = False
         self.running = "text encoders"
         try:
-            latents, generators = self._initial_noise(batch)
+            pipe = self.task_pipe(batch.shape.task)
+            if batch.shape.task == "txt2img":
+                latents, generators = self._initial_noise(batch)
+                arguments = self._call_arguments(batch, latents, generators)
+            else:
+                arguments = self._image_arguments(batch, pipe)
             reset_step_cache(self.pipe, self.family)  # a call that failed halfway left its step cache's state
             if self.step_cache is not None:
                 prepare_call(self.pipe, self.family, self.step_cache, batch.steps)
             with torch.no_grad():  # inference_mode tensors break torch_xla (version counters)
-                output = self.pipe(**self._call_arguments(batch, latents, generators)).images
+                output = pipe(**arguments).images
                 self._mark("later denoising steps")
                 self.running = "vae"
                 images = self._decode(output, batch) if self.decodes_itself else output
@@ -243,6 +323,32 @@ class LoadedPipeline:
 
 
 FROM_STEP_ZERO = "scheduler starts at step 0"
+TABLES_ON_HOST = "scheduler tables stay on the host"
+
+
+def torch_tensor_type():
+    import torch
+
+    return torch.Tensor
+
+
+def _tables_on_host(scheduler):
+    """img2img's add_noise (DDIM, DDPM, PNDM) moves the scheduler's alphas_cumprod onto the device for good; each
+    step then indexes it by the step's timestep, which torch_xla bakes in as a constant: a new step graph every
+    step. Put back where it was (the host, as txt2img keeps it), the step indexes it as it does in txt2img."""
+
+    def make(add_noise):
+        @functools.wraps(add_noise)
+        def add_noise_keeping_tables(*args, **kwargs):
+            table = scheduler.alphas_cumprod
+            try:
+                return add_noise(*args, **kwargs)
+            finally:
+                scheduler.alphas_cumprod = table
+
+        return add_noise_keeping_tables
+
+    return make
 
 
 def _from_step_zero(scheduler):

@@ -14,6 +14,7 @@ from PIL import Image
 from tpugen import __version__
 from tpugen.backends import versions
 from tpugen.config import ModelConfig, PromptSpec, ResolvedRun, RunConfig, dump_config, load_config
+from tpugen.config.images import sha256_of
 from tpugen.config.loras import loras_by_content
 from tpugen.config.prompts import planned_images, resolve_prompts
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
@@ -105,6 +106,16 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
     loras = {"loras": [lora.record() for lora in run.loras]} if run.loras else {}
     cache = run.config.compile.step_cache.record()  # cached images are not the uncached ones
     step_cache = {"step_cache": cache} if cache else {}
+    # An image made from another names it by content (the path is where it was, not what it was).
+    source = {}
+    if item.init_image:
+        source = {
+            "init_image_sha256": item.init_image_sha256,
+            "strength": item.strength,
+            "resize_mode": item.resize_mode,
+        }
+        if item.mask_image:
+            source["mask_image_sha256"] = item.mask_image_sha256
     return {
         "index": item.index,
         "file": file,
@@ -119,6 +130,7 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
         "model": model_label,
         "model_id": model.id,
         "dtype": model.dtype,
+        **source,
         **loras,
         **step_cache,
         "batch": batch_number,
@@ -432,7 +444,20 @@ def load_run(run_dir: Path) -> ResolvedRun:
     record = read_run_record(run_dir)
     if record is None:
         return load_config(run_dir / "config.yaml")
-    return load_config(run_dir / "config.yaml", prompts=recorded_prompts(record))
+    prompts = recorded_prompts(record)
+    changed = [
+        f"{run_dir}: prompt {number}'s {key} {path} changed since the run started (or is gone); put it back as it "
+        "was, or start a new run"
+        for number, prompt in enumerate(prompts)
+        for key, path, sha256 in (
+            ("init_image", prompt.init_image, prompt.init_image_sha256),
+            ("mask_image", prompt.mask_image, prompt.mask_image_sha256),
+        )
+        if path is not None and sha256_of(path) != sha256
+    ]
+    if changed:
+        raise InputError(*changed)
+    return load_config(run_dir / "config.yaml", prompts=prompts)
 
 
 def _under(key: str, sections: set[str]) -> bool:

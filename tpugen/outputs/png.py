@@ -53,6 +53,8 @@ def a1111_parameters(record: dict) -> str:
         "Size": f"{record['width']}x{record['height']}",
         "Model": record["model"],
     }
+    if record.get("strength") is not None:  # made from an init image (img2img, inpainting)
+        fields["Denoising strength"] = record["strength"]
     if record.get("loras"):
         # As the web UI writes it (extensions-builtin/Lora): "NAME: HASH" pairs joined by ", ", each name without
         # ':' or ',', the hash its 12-digit short hash; the whole value then quoted, since it holds ':'.

@@ -1,0 +1,72 @@
+"""Input images of a run (img2img's init_image, inpainting's mask_image): checked at the door, named by content."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpugen.config.request import MAX_INPUT_BYTES, MAX_INPUT_SIDE
+
+
+@dataclass(frozen=True)
+class InputImage:
+    """An image file a prompt names: where it is (absolute) and its sha256, which is what names the images made
+    from it (the config hash, the PNG record) and what `tpugen resume` checks it against."""
+
+    path: str
+    sha256: str
+
+
+def image_problem(data: bytes) -> str | None:
+    """Why these bytes are not an input image tpugen can use (not an image, too big), or None."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > MAX_INPUT_BYTES:
+        return f"{len(data)} bytes; at most {MAX_INPUT_BYTES}"
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if max(width, height) > MAX_INPUT_SIDE:
+                return f"{width}x{height}; at most {MAX_INPUT_SIDE} pixels a side"
+            image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        return f"not an image PIL can read ({type(exc).__name__})"
+    except Image.DecompressionBombError:
+        return f"over {MAX_INPUT_SIDE} pixels a side"
+    return None
+
+
+def read_input_image(value: str, base_dir: Path, where: str, problems: list[str]) -> InputImage | None:
+    """The prompt's image `value` (a path, relative to the config's folder), or None with its problem noted."""
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    if not path.is_file():
+        problems.append(
+            f"{where}: {str(path)!r} does not exist" if not path.exists() else f"{where}: {str(path)!r} is not a file"
+        )
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        problems.append(f"{where}: cannot read {str(path)!r}: {exc.strerror}")
+        return None
+    problem = image_problem(data)
+    if problem:
+        problems.append(
+            f"{where}: {str(path)!r} is {problem}"
+            if problem.startswith("not")
+            else f"{where}: {str(path)!r}: {problem}"
+        )
+        return None
+    return InputImage(str(path.resolve()), hashlib.sha256(data).hexdigest())
+
+
+def sha256_of(path: str) -> str | None:
+    """The file's sha256 now (None: it is gone or unreadable)."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
