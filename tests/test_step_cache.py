@@ -453,3 +453,19 @@ def test_pab_on_xla_is_diffusers_own_with_no_compile_after_warmup(model, tmp_pat
     uncached = _differences(run_dir, diffusers_images(run_dir, None, model))
     assert cached[0] <= CACHED_VS_DIFFUSERS, cached
     assert uncached[1] > 0.01 and uncached[1] > 10 * cached[1], (cached, uncached)
+
+
+@pytest.mark.xla
+def test_a_step_cache_with_img2img_is_refused_in_one_line(tmp_path):
+    # diffusers 0.42's FluxImg2ImgPipeline has no cache_context around its transformer call and no
+    # current_timestep, and an img2img loop runs strength x steps: refused before anything is generated.
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(tmp_path / "init.png")
+    prompts = [{"prompt": "a red square", "init_image": "init.png", "strength": 0.7}]
+    config = tiny_config(tmp_path, model={"id": "tiny-flux"}, prompts=prompts, steps=4, batch_size=5)
+    config["compile"] = {"step_cache": PAB}
+    result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
+    assert result.exit_code != 0
+    assert result.stderr.startswith(
+        "error: compile.step_cache.method: pyramid_attention_broadcast runs for txt2img only, not img2img: "
+    ), result.stderr
+    assert "0 new images" in result.stderr

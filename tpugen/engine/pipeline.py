@@ -287,7 +287,7 @@ class LoadedPipeline:
                 arguments = self._image_arguments(batch, pipe)
             reset_step_cache(self.pipe, self.family)  # a call that failed halfway left its step cache's state
             if self.step_cache is not None:
-                prepare_call(self.pipe, self.family, self.step_cache, batch.steps)
+                prepare_call(pipe, self.family, self.step_cache, batch.steps, task=batch.shape.task)
             with torch.no_grad():  # inference_mode tensors break torch_xla (version counters)
                 output = pipe(**arguments).images
                 self._mark("later denoising steps")

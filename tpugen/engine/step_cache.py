@@ -7,6 +7,7 @@ import math
 
 from tpugen.config.request import MAX_STEPS
 from tpugen.config.schema import KNOWN_MAG_RATIOS, StepCacheConfig
+from tpugen.errors import RunError
 
 STEP_CACHE_HOOK = "step cache"
 PAB = "pyramid_attention_broadcast"
@@ -274,8 +275,9 @@ class CurrentTimestep:
         self.seen: list[float] = []
         self._last = None
 
-    def start_call(self) -> None:
-        self.seen, self._last = [], None
+    def start_call(self, pipe) -> None:
+        """Before each call: `pipe` is the one that runs it (an img2img pipeline shares this denoiser)."""
+        self.pipe, self.seen, self._last = pipe, [], None
 
     def __call__(self):
         timestep = self.pipe.current_timestep
@@ -323,14 +325,26 @@ def call_step_counts(pipe, family, config: StepCacheConfig, batch) -> dict[str, 
     return step_counts(config, len(seen), timesteps=seen, calls=2 if batch.shape.cfg else 1)
 
 
-def prepare_call(pipe, family, config: StepCacheConfig, steps: int) -> None:
-    """Before a call: MagCache's hooks count steps up to their config's num_inference_steps (then start over) and
-    read ratios stretched to it, so the config they share is set to this call's steps and its ratios; PAB's
-    timestep callback starts the call's record afresh."""
+def prepare_call(pipe, family, config: StepCacheConfig, steps: int, *, task: str = "txt2img") -> None:
+    """Before a call by `pipe` (the loaded pipeline, or an img2img one made from its components, with the same
+    denoiser): MagCache's hooks count steps up to their config's num_inference_steps (then start over) and read
+    ratios stretched to it, so the config they share is set to this call's steps and its ratios; PAB's timestep
+    callback reads this call's pipe and starts its record afresh. A step cache runs for txt2img only (`task`)."""
+    if config.method != "none" and task != "txt2img":
+        raise RunError(
+            f"compile.step_cache.method: {config.method} runs for txt2img only, not {task}: an {task} call's loop "
+            "runs only strength x steps of its steps, which tpugen's schedule does not count yet, and diffusers "
+            "0.42's Flux.1 img2img and inpaint pipelines give the hooks no cache_context nor current_timestep"
+        )
     denoiser = getattr(pipe, family.denoiser, None)
     cache_config = getattr(denoiser, "_cache_config", None)
     if config.method == PAB and (callback := _timestep_callback(pipe, family)) is not None:
-        callback.start_call()
+        if not hasattr(type(pipe), "current_timestep"):
+            raise RunError(
+                f"compile.step_cache.method: {PAB}: diffusers 0.42's {type(pipe).__name__} has no "
+                "current_timestep, which PAB's hooks read each call: it runs for txt2img only"
+            )
+        callback.start_call(pipe)
     if config.method != "magcache" or cache_config is None or cache_config.calibrate:
         return
     if cache_config.num_inference_steps != steps:
