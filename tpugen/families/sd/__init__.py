@@ -12,12 +12,27 @@ def _build(target):
     build(target)
 
 
+def _build_shapes(target):
+    from tpugen.families.sd.shapes.build import build
+
+    build(target)
+
+
 class StableDiffusion(Family):
     """Everything in Family is SD's own behaviour; this adds its models."""
 
     builtins = (
         Builtin(
             "tiny-sd", "SD 1.x architecture with tiny random weights, built offline; its images are noise", 1, _build
+        ),
+        Builtin(
+            "tiny-shapes",
+            "SD 1.x architecture with trained weights that ship with tpugen; draws what it is told, not noise: "
+            "'a red circle on a blue background' (6 colours; circle, square, triangle)",
+            1,
+            _build_shapes,
+            steps=20,
+            guidance_scale=4.0,
         ),
     )
     known_models = (
