@@ -237,9 +237,10 @@ def server(tmp_path_factory):
     (tmp / "loras").mkdir()
     make_lora(tmp / "loras" / "style.safetensors", "kohya", seed=1)
     make_lora(tmp / "loras" / "subject.safetensors", "peft", seed=2)
-    path = serve_config(tmp, max_images_per_request=8, lora_dir="loras", schedulers=["Euler a"])
+    tasks = ["txt2img", "img2img", "inpaint"]  # /sdapi/v1/img2img, with and without a mask
+    path = serve_config(tmp, max_images_per_request=8, lora_dir="loras", schedulers=["Euler a"], tasks=tasks)
     with running_server(path, tmp / "runs", KEY) as (url, service):
-        wait_ready(url)
+        wait_ready(url, seconds=400)  # 5 shape keys to compile; on a loaded 2-core machine, minutes
         yield url, service
 
 

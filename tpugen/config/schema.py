@@ -676,6 +676,13 @@ class ServeConfig(_Section):
     schedulers: list[str] = Field(
         default=[], description="Schedulers kept warm besides the model's own (the names model.scheduler takes)."
     )
+    tasks: list[Literal["txt2img", "img2img", "inpaint"]] = Field(
+        default=["txt2img"],
+        description=(
+            "What the server keeps warm at each size and sampler: txt2img, img2img (/sdapi/v1/img2img) and "
+            "inpaint (img2img with a mask); each is graphs of its own (the image's encoding)."
+        ),
+    )
     new_shapes: Literal["reject", "compile"] = Field(
         default="reject",
         description=(

@@ -64,3 +64,99 @@ def size_of(path: str) -> tuple[int, int]:
 
     with Image.open(path) as opened:
         return opened.size
+
+
+# ---------------------------------------------------------------- the web UI's inpainting, on the host
+
+
+def open_bytes(data: bytes, where: str, *, mask: bool = False):
+    """An image a request sent, as PIL (RGB, or one channel for a mask); InputError naming `where` if it is none."""
+    import io
+
+    from PIL import Image
+
+    from tpugen.config.images import image_problem
+    from tpugen.errors import InputError
+
+    problem = image_problem(data)
+    if problem:
+        raise InputError(f"{where}: is {problem}" if problem.startswith("not") else f"{where}: {problem}")
+    with Image.open(io.BytesIO(data)) as opened:
+        if mask and opened.mode in ("RGBA", "LA"):
+            # A mask drawn on a transparent layer: what is drawn (opaque) is what to repaint.
+            return opened.getchannel("A").convert("L")
+        return opened.convert("L" if mask else "RGB")
+
+
+def png_bytes(image) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def web_ui_mask(mask, blur: int, *, invert: bool = False):
+    """The mask as the web UI prepares it: inverted when asked (repaint what is black), then blurred by `blur`
+    pixels, so the repainted area blends into the rest."""
+    from PIL import ImageFilter, ImageOps
+
+    mask = ImageOps.invert(mask) if invert else mask
+    return mask.filter(ImageFilter.GaussianBlur(blur)) if blur > 0 else mask
+
+
+def fill_masked(image, mask):
+    """inpainting_fill 0 ("fill"): the masked area painted with the colours around it before it is noised: the
+    unmasked pixels' Gaussian-weighted mean at a wide radius, then finer radii laid over it where enough
+    unmasked pixels are near."""
+    import numpy as np
+    from PIL import Image
+    from scipy.ndimage import gaussian_filter
+
+    keep = 1.0 - np.asarray(mask, np.float64) / 255.0
+    pixels = np.asarray(image, np.float64)
+    filled = None
+    for radius in (64, 16, 4, 1):
+        weight = gaussian_filter(keep, radius)
+        colour = np.stack([gaussian_filter(pixels[..., c] * keep, radius) for c in range(3)], axis=-1)
+        colour /= np.maximum(weight, 1e-6)[..., None]
+        cover = np.clip(weight * 4, 0, 1)[..., None]
+        filled = colour if filled is None else filled * (1 - cover) + colour * cover
+    out = pixels * keep[..., None] + filled * (1 - keep[..., None])
+    return Image.fromarray(np.clip(out, 0, 255).round().astype(np.uint8))
+
+
+def crop_region(mask, width: int, height: int, padding: int) -> tuple[int, int, int, int]:
+    """inpaint_full_res: the box around the mask's painted pixels, `padding` more on each side, grown to the
+    image's aspect ratio (so the crop fills width x height unstretched) and kept inside it."""
+    import numpy as np
+
+    painted = np.argwhere(np.asarray(mask) > 0)
+    if not len(painted):
+        return (0, 0, mask.width, mask.height)
+    (top, left), (bottom, right) = painted.min(axis=0), painted.max(axis=0) + 1
+    left, top = max(0, left - padding), max(0, top - padding)
+    right, bottom = min(mask.width, right + padding), min(mask.height, bottom + padding)
+    ratio = width / height
+    box_w, box_h = right - left, bottom - top
+    if box_w / box_h < ratio:
+        box_w = min(mask.width, round(box_h * ratio))
+    else:
+        box_h = min(mask.height, round(box_w / ratio))
+    centre_x, centre_y = (left + right) / 2, (top + bottom) / 2
+    left = int(min(max(0, round(centre_x - box_w / 2)), mask.width - box_w))
+    top = int(min(max(0, round(centre_y - box_h / 2)), mask.height - box_h))
+    return (left, top, left + box_w, top + box_h)
+
+
+def paste_back(pixels, image, mask, region):
+    """An inpaint_full_res result (HxWx3 uint8 at the request's size) shrunk to its crop and laid over the whole
+    image through the mask, as the web UI pastes it: the unmasked pixels stay the image's own."""
+    import numpy as np
+    from PIL import Image
+
+    left, top, right, bottom = region
+    made = Image.fromarray(pixels).resize((right - left, bottom - top), Image.Resampling.LANCZOS)
+    whole = image.copy()
+    whole.paste(made, (left, top), mask.crop(region))
+    return np.asarray(whole)

@@ -142,7 +142,11 @@ class LoadedPipeline:
         self.family.scheduler_hooks(scheduler, self.hooks)
         if hasattr(scheduler, "set_begin_index"):
             self.hooks.wrap(scheduler, "set_timesteps", FROM_STEP_ZERO, _from_step_zero(scheduler))
-        if isinstance(getattr(scheduler, "alphas_cumprod", None), torch_tensor_type()):
+        if hasattr(scheduler, "sigmas") and hasattr(scheduler, "add_noise"):
+            self.hooks.wrap(scheduler, "add_noise", NOISE_LEVEL_AS_DATA, _noise_level_as_data(scheduler))
+        elif hasattr(scheduler, "sigmas") and hasattr(scheduler, "scale_noise"):  # flow matching: Flux and its kin
+            self.hooks.wrap(scheduler, "scale_noise", NOISE_LEVEL_AS_DATA, _noise_level_as_data(scheduler, flow=True))
+        elif isinstance(getattr(scheduler, "alphas_cumprod", None), torch_tensor_type()):
             self.hooks.wrap(scheduler, "add_noise", TABLES_ON_HOST, _tables_on_host(scheduler))
 
     def use_step_cache(self, config) -> None:
@@ -157,7 +161,7 @@ class LoadedPipeline:
         wanted = choice.name if choice else next(iter(self._schedulers))
         if wanted == self.scheduler_name:
             return
-        for hook in (FROM_STEP_ZERO, TIMESTEPS_ON_HOST, TABLES_ON_HOST):
+        for hook in (FROM_STEP_ZERO, TIMESTEPS_ON_HOST, TABLES_ON_HOST, NOISE_LEVEL_AS_DATA):
             if hook in self.hooks.names():
                 self.hooks.remove(hook)
         if wanted not in self._schedulers:
@@ -324,6 +328,42 @@ class LoadedPipeline:
 
 FROM_STEP_ZERO = "scheduler starts at step 0"
 TABLES_ON_HOST = "scheduler tables stay on the host"
+NOISE_LEVEL_AS_DATA = "noise level handed in as data"
+
+
+def _noise_level_as_data(scheduler, *, flow: bool = False):
+    """img2img's noising (and inpainting's, every step) by a sigma scheduler (Euler, DPM++, UniPC, ...): its
+    add_noise looks the noise level up by its begin or step index, a host number torch_xla bakes into the graph,
+    so each strength, step count and step compiled anew. Every add_noise is a*x + s*noise for the level's a and s:
+    computed by the scheduler's own add_noise on the host (from ones and zeros) and handed to the device as data,
+    one graph for any of them. Without a begin index it looks the timestep up instead; that call is left alone."""
+
+    def make(add_noise):
+        def levels(sample, noise_like):
+            import torch
+
+            shape = (sample.shape[0],) + (1,) * (sample.ndim - 1)
+            ones, zeros = torch.ones(shape, dtype=sample.dtype), torch.zeros(shape, dtype=sample.dtype)
+            steps = torch.zeros(shape[0])  # unread: with a begin index the scheduler counts steps itself
+            if flow:  # scale_noise(sample, timestep, noise)
+                return add_noise(ones, steps, zeros), add_noise(zeros, steps, ones)
+            return add_noise(ones, zeros, steps), add_noise(zeros, ones, steps)
+
+        @functools.wraps(add_noise)
+        def add_noise_as_data(*args, **kwargs):
+            sample = args[0] if args else kwargs.get("original_samples", kwargs.get("sample"))
+            if getattr(scheduler, "begin_index", None) is None or sample.device.type == "cpu":
+                return add_noise(*args, **kwargs)
+            if flow:
+                noise = args[2] if len(args) > 2 else kwargs["noise"]
+            else:
+                noise = args[1] if len(args) > 1 else kwargs["noise"]
+            scale, level = (value.to(sample.device) for value in levels(sample, noise))
+            return sample * scale + noise * level
+
+        return add_noise_as_data
+
+    return make
 
 
 def torch_tensor_type():

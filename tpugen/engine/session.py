@@ -22,7 +22,7 @@ from tpugen.lines import text_lines
 from tpugen.outputs.files import atomic_write_text, inside, write_json
 from tpugen.outputs.grid import write_grid
 from tpugen.outputs.manifest import Manifest, read_manifest, read_text_lenient, rewrite_manifest
-from tpugen.outputs.png import image_filename, is_valid_png, save_png
+from tpugen.outputs.png import image_filename, input_images_record, is_valid_png, save_png
 from tpugen.outputs.report import (
     RunReport,
     TimedPhase,
@@ -106,16 +106,7 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
     loras = {"loras": [lora.record() for lora in run.loras]} if run.loras else {}
     cache = run.config.compile.step_cache.record()  # cached images are not the uncached ones
     step_cache = {"step_cache": cache} if cache else {}
-    # An image made from another names it by content (the path is where it was, not what it was).
-    source = {}
-    if item.init_image:
-        source = {
-            "init_image_sha256": item.init_image_sha256,
-            "strength": item.strength,
-            "resize_mode": item.resize_mode,
-        }
-        if item.mask_image:
-            source["mask_image_sha256"] = item.mask_image_sha256
+    source = input_images_record(item)  # by content: the path is where it was, not what it was
     return {
         "index": item.index,
         "file": file,

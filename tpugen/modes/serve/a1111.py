@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import replace
 from typing import Any
 
 import anyio.to_thread
@@ -16,7 +17,7 @@ from tpugen.config.request import seed_for
 from tpugen.errors import InputError
 from tpugen.modes.serve.progress import Job
 from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse
-from tpugen.modes.serve.service import ImageSpec, Service
+from tpugen.modes.serve.service import ImageInputs, ImageSpec, Service
 from tpugen.outputs.png import a1111_parameters
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
 
@@ -224,11 +225,19 @@ async def txt2img(request: Request):
 
 def txt2img_reply(service: Service, body: Txt2Img):
     """txt2img's images and its web UI reply, made in a worker thread."""
-    images = images_for(service, body)
+    return _reply(service, body, images_for(service, body))
+
+
+def _reply(service: Service, body: Txt2Img, images: list[ImageSpec], crop: dict | None = None):
+    """The web UI's reply for `images` once made; `crop`: inpaint_full_res's, each result pasted back there."""
     made = service.generate(images, interruptible=True, task=body.force_task_id)
     # After an interrupt, the images made are not always the first ones: each keeps its own seed and record.
     answered = [images[position] for position, _ in made]
     pixels = [image for _, image in made]
+    if crop is not None:
+        from tpugen.engine.images import paste_back
+
+        pixels = [paste_back(p, crop["image"], crop["mask"], crop["region"]) for p in pixels]
     records = [image_record(service, image) for image in answered]
     infotexts = [a1111_parameters(record) for record in records]
     first = images[0]
@@ -263,6 +272,126 @@ def txt2img_reply(service: Service, body: Txt2Img):
             "info": json.dumps(info, ensure_ascii=False),
         }
     )
+
+
+class Img2Img(Txt2Img):
+    """The web UI's img2img request: txt2img's fields and the image (and mask) it starts from. Unset size takes the
+    server's first warm size; the image is fitted to it as resize_mode says."""
+
+    init_images: list[str] = []
+    resize_mode: int = 0
+    denoising_strength: float | None = 0.75
+    image_cfg_scale: float | None = None
+    mask: str | None = None
+    mask_blur: int = 4
+    mask_blur_x: int | None = None
+    mask_blur_y: int | None = None
+    inpainting_fill: int = 0
+    inpaint_full_res: bool = True
+    inpaint_full_res_padding: int = 0
+    inpainting_mask_invert: int = 0
+    initial_noise_multiplier: float | None = None
+    include_init_images: bool = False
+
+
+# The web UI's inpainting_fill values tpugen has: what the masked area holds before it is noised.
+INPAINTING_FILLS = {0: "fill", 1: "original"}
+
+
+def img2img_problems(raw: dict) -> list[str]:
+    """What an img2img request asks for that tpugen does not have, beside txt2img's missing features."""
+    problems = [p for p in missing_features(raw) if not p.startswith(("enable_hr", "firstpass_image"))]
+    fill = raw.get("inpainting_fill", 0)
+    if fill not in INPAINTING_FILLS:
+        built = ", ".join(f"{k} ({v})" for k, v in INPAINTING_FILLS.items())
+        problems.append(f"inpainting_fill: {fill!r} is not built; {built}")
+    if raw.get("initial_noise_multiplier") not in (None, 1, 1.0):
+        problems.append("initial_noise_multiplier: only 1 (the noise as drawn) is built")
+    return problems
+
+
+def _decoded(text: str, where: str) -> bytes:
+    """A base64 image as the web UI's clients send it, with or without a data: URL prefix."""
+    import base64
+    import binascii
+
+    payload = text.split(",", 1)[1] if text.startswith("data:") else text
+    try:
+        return base64.b64decode(payload, validate=False)
+    except (binascii.Error, ValueError):
+        raise InputError(f"{where}: not base64") from None
+
+
+def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageSpec], dict | None]:
+    """The request's images (each starting from the init image, fitted, and its mask prepared as the web UI does),
+    and for inpaint_full_res the crop each result is pasted back at (None otherwise)."""
+    from tpugen.config.request import RESIZE_MODES, strength_ok
+    from tpugen.engine import images as pictures
+
+    problems: list[str] = []
+    if not body.init_images:
+        problems.append("init_images: give one image (base64 PNG or JPEG)")
+    if len(body.init_images) > 1:
+        problems.append(f"init_images: {len(body.init_images)} images; tpugen takes one per request")
+    if body.resize_mode not in RESIZE_MODES:
+        problems.append(f"resize_mode: must be one of {', '.join(f'{k} ({v})' for k, v in RESIZE_MODES.items())}")
+    strength = body.denoising_strength if body.denoising_strength is not None else 0.75
+    if not strength_ok(strength):
+        problems.append(f"denoising_strength: must be above 0 and at most 1, got {strength}")
+    if not 0 <= body.mask_blur <= 64:
+        problems.append(f"mask_blur: must be from 0 to 64, got {body.mask_blur}")
+    txt = images_for(service, body) if not problems else None
+    if problems or not txt:
+        refuse(problems or ["init_images: missing"], service, None)
+    first = txt[0]
+    init = collect(problems, pictures.open_bytes, _decoded(body.init_images[0], "init_images[0]"), "init_images[0]")
+    mask = None
+    if body.mask:
+        mask = collect(problems, pictures.open_bytes, _decoded(body.mask, "mask"), "mask", mask=True)
+    if problems:
+        raise InputError(*problems)
+    init = pictures.fit(init, first.width, first.height, body.resize_mode)
+    crop = None
+    if mask is not None:
+        if mask.size != (first.width, first.height):
+            mask = pictures.fit(mask, first.width, first.height, body.resize_mode)
+        mask = pictures.web_ui_mask(mask, body.mask_blur, invert=bool(body.inpainting_mask_invert))
+        if body.inpainting_fill == 0:
+            init = pictures.fill_masked(init, mask)
+        if body.inpaint_full_res:
+            region = pictures.crop_region(mask, first.width, first.height, body.inpaint_full_res_padding)
+            crop = {"region": region, "image": init, "mask": mask}
+            init, mask = init.crop(region), mask.crop(region)
+    source = ImageInputs(
+        *service.input_image(pictures.png_bytes(init), "init_images[0]"),
+        strength=strength,
+        resize_mode=0,
+        **(
+            dict(
+                zip(
+                    ("mask_image", "mask_image_sha256"),
+                    service.input_image(pictures.png_bytes(mask), "mask"),
+                    strict=True,
+                )
+            )
+            if mask is not None
+            else {}
+        ),
+    )
+    return [replace(image, source=source) for image in txt], crop
+
+
+@router.post("/img2img")
+async def img2img(request: Request):
+    """The web UI's image to image, and inpainting when a mask comes with it: txt2img's reply, from an image."""
+    service: Service = request.app.state.service
+    body = await parse(request, Img2Img, img2img_problems)
+    return await anyio.to_thread.run_sync(img2img_reply, service, body)
+
+
+def img2img_reply(service: Service, body: Img2Img):
+    images, crop = img2img_images(service, body)
+    return _reply(service, body, images, crop)
 
 
 @router.get("/samplers")

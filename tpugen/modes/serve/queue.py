@@ -30,6 +30,8 @@ class BatchKey:
     guidance_scale: float
     scheduler: str | None  # None: the model's own
     loras: tuple = ()  # tpugen.config.loras.loras_key of the LoRAs fused for it: other sets never share a batch
+    task: str = "txt2img"  # img2img and inpaint: tpugen.plan.WorkItem.task
+    strength: float | None = None  # img2img's: a call has one
 
 
 @dataclass
@@ -43,6 +45,7 @@ class ImageJob:
     seed: int
     key: BatchKey
     loras: tuple = ()  # the Lora objects the key names
+    source: object = None  # img2img: the ImageInputs (tpugen.modes.serve.service) it starts from
 
 
 @dataclass

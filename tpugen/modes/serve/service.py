@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import signal
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tpugen.config import ResolvedRun, resolve, run_sizes
+from tpugen.config.images import image_problem
 from tpugen.config.loras import Lora, is_hub_lora, loras_key, resolve_lora
 from tpugen.config.prompts import planned_images
 from tpugen.config.request import ImageRequest, RequestLimits
@@ -27,6 +29,7 @@ from tpugen.modes.serve.metrics import Metrics
 from tpugen.modes.serve.progress import Jobs
 from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, Request
 from tpugen.modes.serve.request_ids import TASK_ID, current_caller
+from tpugen.outputs.files import atomic_write_bytes
 from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, image_count, plan_run
 from tpugen.schedulers import find_scheduler
 
@@ -61,6 +64,24 @@ class ImageSpec(ImageRequest):
 
     scheduler: str | None = None  # a name find_scheduler knows; None: the model's own
     loras: tuple = ()  # tpugen.config.loras.Lora, fused for this image (a request's <lora:NAME:SCALE>)
+    source: ImageInputs | None = None  # img2img and inpainting: the images it starts from
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """A request's input images as the engine reads them: files the server wrote under its output root, named by
+    their sha256 (a request's bytes never name a path on the server), how far to noise and how to fit them."""
+
+    init_image: str
+    init_image_sha256: str
+    strength: float
+    resize_mode: int = 0
+    mask_image: str | None = None
+    mask_image_sha256: str | None = None
+
+    @property
+    def task(self) -> str:
+        return "inpaint" if self.mask_image else "img2img"
 
 
 @dataclass
@@ -78,6 +99,20 @@ class RunHandle:
     thread: threading.Thread | None = None
     engine: int = 0  # which of the server's engines runs it
     created: float = field(default_factory=time.time)
+
+
+def _source_fields(source: ImageInputs | None) -> dict:
+    """A WorkItem's img2img fields for these inputs ({} for txt2img)."""
+    if source is None:
+        return {}
+    return {
+        "init_image": source.init_image,
+        "init_image_sha256": source.init_image_sha256,
+        "mask_image": source.mask_image,
+        "mask_image_sha256": source.mask_image_sha256,
+        "strength": source.strength,
+        "resize_mode": source.resize_mode,
+    }
 
 
 class Service:
@@ -191,16 +226,54 @@ class Service:
         config = self.run.config
         steps = warm_steps(config.compile.step_cache, config.steps)
         batches = []
-        for height, width in self.sizes:
-            item = WorkItem(0, 0, "warmup", "", 0, steps, config.guidance_scale, height, width, self.cfg)
-            shape = ShapeKey(height, width, self.batch_size, self.cfg)
-            batches.append(Batch(len(batches), shape, (item,), self.batch_size - 1))
+        for task in self.serve.tasks:
+            source = self._warm_source(task)
+            for height, width in self.sizes:
+                item = WorkItem(
+                    0,
+                    0,
+                    "warmup",
+                    "",
+                    0,
+                    steps,
+                    config.guidance_scale,
+                    height,
+                    width,
+                    self.cfg,
+                    **_source_fields(source),
+                )
+                shape = ShapeKey(height, width, self.batch_size, self.cfg, task)
+                batches.append(Batch(len(batches), shape, (item,), self.batch_size - 1))
         return RunPlan(tuple(b.items[0] for b in batches), tuple(batches))
+
+    def _warm_source(self, task: str) -> ImageInputs | None:
+        """The input images an img2img or inpaint warmup call starts from: mid grey, the mask's right half white
+        (the graphs depend on the sizes alone, and each call fits its images to its size)."""
+        if task == "txt2img":
+            return None
+        import io
+
+        from PIL import Image
+
+        def png(image) -> bytes:
+            out = io.BytesIO()
+            image.save(out, format="PNG")
+            return out.getvalue()
+
+        init = self.input_image(png(Image.new("RGB", (64, 64), (128, 128, 128))), "warmup")
+        mask = None
+        if task == "inpaint":
+            half = Image.new("L", (64, 64), 0)
+            half.paste(255, (32, 0, 64, 64))
+            mask = self.input_image(png(half), "warmup")
+        return ImageInputs(init[0], init[1], 0.75, 0, *(mask or (None, None)))
 
     def warm_summary(self) -> str:
         sizes = ", ".join(f"{w}x{h}" for h, w in self.sizes)
         names = ", ".join(s or self.engines[0].loaded.default_scheduler for s in self.schedulers)
         summary = f"sizes {sizes} (width x height; {'cfg' if self.cfg else 'no cfg'}, batch {self.batch_size}); samplers {names}"
+        if self.serve.tasks != ["txt2img"]:
+            summary += f"; tasks {', '.join(self.serve.tasks)}"
         cache = self.run.config.compile.step_cache
         if cache.method != "none":
             # One per server: the hooks are on the loaded denoiser, so no request or run can switch it.
@@ -224,6 +297,8 @@ class Service:
         elif self.state == "compiling":
             done, total = self.warm_progress()
             keys = f"{_count(len(self.sizes), 'size')} x {_count(len(self.schedulers), 'sampler')}"
+            if len(self.serve.tasks) > 1:
+                keys += f" x {_count(len(self.serve.tasks), 'task')}"
             body["detail"] = (
                 f"compiling {min(done + 1, total)} of {total} shape keys ({keys} x {_count(engines, 'engine')})"
             )
@@ -305,9 +380,31 @@ class Service:
 
     def key_for(self, image: ImageSpec) -> BatchKey:
         cfg = self.family.uses_cfg(image.guidance_scale)
+        source = image.source
         return BatchKey(
-            image.height, image.width, cfg, image.steps, image.guidance_scale, image.scheduler, loras_key(image.loras)
+            image.height,
+            image.width,
+            cfg,
+            image.steps,
+            image.guidance_scale,
+            image.scheduler,
+            loras_key(image.loras),
+            source.task if source else "txt2img",
+            source.strength if source else None,
         )
+
+    def input_image(self, data: bytes, where: str) -> tuple[str, str]:
+        """(path, sha256) of an image a request sent, written once under the output root by its content; an
+        InputError naming `where` if it is no image tpugen can use."""
+        problem = image_problem(data)
+        if problem:
+            raise InputError(f"{where}: {problem}" if not problem.startswith("not") else f"{where}: is {problem}")
+        digest = hashlib.sha256(data).hexdigest()
+        path = self.output_root / ".inputs" / f"{digest}.img"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, data)
+        return str(path), digest
 
     def image_specs(self, count: int, make) -> list[ImageSpec]:
         """`make(i)` for each of a request's `count` images. Past serve.max_images_per_request only the first
@@ -342,12 +439,14 @@ class Service:
 
     def _not_warm(self, key: BatchKey) -> str | None:
         engine = self.engines[0]
-        shape = ShapeKey(key.height, key.width, self.batch_size, key.cfg)
+        shape = ShapeKey(key.height, key.width, self.batch_size, key.cfg, key.task)
         if engine.is_warm(shape, key.scheduler, key.steps):
             return None
         scheduler = key.scheduler or engine.loaded.default_scheduler
         if (key.height, key.width) not in self.sizes:
             what = f"size {key.width}x{key.height} is not warm"
+        elif key.task not in self.serve.tasks:
+            what = f"{key.task} is not warm (serve.tasks: {', '.join(self.serve.tasks)})"
         elif key.cfg != self.cfg:
             what = f"{'CFG on' if key.cfg else 'CFG off (guidance 1 or less)'} at {key.width}x{key.height} is not warm"
         elif engine.is_warm(shape, key.scheduler):
@@ -380,7 +479,16 @@ class Service:
         request = Request(len(images), interruptible, client=caller.client, job=job)
         request.on_start = lambda: self.progress.start(job)
         jobs = [
-            ImageJob(request, i, image.prompt, image.negative_prompt, image.seed, self.key_for(image), image.loras)
+            ImageJob(
+                request,
+                i,
+                image.prompt,
+                image.negative_prompt,
+                image.seed,
+                self.key_for(image),
+                image.loras,
+                image.source,
+            )
             for i, image in enumerate(images)
         ]
         outcome, error = "failed", None
@@ -474,12 +582,12 @@ class Service:
                 key.height,
                 key.width,
                 key.cfg,
+                **_source_fields(job.source),
             )
             for i, job in enumerate(jobs)
         )
-        batch = Batch(
-            number, ShapeKey(key.height, key.width, self.batch_size, key.cfg), items, self.batch_size - len(items)
-        )
+        shape = ShapeKey(key.height, key.width, self.batch_size, key.cfg, key.task)
+        batch = Batch(number, shape, items, self.batch_size - len(items))
         cold = False
         try:
             # Every graph compiled here is one after warmup: a new shape (serve.new_shapes: compile; reject
