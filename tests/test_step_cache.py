@@ -30,6 +30,7 @@ TAYLORSEER = {
     "disable_cache_before_step": 2,
     "taylor_factors_dtype": "float32",
 }
+TAYLORSEER_HASH = "3e326981"
 # The bound for "diffusers' method, not a look-alike": a cached XLA image against diffusers' own cached
 # image on the CPU (uncached, the family tests hold 2/255).
 CACHED_VS_DIFFUSERS = 3
@@ -116,6 +117,9 @@ def test_no_step_cache_keeps_the_config_hash_and_a_cache_changes_it(tmp_path):
         return load_config(write_config(tmp_path / name, config)).config_hash
 
     plain = hash_of("a.yaml")
+    # A TaylorSeer config hashes by its method and its own options alone: as it did before MagCache and PAB
+    # added theirs (the figure is the hash tpugen 7c60096 gave this config).
+    assert hash_of("t.yaml", step_cache=TAYLORSEER) == TAYLORSEER_HASH
     assert hash_of("b.yaml", step_cache={"method": "none"}) == plain  # configs from before the key hash as they did
     assert hash_of("c.yaml", step_cache=TAYLORSEER) != plain
 

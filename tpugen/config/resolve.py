@@ -233,8 +233,11 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
         del payload["model"]["loras"]
     if payload["compile"]["flash_attention"] == "auto":
         del payload["compile"]["flash_attention"]
-    if payload["compile"]["step_cache"]["method"] == "none":  # its options are refused without a method
+    cache = payload["compile"]["step_cache"]
+    if cache["method"] == "none":  # its options are refused without a method
         del payload["compile"]["step_cache"]
+    else:  # the method's own options: a method added later leaves the others' hashes as they were
+        payload["compile"]["step_cache"] = {"method": cache["method"], **config.compile.step_cache.options()}
     payload["prompts"] = [_prompt_by_content(p) for p in prompts]
     payload.pop("prompts_file", None)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
