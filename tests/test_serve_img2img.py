@@ -93,3 +93,37 @@ def test_img2img_bad_input_is_a_422_naming_the_field(client):
         response = client.post("/sdapi/v1/img2img", json=body)
         assert response.status_code == 422, (body.keys(), response.text)
         assert words in response.text, response.text
+
+
+def test_openai_images_edit_with_and_without_a_mask(server, client):
+    from openai import OpenAI
+    from serve_support import KEY
+
+    url, _ = server
+    init, mask = _init_and_mask()
+    rgba = init.convert("RGBA")
+    alpha = np.full((64, 64), 255, np.uint8)
+    alpha[20:44, 36:60] = 0  # OpenAI's masks: the transparent pixels are the ones to repaint
+    rgba.putalpha(Image.fromarray(alpha))
+
+    def png(image: Image.Image) -> bytes:
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        return out.getvalue()
+
+    before = _compiles(client)
+    openai = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    edited = openai.images.edit(image=("init.png", png(init)), prompt="a blue square", n=2, size="64x64")
+    assert len(edited.data) == 2
+    record = json.loads(Image.open(io.BytesIO(base64.b64decode(edited.data[0].b64_json))).text["tpugen"])
+    assert record["strength"] == 0.75 and "mask_image_sha256" not in record  # img2img: no mask, no transparency
+    masked = openai.images.edit(
+        image=("init.png", png(init)), mask=("mask.png", png(rgba)), prompt="a red box", size="64x64"
+    )
+    record = json.loads(Image.open(io.BytesIO(base64.b64decode(masked.data[0].b64_json))).text["tpugen"])
+    assert "mask_image_sha256" in record
+    assert _compiles(client) == before
+    response = client.post("/v1/images/edits", files={"image": ("x.png", b"not a png")}, data={"prompt": "a"})
+    assert response.status_code == 422 and "image: is not an image PIL can read" in response.text
+    response = client.post("/v1/images/edits", files={"mask": ("m.png", png(init))}, data={"prompt": "a"})
+    assert response.status_code == 422 and "image: missing" in response.text

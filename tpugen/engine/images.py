@@ -69,8 +69,9 @@ def size_of(path: str) -> tuple[int, int]:
 # ---------------------------------------------------------------- the web UI's inpainting, on the host
 
 
-def open_bytes(data: bytes, where: str, *, mask: bool = False):
-    """An image a request sent, as PIL (RGB, or one channel for a mask); InputError naming `where` if it is none."""
+def open_bytes(data: bytes, where: str, *, mask: bool = False, keep_alpha: bool = False):
+    """An image a request sent, as PIL (RGB, or one channel for a mask; `keep_alpha`: RGBA where it has
+    transparency); InputError naming `where` if it is none."""
     import io
 
     from PIL import Image
@@ -82,10 +83,24 @@ def open_bytes(data: bytes, where: str, *, mask: bool = False):
     if problem:
         raise InputError(f"{where}: is {problem}" if problem.startswith("not") else f"{where}: {problem}")
     with Image.open(io.BytesIO(data)) as opened:
+        if keep_alpha:
+            has_alpha = opened.mode in ("RGBA", "LA", "PA") or "transparency" in opened.info
+            return opened.convert("RGBA" if has_alpha else "RGB")
         if mask and opened.mode in ("RGBA", "LA"):
             # A mask drawn on a transparent layer: what is drawn (opaque) is what to repaint.
             return opened.getchannel("A").convert("L")
         return opened.convert("L" if mask else "RGB")
+
+
+def transparent_mask(image):
+    """OpenAI's edit mask: white where `image` is transparent (to be repainted), or None if it has no transparent
+    pixel."""
+    if image is None or "A" not in image.getbands():
+        return None
+    alpha = image.getchannel("A")
+    if alpha.getextrema()[0] == 255:
+        return None
+    return alpha.point(lambda value: 255 if value == 0 else 0)
 
 
 def png_bytes(image) -> bytes:

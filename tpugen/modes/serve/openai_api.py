@@ -81,3 +81,87 @@ def generations_reply(service: Service, body: Generation):
     made = service.generate(images)  # every image: OpenAI's never stop short
     data = [{"b64_json": image_b64(pixels, image_record(service, images[position]))} for position, pixels in made]
     return json_response({"created": int(time.time()), "data": data})
+
+
+# Form fields of images.edit that tpugen reads (the rest, such as quality or user, are accepted and ignored).
+EDIT_STRENGTH = 0.75  # an edit without a mask or transparency: img2img at the web UI's default strength
+
+
+@router.post("/edits")
+async def edits(request: Request):
+    """OpenAI's image edit (multipart): `image`, an optional `mask` whose transparent pixels are repainted (or the
+    image's own transparency), `prompt`, `n`, `size`, `response_format: b64_json`. Without either it is img2img
+    at strength 0.75."""
+    service: Service = request.app.state.service
+    from tpugen.config.request import MAX_INPUT_BYTES
+
+    form = await request.form(max_files=2, max_fields=16, max_part_size=MAX_INPUT_BYTES)
+    fields: dict = {}
+    for name, value in form.multi_items():
+        if hasattr(value, "read"):
+            fields[name.removesuffix("[]")] = await value.read()
+        else:
+            fields[name] = value
+    return await anyio.to_thread.run_sync(edits_reply, service, fields)
+
+
+def edits_reply(service: Service, fields: dict):
+    """The edit's images and the OpenAI reply, made in a worker thread."""
+    from tpugen.engine import images as pictures
+    from tpugen.modes.serve.service import ImageInputs
+
+    problems: list[str] = []
+    if fields.get("response_format") not in (None, "b64_json"):
+        return problem_response(400, [f"response_format: {fields['response_format']} is not served; use b64_json"])
+    prompt = fields.get("prompt")
+    if not isinstance(prompt, str):
+        problems.append("prompt: missing")
+    image_bytes = fields.get("image")
+    if not isinstance(image_bytes, bytes):
+        problems.append("image: missing (a PNG or JPEG file)")
+    try:
+        n = int(fields.get("n", 1))
+    except ValueError:
+        n = 0
+    if n < 1:
+        problems.append(f"n: must be an integer of at least 1, got {fields.get('n')!r}")
+    size = collect(problems, size_of, service, fields.get("size"))
+    init = mask = None
+    if isinstance(image_bytes, bytes):
+        init = collect(problems, pictures.open_bytes, image_bytes, "image", keep_alpha=True)
+    if isinstance(fields.get("mask"), bytes):
+        mask = collect(problems, pictures.open_bytes, fields["mask"], "mask", keep_alpha=True)
+        if mask is not None and "A" not in mask.getbands():
+            problems.append("mask: must have transparency (its transparent pixels are repainted)")
+    if problems or size is None:
+        refuse(problems or ["size: missing"], service, None)
+    height, width = size
+    painted = pictures.transparent_mask(mask if mask is not None else init)
+    init = pictures.fit(init.convert("RGB"), width, height, 0)
+    source_fields = {}
+    if painted is not None:
+        painted = pictures.fit(painted, width, height, 0)
+        source_fields = dict(
+            zip(
+                ("mask_image", "mask_image_sha256"),
+                service.input_image(pictures.png_bytes(painted), "mask"),
+                strict=True,
+            )
+        )
+    source = ImageInputs(
+        *service.input_image(pictures.png_bytes(init), "image"), strength=EDIT_STRENGTH, **source_fields
+    )
+    config = service.run.config
+    seed = random.randrange(RANDOM_SEEDS)
+    images = collect(
+        problems,
+        service.image_specs,
+        n,
+        lambda i: ImageSpec(
+            prompt, config.negative_prompt, seed + i, config.steps, config.guidance_scale, height, width, source=source
+        ),
+    )
+    refuse(problems, service, images)
+    made = service.generate(images)
+    data = [{"b64_json": image_b64(pixels, image_record(service, images[position]))} for position, pixels in made]
+    return json_response({"created": int(time.time()), "data": data})
