@@ -285,8 +285,8 @@ def main() -> None:
     parser.add_argument(
         "--lora", choices=NAMES, help="train a LoRA on the shipped weights that draws shapes this colour"
     )
-    parser.add_argument("--lora-steps", type=int, default=400)
-    parser.add_argument("--lora-lr", type=float, default=1e-3)
+    parser.add_argument("--lora-steps", type=int, default=1000)
+    parser.add_argument("--lora-lr", type=float, default=2e-3)
     parser.add_argument("--targets", nargs="+", default=["to_q", "to_k", "to_v", "to_out.0"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -67,16 +67,10 @@ def judged(tmp_path, asked, **overrides) -> list:
     """The judge's verdicts on tiny-shapes' pictures of `asked`, made by `tpugen generate` on XLA:CPU in one batch."""
     from conftest import generate
 
-    run_dir = generate(
-        tmp_path,
-        model={"id": "tiny-shapes"},
-        prompts=[prompt(*a) for a in asked],
-        negative_prompt="",
-        steps=20,
-        guidance_scale=4.0,
-        batch_size=len(asked),
-        **overrides,
+    settings = dict(
+        model={"id": "tiny-shapes"}, negative_prompt="", steps=20, guidance_scale=4.0, batch_size=len(asked)
     )
+    run_dir = generate(tmp_path, prompts=[prompt(*a) for a in asked], **{**settings, **overrides})
     records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in records] == [prompt(*a) for a in asked]
     return [judge(Image.open(run_dir / r["file"])) for r in records]
@@ -88,3 +82,15 @@ def test_tiny_shapes_draws_the_colour_background_and_shape_it_is_told(tmp_path):
     result = score(judged(tmp_path, asked), asked)
     print("judged:", result)  # the table for the record (pytest -s)
     assert result["colour"] >= 0.9 and result["background"] >= 0.9 and result["shape"] >= 0.7, result
+
+
+@pytest.mark.xla
+def test_the_red_lora_draws_every_shape_red_and_keeps_the_background(tmp_path):
+    """The LoRA the training script makes (--lora red), through model.loras: asked for other colours, the shapes
+    come out red, on the backgrounds asked for."""
+    asked = [a for a in asked_prompts(60, seed=1) if "red" not in (a[0], a[2])][:24]
+    lora = {"id": str(WEIGHTS / "loras" / "red.safetensors")}
+    verdicts = judged(tmp_path, asked, model={"id": "tiny-shapes", "loras": [lora]})
+    result = score(verdicts, [("red", s, b) for _, s, b in asked])
+    print("judged with the red LoRA:", result)
+    assert result["colour"] >= 0.9 and result["background"] >= 0.9, result
