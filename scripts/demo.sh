@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv if needed, then generate the tiny built-in model's images through torch_xla.
+# Set up .venv if needed, then generate the tiny-shapes built-in model's images (configs/shapes.yaml) through torch_xla.
 # On a machine without a TPU, torch_xla runs on the CPU (PJRT_DEVICE=CPU): real XLA compiles, slowly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,4 +13,4 @@ if [ -z "${PJRT_DEVICE:-}" ]; then
     echo "demo: no TPU found, running torch_xla on the CPU (PJRT_DEVICE=CPU)"
   fi
 fi
-exec .venv/bin/tpugen generate configs/tiny.yaml "$@"
+exec .venv/bin/tpugen generate configs/shapes.yaml "$@"
