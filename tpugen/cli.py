@@ -366,7 +366,7 @@ def models() -> None:
     from tpugen.families import BUILTINS, FAMILIES, KNOWN_MODELS
     from tpugen.models import model_defaults
 
-    typer.echo("models (built-in tiny ones build offline; their images are noise):")
+    typer.echo("models (built-in tiny ones build offline; tiny-shapes draws what it is told, the others draw noise):")
     entries = [(name, f, b.description) for name, (b, f) in BUILTINS.items()]
     entries += [(model_id, f, known.note) for model_id, (known, f) in KNOWN_MODELS.items()]
     for model_id, f, note in entries:
