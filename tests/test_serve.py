@@ -19,7 +19,7 @@ def test_health_needs_no_key_and_ready_says_what_is_warm(server):
     ready = httpx.get(f"{url}/readyz")
     assert ready.status_code == 200 and ready.json() == {
         "status": "ready",
-        "warm": "sizes 64x64 (width x height; cfg, batch 2); samplers DDIM, Euler a",
+        "warm": "sizes 64x64 (width x height; cfg, batch 2); samplers DDIM, Euler a; tasks txt2img, img2img, inpaint",
     }
 
 

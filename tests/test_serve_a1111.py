@@ -117,14 +117,14 @@ def test_requests_coalesce_into_full_batches_and_their_images_do_not_depend_on_c
             {"width": 96},
             422,
             [
-                "size 96x64 is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM, Euler a"
+                "size 96x64 is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM, Euler a; tasks txt2img, img2img, inpaint"
             ],
         ),
         (
             {"sampler_name": "Euler"},
             422,
             [
-                "sampler 'Euler' is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM, Euler a"
+                "sampler 'Euler' is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM, Euler a; tasks txt2img, img2img, inpaint"
             ],
         ),
         (
@@ -167,7 +167,7 @@ def test_requests_coalesce_into_full_batches_and_their_images_do_not_depend_on_c
             422,
             [
                 "sampler 'DPM++ 2M Karras' is not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; "
-                "cfg, batch 2); samplers DDIM, Euler a"
+                "cfg, batch 2); samplers DDIM, Euler a; tasks txt2img, img2img, inpaint"
             ],
         ),
         ({"sampler_name": "Euler a", "scheduler": "Automatic"}, 200, None),

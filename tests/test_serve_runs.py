@@ -61,7 +61,7 @@ def test_a_run_sent_to_the_server_writes_what_generate_writes(client, server, xl
             {"batch_size": 1},
             [
                 "the run needs 64x64 b1 cfg, not warm (serve.new_shapes: reject); warm: sizes 64x64 (width x height; "
-                "cfg, batch 2); samplers DDIM, Euler a"
+                "cfg, batch 2); samplers DDIM, Euler a; tasks txt2img, img2img, inpaint"
             ],
         ),
         ({"steps": 0}, ["steps: must be greater than or equal to 1, got 0"]),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpugen.config import ResolvedRun
+from tpugen.config.images import ImageSource
 from tpugen.config.prompts import planned_images
 from tpugen.families import FAMILIES
 
@@ -25,19 +26,16 @@ class WorkItem:
     # Classifier-free guidance (guidance above 1, in families that have it) doubles the denoiser's batch,
     # so it is part of the compiled shape.
     cfg: bool = True
-    # img2img and inpainting (tpugen.config.prompts.PromptSpec): the input images (absolute paths) and their
-    # sha256, how far the image is noised, and how it is fitted to the size.
-    init_image: str | None = None
-    init_image_sha256: str | None = None
-    mask_image: str | None = None
-    mask_image_sha256: str | None = None
-    strength: float | None = None
-    resize_mode: int = 0
+    source: ImageSource | None = None  # img2img and inpainting: what the image starts from
 
     @property
     def task(self) -> str:
         """txt2img, img2img (from an init image) or inpaint (an init image and a mask)."""
-        return "inpaint" if self.mask_image else "img2img" if self.init_image else "txt2img"
+        return self.source.task if self.source else "txt2img"
+
+    @property
+    def strength(self) -> float | None:
+        return self.source.strength if self.source else None
 
 
 @dataclass(frozen=True, order=True)
@@ -129,12 +127,7 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
                         height=height,
                         width=width,
                         cfg=family.uses_cfg(spec.guidance_scale),
-                        init_image=spec.init_image,
-                        init_image_sha256=spec.init_image_sha256,
-                        mask_image=spec.mask_image,
-                        mask_image_sha256=spec.mask_image_sha256,
-                        strength=spec.strength,
-                        resize_mode=spec.resize_mode,
+                        source=spec.source,
                     )
                 )
                 k += 1

@@ -10,6 +10,43 @@ from tpugen.config.request import MAX_INPUT_BYTES, MAX_INPUT_SIDE
 
 
 @dataclass(frozen=True)
+class ImageSource:
+    """What an img2img or inpainting image starts from, as a prompt, a work item and a server's request hold it:
+    the init image (absolute path) and its sha256, how far it is noised (strength: the share of the steps run) and
+    how it is fitted to the size (tpugen.config.request.RESIZE_MODES), and inpainting's mask (white: repaint)."""
+
+    init_image: str
+    init_image_sha256: str
+    strength: float
+    resize_mode: int = 0
+    mask_image: str | None = None
+    mask_image_sha256: str | None = None
+
+    @property
+    def task(self) -> str:
+        """img2img, or inpaint with a mask (tpugen.plan.WorkItem.task)."""
+        return "inpaint" if self.mask_image else "img2img"
+
+    def record(self) -> dict:
+        """What an image record says of it, by content (a path is where it was, not what it was)."""
+        record = {
+            "init_image_sha256": self.init_image_sha256,
+            "strength": self.strength,
+            "resize_mode": self.resize_mode,
+        }
+        if self.mask_image:
+            record["mask_image_sha256"] = self.mask_image_sha256
+        return record
+
+    def files(self) -> list[tuple[str, str, str]]:
+        """(key, path, sha256) of each image file it reads."""
+        files = [("init_image", self.init_image, self.init_image_sha256)]
+        if self.mask_image:
+            files.append(("mask_image", self.mask_image, self.mask_image_sha256))
+        return files
+
+
+@dataclass(frozen=True)
 class InputImage:
     """An image file a prompt names: where it is (absolute) and its sha256, which is what names the images made
     from it (the config hash, the PNG record) and what `tpugen resume` checks it against."""

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpugen.config.images import read_input_image
+from tpugen.config.images import ImageSource, read_input_image
 from tpugen.config.messages import suggest
 from tpugen.config.request import DEFAULT_STRENGTH, entry_problems
 from tpugen.config.schema import RunConfig
@@ -23,15 +23,7 @@ class PromptSpec:
     steps: int
     guidance_scale: float
     sizes: tuple[tuple[int, int], ...]  # (height, width) pairs this prompt is rendered at
-    # img2img: the image the prompt starts from (absolute path) and its sha256; inpainting adds a mask (white:
-    # repaint). strength: the share of the steps run, on the image noised that far; resize_mode: how the image
-    # is fitted to each size (tpugen.config.request.RESIZE_MODES).
-    init_image: str | None = None
-    init_image_sha256: str | None = None
-    mask_image: str | None = None
-    mask_image_sha256: str | None = None
-    strength: float | None = None
-    resize_mode: int = 0
+    source: ImageSource | None = None  # img2img and inpainting: the images it starts from (None: text only)
 
 
 JSONL_KEYS = {
@@ -126,9 +118,11 @@ def check_prompt_entry(
             if found is None:
                 return None
             images[key], images[f"{key}_sha256"] = found.path, found.sha256
+    source = None
     if images:
-        images["strength"] = float(entry.get("strength", DEFAULT_STRENGTH))
-        images["resize_mode"] = entry.get("resize_mode", 0)
+        source = ImageSource(
+            strength=float(entry.get("strength", DEFAULT_STRENGTH)), resize_mode=entry.get("resize_mode", 0), **images
+        )
     return PromptSpec(
         prompt=prompt,
         negative_prompt=entry.get("negative_prompt", run.negative_prompt),
@@ -136,7 +130,7 @@ def check_prompt_entry(
         steps=entry.get("steps", run.steps),
         guidance_scale=float(entry.get("guidance_scale", run.guidance_scale)),
         sizes=sizes,
-        **images,
+        source=source,
     )
 
 

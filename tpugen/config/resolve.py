@@ -248,11 +248,9 @@ def _prompt_by_content(prompt: PromptSpec) -> dict:
     """A prompt as it counts in the hash: its input images by content (sha256), not where they are; a prompt
     without images as it was before prompts could have them."""
     fields = dict(prompt.__dict__)
-    if fields["init_image"] is None:
-        for key in ("init_image", "init_image_sha256", "mask_image", "mask_image_sha256", "strength", "resize_mode"):
-            del fields[key]
-        return fields
-    del fields["init_image"], fields["mask_image"]
+    source = fields.pop("source")
+    if source is not None:
+        fields["source"] = source.record()
     return fields
 
 

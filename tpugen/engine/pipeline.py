@@ -234,7 +234,8 @@ class LoadedPipeline:
         from tpugen.engine import images
 
         shape, rows = batch.shape, batch.rows
-        fitted = [images.load(row.init_image, shape.width, shape.height, row.resize_mode) for row in rows]
+        sources = [row.source for row in rows]
+        fitted = [images.load(s.init_image, shape.width, shape.height, s.resize_mode) for s in sources]
         arguments = {
             "prompt": [row.prompt for row in rows],
             "image": fitted,
@@ -250,14 +251,14 @@ class LoadedPipeline:
         if shape.task == "inpaint":
             arguments["mask_image"] = [
                 images.load(
-                    row.mask_image,
+                    s.mask_image,
                     shape.width,
                     shape.height,
-                    row.resize_mode,
+                    s.resize_mode,
                     mask=True,
-                    image_size=images.size_of(row.init_image),
+                    image_size=images.size_of(s.init_image),
                 )
-                for row in rows
+                for s in sources
             ]
         arguments.update(self.family.call_arguments(pipe, rows, batch.guidance_scale))
         accepted = inspect.signature(type(pipe).__call__).parameters

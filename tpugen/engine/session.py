@@ -14,7 +14,7 @@ from PIL import Image
 from tpugen import __version__
 from tpugen.backends import versions
 from tpugen.config import ModelConfig, PromptSpec, ResolvedRun, RunConfig, dump_config, load_config
-from tpugen.config.images import sha256_of
+from tpugen.config.images import ImageSource, sha256_of
 from tpugen.config.loras import loras_by_content
 from tpugen.config.prompts import planned_images, resolve_prompts
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
@@ -22,7 +22,7 @@ from tpugen.lines import text_lines
 from tpugen.outputs.files import atomic_write_text, inside, write_json
 from tpugen.outputs.grid import write_grid
 from tpugen.outputs.manifest import Manifest, read_manifest, read_text_lenient, rewrite_manifest
-from tpugen.outputs.png import image_filename, input_images_record, is_valid_png, save_png
+from tpugen.outputs.png import image_filename, is_valid_png, save_png
 from tpugen.outputs.report import (
     RunReport,
     TimedPhase,
@@ -106,7 +106,7 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
     loras = {"loras": [lora.record() for lora in run.loras]} if run.loras else {}
     cache = run.config.compile.step_cache.record()  # cached images are not the uncached ones
     step_cache = {"step_cache": cache} if cache else {}
-    source = input_images_record(item)  # by content: the path is where it was, not what it was
+    source = item.source.record() if item.source else {}  # by content: the path is where it was, not what it was
     return {
         "index": item.index,
         "file": file,
@@ -424,7 +424,16 @@ def read_run_record(run_dir: Path) -> dict | None:
 
 
 def recorded_prompts(record: dict) -> list[PromptSpec]:
-    return [PromptSpec(**{**p, "sizes": tuple(tuple(s) for s in p["sizes"])}) for p in record["prompts"]]
+    return [
+        PromptSpec(
+            **{
+                **p,
+                "sizes": tuple(tuple(s) for s in p["sizes"]),
+                "source": ImageSource(**p["source"]) if p.get("source") else None,
+            }
+        )
+        for p in record["prompts"]
+    ]
 
 
 def load_run(run_dir: Path) -> ResolvedRun:
@@ -440,11 +449,8 @@ def load_run(run_dir: Path) -> ResolvedRun:
         f"{run_dir}: prompt {number}'s {key} {path} changed since the run started (or is gone); put it back as it "
         "was, or start a new run"
         for number, prompt in enumerate(prompts)
-        for key, path, sha256 in (
-            ("init_image", prompt.init_image, prompt.init_image_sha256),
-            ("mask_image", prompt.mask_image, prompt.mask_image_sha256),
-        )
-        if path is not None and sha256_of(path) != sha256
+        for key, path, sha256 in (prompt.source.files() if prompt.source else ())
+        if sha256_of(path) != sha256
     ]
     if changed:
         raise InputError(*changed)

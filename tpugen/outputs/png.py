@@ -27,21 +27,6 @@ def image_filename(index: int, seed: int, prompt: str) -> str:
     return f"{index:05d}-{seed}-{slug(prompt)}.png"
 
 
-def input_images_record(source) -> dict:
-    """What an image record says of the images it was made from (a WorkItem's or a request's inputs), by content:
-    {} for txt2img, so such records stay as they were."""
-    if source is None or not source.init_image:
-        return {}
-    record = {
-        "init_image_sha256": source.init_image_sha256,
-        "strength": source.strength,
-        "resize_mode": source.resize_mode,
-    }
-    if source.mask_image:
-        record["mask_image_sha256"] = source.mask_image_sha256
-    return record
-
-
 def _one_line(text: str) -> str:
     """Line breaks (any that a reader may split on) as spaces: the web UI's text format has no escape, so a
     prompt holding one could forge the negative prompt or the settings line. The exact text stays in the

@@ -12,12 +12,13 @@ import anyio.to_thread
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
+from tpugen.config.images import ImageSource
 from tpugen.config.loras import safetensors_header
 from tpugen.config.request import seed_for
 from tpugen.errors import InputError
 from tpugen.modes.serve.progress import Job
 from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse
-from tpugen.modes.serve.service import ImageInputs, ImageSpec, Service
+from tpugen.modes.serve.service import ImageSpec, Service
 from tpugen.outputs.png import a1111_parameters
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
 
@@ -362,7 +363,7 @@ def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageSpec], di
             region = pictures.crop_region(mask, first.width, first.height, body.inpaint_full_res_padding)
             crop = {"region": region, "image": init, "mask": mask}
             init, mask = init.crop(region), mask.crop(region)
-    source = ImageInputs(
+    source = ImageSource(
         *service.input_image(pictures.png_bytes(init), "init_images[0]"),
         strength=strength,
         resize_mode=0,

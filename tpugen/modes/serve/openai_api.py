@@ -107,8 +107,8 @@ async def edits(request: Request):
 
 def edits_reply(service: Service, fields: dict):
     """The edit's images and the OpenAI reply, made in a worker thread."""
+    from tpugen.config.images import ImageSource
     from tpugen.engine import images as pictures
-    from tpugen.modes.serve.service import ImageInputs
 
     problems: list[str] = []
     if fields.get("response_format") not in (None, "b64_json"):
@@ -148,7 +148,7 @@ def edits_reply(service: Service, fields: dict):
                 strict=True,
             )
         )
-    source = ImageInputs(
+    source = ImageSource(
         *service.input_image(pictures.png_bytes(init), "image"), strength=EDIT_STRENGTH, **source_fields
     )
     config = service.run.config

@@ -45,7 +45,7 @@ class ImageJob:
     seed: int
     key: BatchKey
     loras: tuple = ()  # the Lora objects the key names
-    source: object = None  # img2img: the ImageInputs (tpugen.modes.serve.service) it starts from
+    source: object = None  # img2img: the ImageSource (tpugen.config.images) it starts from
 
 
 @dataclass

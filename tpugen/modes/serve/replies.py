@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from tpugen import __version__
 from tpugen.errors import InputError
 from tpugen.modes.serve.service import Service
-from tpugen.outputs.png import input_images_record, png_bytes
+from tpugen.outputs.png import png_bytes
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -55,7 +55,7 @@ def image_record(service: Service, image) -> dict:
         "model": engine.model_label,
         "model_id": model.id,
         "dtype": model.dtype,
-        **input_images_record(getattr(image, "source", None)),
+        **(image.source.record() if getattr(image, "source", None) else {}),
         **loras,
         **step_cache,
         "tpugen_version": __version__,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tpugen.config import ResolvedRun, resolve, run_sizes
-from tpugen.config.images import image_problem
+from tpugen.config.images import ImageSource, image_problem
 from tpugen.config.loras import Lora, is_hub_lora, loras_key, resolve_lora
 from tpugen.config.prompts import planned_images
 from tpugen.config.request import ImageRequest, RequestLimits
@@ -64,24 +64,7 @@ class ImageSpec(ImageRequest):
 
     scheduler: str | None = None  # a name find_scheduler knows; None: the model's own
     loras: tuple = ()  # tpugen.config.loras.Lora, fused for this image (a request's <lora:NAME:SCALE>)
-    source: ImageInputs | None = None  # img2img and inpainting: the images it starts from
-
-
-@dataclass(frozen=True)
-class ImageInputs:
-    """A request's input images as the engine reads them: files the server wrote under its output root, named by
-    their sha256 (a request's bytes never name a path on the server), how far to noise and how to fit them."""
-
-    init_image: str
-    init_image_sha256: str
-    strength: float
-    resize_mode: int = 0
-    mask_image: str | None = None
-    mask_image_sha256: str | None = None
-
-    @property
-    def task(self) -> str:
-        return "inpaint" if self.mask_image else "img2img"
+    source: ImageSource | None = None  # img2img and inpainting: the images it starts from
 
 
 @dataclass
@@ -99,20 +82,6 @@ class RunHandle:
     thread: threading.Thread | None = None
     engine: int = 0  # which of the server's engines runs it
     created: float = field(default_factory=time.time)
-
-
-def _source_fields(source: ImageInputs | None) -> dict:
-    """A WorkItem's img2img fields for these inputs ({} for txt2img)."""
-    if source is None:
-        return {}
-    return {
-        "init_image": source.init_image,
-        "init_image_sha256": source.init_image_sha256,
-        "mask_image": source.mask_image,
-        "mask_image_sha256": source.mask_image_sha256,
-        "strength": source.strength,
-        "resize_mode": source.resize_mode,
-    }
 
 
 class Service:
@@ -240,13 +209,13 @@ class Service:
                     height,
                     width,
                     self.cfg,
-                    **_source_fields(source),
+                    source=source,
                 )
                 shape = ShapeKey(height, width, self.batch_size, self.cfg, task)
                 batches.append(Batch(len(batches), shape, (item,), self.batch_size - 1))
         return RunPlan(tuple(b.items[0] for b in batches), tuple(batches))
 
-    def _warm_source(self, task: str) -> ImageInputs | None:
+    def _warm_source(self, task: str) -> ImageSource | None:
         """The input images an img2img or inpaint warmup call starts from: mid grey, the mask's right half white
         (the graphs depend on the sizes alone, and each call fits its images to its size)."""
         if task == "txt2img":
@@ -266,7 +235,7 @@ class Service:
             half = Image.new("L", (64, 64), 0)
             half.paste(255, (32, 0, 64, 64))
             mask = self.input_image(png(half), "warmup")
-        return ImageInputs(init[0], init[1], 0.75, 0, *(mask or (None, None)))
+        return ImageSource(init[0], init[1], 0.75, 0, *(mask or (None, None)))
 
     def warm_summary(self) -> str:
         sizes = ", ".join(f"{w}x{h}" for h, w in self.sizes)
@@ -582,7 +551,7 @@ class Service:
                 key.height,
                 key.width,
                 key.cfg,
-                **_source_fields(job.source),
+                source=job.source,
             )
             for i, job in enumerate(jobs)
         )
