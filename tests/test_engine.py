@@ -87,14 +87,20 @@ def test_removing_every_hook_leaves_the_pipeline_as_loaded(tmp_path, model):
         expected += ["timesteps at the denoiser's door", "timesteps on the host"]
     if hasattr(pipe.scheduler, "set_begin_index"):  # DDIM (tiny-sd's) has no begin index to set
         expected.append("scheduler starts at step 0")
+    wraps_set_timesteps = len(expected) > 1
+    # img2img's noising: a sigma scheduler's noise level as data (Flux's flow matching), DDIM's table kept on the host.
+    sigmas = hasattr(pipe.scheduler, "sigmas")
+    expected.append("noise level handed in as data" if sigmas else "scheduler tables stay on the host")
     assert loaded.hooks.names() == expected
     assert type(pipe) is not getattr(diffusers, type(pipe).__name__)
-    assert ("set_timesteps" in vars(pipe.scheduler)) == (len(expected) > 1)
+    assert ("set_timesteps" in vars(pipe.scheduler)) == wraps_set_timesteps
+    assert {"add_noise", "scale_noise"} & set(vars(pipe.scheduler))
 
     loaded.hooks.remove_all()
     assert loaded.hooks.names() == []
     assert type(pipe) is getattr(diffusers, type(pipe).__name__)  # the pipeline's own class again
     assert "set_timesteps" not in vars(pipe.scheduler)  # the scheduler's own method again
+    assert not {"add_noise", "scale_noise"} & set(vars(pipe.scheduler))
     assert not denoiser._forward_pre_hooks and not denoiser._forward_hooks
 
 
