@@ -241,7 +241,7 @@ def test_resume_keeps_the_prompts_and_config_the_run_started_with(tmp_path):
     cut_last_image(run_dir)
     config_yaml = run_dir / "config.yaml"
     config_yaml.write_text(
-        config_yaml.read_text().replace("steps: 3\n", "steps: 4\n").replace("seed: 7\n", "seed: 8\n")
+        config_yaml.read_text().replace("\nsteps: 3\n", "\nsteps: 4\n").replace("\nseed: 7\n", "\nseed: 8\n")
     )
     result = run_cli("resume", run_dir, "--quiet")
     assert result.exit_code == 2

@@ -255,9 +255,5 @@ def _prompt_by_content(prompt: PromptSpec) -> dict:
 
 
 def dump_config(config: RunConfig) -> str:
-    """The resolved config as YAML, keys in schema order; compile.step_cache with its method's own options only
-    (the other methods' are refused beside it, and would only be noise)."""
-    data = config.model_dump()
-    cache = config.compile.step_cache
-    data["compile"]["step_cache"] = {"method": cache.method, **cache.options()}
-    return dump_yaml(data)
+    """The resolved config as YAML, keys in schema order (every key: `tpugen validate` prints them all)."""
+    return dump_yaml(config.model_dump())
