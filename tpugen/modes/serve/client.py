@@ -4,6 +4,8 @@ This side imports no torch and no model code: only the config, HTTP (the standar
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import http.client
 import json
 import time
@@ -29,8 +31,9 @@ class NoStream(Exception):
 
 
 def run_payload(run: ResolvedRun, run_id: str) -> dict:
-    """The run config as the server takes it: the prompts themselves (a prompts file is read here), the run id
-    chosen here, no local paths."""
+    """The run config as the server takes it: the prompts themselves (a prompts file is read here), their input
+    images as the files' own bytes (base64 data: URIs; the server reads no paths), the run id chosen here, no
+    local paths."""
     config = run.config
     data = json.loads(config.model_dump_json(exclude={"output", "cache", "serve", "prompts_file"}))
     # Of the model, execution and compile sections, only what the user set: the server compares each key sent
@@ -41,7 +44,7 @@ def run_payload(run: ResolvedRun, run_id: str) -> dict:
     if loras:
         data["model"]["loras"] = loras
     entries = []
-    for spec in run.prompts:
+    for number, spec in enumerate(run.prompts):
         entry = {"prompt": spec.prompt}
         if spec.negative_prompt != config.negative_prompt:
             entry["negative_prompt"] = spec.negative_prompt
@@ -53,6 +56,11 @@ def run_payload(run: ResolvedRun, run_id: str) -> dict:
             entry["guidance_scale"] = spec.guidance_scale
         if spec.sizes != run_sizes(config):
             entry["height"], entry["width"] = spec.sizes[0]
+        if spec.source is not None:
+            for key, path, sha256 in spec.source.files():
+                entry[key] = data_uri(path, sha256, f"prompts[{number}].{key}")
+            # Always sent: the server's default is not the client's to guess.
+            entry["strength"], entry["resize_mode"] = spec.source.strength, spec.source.resize_mode
         entries.append(entry if len(entry) > 1 else spec.prompt)
     data["prompts"] = entries
     # A LoRA file here is named on the server by its file stem (in its serve.lora_dir); its sha256 pins it.
@@ -63,6 +71,18 @@ def run_payload(run: ResolvedRun, run_id: str) -> dict:
             lora.pop("weight_name", None)
     data["output"] = {"run_id": run_id}
     return data
+
+
+def data_uri(path: str, sha256: str, where: str) -> str:
+    """The image file's own bytes as a data: URI (the server records their sha256, which is the file's); an
+    InputError naming `where` if the file is gone or changed since the config was read."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InputError(f"{where}: cannot read {path!r}: {exc.strerror}") from None
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise InputError(f"{where}: {path!r} changed since the config was read; send the run again")
+    return "data:application/octet-stream;base64," + base64.b64encode(data).decode("ascii")
 
 
 class Server:
@@ -119,7 +139,8 @@ class Server:
         if status >= 400:
             lines = answer.get("detail") if isinstance(answer, dict) else None
             lines = lines if isinstance(lines, list) else [f"HTTP {status}"]
-            raise (InputError if status in (409, 422) else RunError)(*(f"server: {line}" for line in lines))
+            # 413: the body is over the server's limit (a run's input images travel in it).
+            raise (InputError if status in (409, 413, 422) else RunError)(*(f"server: {line}" for line in lines))
         return answer
 
 

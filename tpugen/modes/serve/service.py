@@ -705,9 +705,12 @@ class Service:
             problems.append("prompts_file: send the prompts themselves (prompts: [...]); the server reads no files")
         if not isinstance(data.get("output") or {}, dict):
             problems.append("output: must be a mapping (the server reads output.run_id from it), or left out")
+        prompts = self._run_prompts(data.get("prompts"), problems)
         if problems:
             raise InputError(*problems)
         merged = {key: value for key, value in data.items() if key not in ("output", "serve")}
+        if prompts is not None:
+            merged["prompts"] = prompts
         merged.setdefault("batch_size", served.batch_size)  # the batch the server's graphs were compiled for
         for section in ("model", "execution", "compile", "cache"):
             merged[section] = getattr(served, section).model_dump()
@@ -715,6 +718,26 @@ class Service:
         # A client's output.dir means nothing here: the server writes under its own root, by run id.
         merged["output"] = {"dir": str(self.output_root), "run_id": (data.get("output") or {}).get("run_id")}
         return resolve(merged, base_dir=Path(self.serve.lora_dir or self.output_root))
+
+    def _run_prompts(self, prompts, problems: list[str]) -> list | None:
+        """A run's prompts with each input image sent (a base64 data: URI) stored by its content under the
+        output root and named by that path; a path is refused, since the server reads none a client names.
+        None: no list of prompts (resolve says what is wrong with it)."""
+        if not isinstance(prompts, list):
+            return None
+        stored = []
+        for number, entry in enumerate(prompts):
+            if isinstance(entry, dict):
+                entry = dict(entry)
+                for key in ("init_image", "mask_image"):
+                    if key in entry:
+                        where = f"prompts[{number}].{key}"
+                        try:
+                            entry[key] = self.input_image(data_uri_bytes(entry[key], where), where)[0]
+                        except InputError as exc:
+                            problems.extend(exc.lines)
+            stored.append(entry)
+        return stored
 
     def _step_cache_problem(self, given) -> list[str]:
         """A run's compile.step_cache against the server's: equal once its defaults are filled in, or refused,
@@ -832,6 +855,21 @@ class Service:
         if handle is not None:
             handle.stop.request(signal.SIGTERM)
         return handle
+
+
+def data_uri_bytes(value, where: str) -> bytes:
+    """The bytes of a run's image sent as a base64 data: URI (data:[TYPE];base64,DATA); InputError naming `where`
+    for anything else, a path above all."""
+    import base64
+    import binascii
+
+    header, comma, payload = value.partition(",") if isinstance(value, str) else ("", "", "")
+    if not (header.startswith("data:") and header.endswith(";base64") and comma):
+        raise InputError(f"{where}: send the image itself (a base64 data: URI); the server reads no paths")
+    try:
+        return base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise InputError(f"{where}: the data: URI's base64 does not decode") from None
 
 
 def _count(n: int, word: str) -> str:
