@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpugen.config import ResolvedRun
+from tpugen.config.hires import HiresFix
 from tpugen.config.images import ImageSource
 from tpugen.config.prompts import planned_images
 from tpugen.families import FAMILIES
@@ -27,6 +28,7 @@ class WorkItem:
     # so it is part of the compiled shape.
     cfg: bool = True
     source: ImageSource | None = None  # img2img and inpainting: what the image starts from
+    hires: HiresFix | None = None  # hires fix: a second, img2img pass at a larger size (steps resolved)
 
     @property
     def task(self) -> str:
@@ -48,10 +50,14 @@ class ShapeKey:
     cfg: bool
     # img2img and inpaint encode their images before the loop: a graph of their own (tpugen.plan.WorkItem.task).
     task: str = "txt2img"
+    # Hires fix's second pass (HiresFix.shape_label: its scale and upscaler), "" for none: the larger size's
+    # graphs, and the upscale's, are this key's too.
+    hires: str = ""
 
     def __str__(self) -> str:
         text = f"{self.height}x{self.width} b{self.batch_size} {'cfg' if self.cfg else 'nocfg'}"
-        return text if self.task == "txt2img" else f"{text} {self.task}"
+        text = text if self.task == "txt2img" else f"{text} {self.task}"
+        return f"{text} {self.hires}" if self.hires else text
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,10 @@ class Batch:
     @property
     def strength(self) -> float | None:
         return self.items[0].strength
+
+    @property
+    def hires(self) -> HiresFix | None:
+        return self.items[0].hires
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,7 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
     """
     cfg = run.config
     family = FAMILIES[run.family]
+    hires = cfg.hires
     items: list[WorkItem] = []
     for p, spec in enumerate(run.prompts):
         k = 0
@@ -128,15 +139,24 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
                         width=width,
                         cfg=family.uses_cfg(spec.guidance_scale),
                         source=spec.source,
+                        hires=hires_fix(hires, spec.steps),
                     )
                 )
                 k += 1
     return items
 
 
+def hires_fix(config, steps: int) -> HiresFix | None:
+    """The run config's hires section (tpugen.config.schema.HiresConfig, or None) for an image of `steps` first
+    steps: its second pass's steps filled in (0: as many as the first pass)."""
+    if config is None:
+        return None
+    return HiresFix(config.scale, config.steps or steps, config.strength, config.upscaler)
+
+
 def plan_batches(items: list[WorkItem], batch_size: int) -> list[Batch]:
     """Group items into full batches of one shape; a pipeline call also needs one step count and guidance (and
-    for img2img one strength: the steps it runs).
+    for img2img one strength: the steps it runs; for hires fix one second pass).
 
     Items keep index order inside each group; groups come in the order of their first item. The last
     batch of a group is padded to `batch_size`, so every call has a planned shape and nothing recompiles.
@@ -144,10 +164,10 @@ def plan_batches(items: list[WorkItem], batch_size: int) -> list[Batch]:
     groups: dict[tuple, list[WorkItem]] = {}
     for item in items:
         key = (item.height, item.width, item.cfg, item.task, item.steps, item.guidance_scale, item.strength)
-        groups.setdefault(key, []).append(item)
+        groups.setdefault((*key, item.hires), []).append(item)
     batches = []
-    for (height, width, cfg, task, *_), members in groups.items():
-        shape = ShapeKey(height, width, batch_size, cfg, task)
+    for (height, width, cfg, task, *_, hires), members in groups.items():
+        shape = ShapeKey(height, width, batch_size, cfg, task, hires.shape_label if hires else "")
         for start in range(0, len(members), batch_size):
             chunk = tuple(members[start : start + batch_size])
             batches.append(Batch(len(batches), shape, chunk, batch_size - len(chunk)))

@@ -102,6 +102,7 @@ def resolve(
 
     resolved_prompts = resolve_prompts(config, base_dir, prompts, problems, required=prompts_required)
     problems.extend(_size_problems(config, resolved_prompts, family))
+    problems.extend(_hires_problems(config, resolved_prompts, family))
     planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
         problems.append(
@@ -170,6 +171,30 @@ def _size_problems(config: RunConfig, prompts: list[PromptSpec], family: Family)
     return problems
 
 
+def _hires_problems(config: RunConfig, prompts: list[PromptSpec], family: Family) -> list[str]:
+    """What hires fix cannot do as asked: its second pass is diffusers' img2img from the first pass."""
+    hires = config.hires
+    if hires is None:
+        return []
+    if family.hires_refusal:
+        return [f"hires: {family.title} models: {family.hires_refusal}"]
+    problems = []
+    if hires.upscaler == "latent" and family.latent_upscale_refusal:
+        problems.append(f"hires.upscaler: latent for {family.title} models: {family.latent_upscale_refusal}")
+    if config.compile.step_cache.method != "none":
+        problems.append(
+            f"hires: compile.step_cache.method: {config.compile.step_cache.method} runs for txt2img only, and a "
+            "hires fix's second pass is img2img; leave one of them out"
+        )
+    with_images = [i for i, spec in enumerate(prompts) if spec.source is not None]
+    if with_images:
+        problems.append(
+            f"hires: is for text-only prompts, and prompt {with_images[0]} has an init_image (an img2img run at "
+            "the larger size is its own hires pass); leave hires out or run those prompts apart"
+        )
+    return problems
+
+
 def _read_mag_ratios(config: RunConfig, base_dir: Path, problems: list[str]) -> None:
     """compile.step_cache.mag_ratios given as a file (what `tpugen calibrate` writes): its list, in place, so a
     run's config.yaml and config hash hold the ratios themselves, not where they were read from."""
@@ -234,6 +259,8 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
     if payload["compile"]["flash_attention"] == "auto":
         del payload["compile"]["flash_attention"]
     cache = payload["compile"]["step_cache"]
+    if payload["hires"] is None:
+        del payload["hires"]
     if cache["method"] == "none":  # its options are refused without a method
         del payload["compile"]["step_cache"]
     else:  # the method's own options: a method added later leaves the others' hashes as they were

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tpugen.config.hires import DEFAULT_HIRES_STRENGTH, MAX_HIRES_SCALE
 from tpugen.config.request import MAX_SEED, MAX_STEPS, MIN_STEPS, SIDE_MULTIPLE, side_ok, text_problem
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
 
@@ -207,6 +208,41 @@ def _check_step_cache_method(value: Any) -> Any:
         raise ValueError(f"{value} {STEP_CACHE_NOT_YET[value]}")
     shown = value if not isinstance(value, str) else repr(value)
     raise ValueError(f"must be none, taylorseer, magcache or pyramid_attention_broadcast, got {shown}")
+
+
+class HiresConfig(_Section):
+    scale: float = Field(
+        default=2.0,
+        gt=1,
+        le=MAX_HIRES_SCALE,
+        description=(
+            "The second pass's size: scale times the base size, each side floored to a multiple of 8 (16 for "
+            "the Flux-like families); the web UI's hr_scale."
+        ),
+    )
+    steps: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_STEPS,
+        description=(
+            "The second pass's steps, of which about steps x strength run (as img2img runs them); 0: the first "
+            "pass's steps. The web UI's hr_second_pass_steps."
+        ),
+    )
+    strength: float = Field(
+        default=DEFAULT_HIRES_STRENGTH,
+        gt=0,
+        le=1,
+        description="How far the upscaled first pass is noised again (the web UI's denoising_strength).",
+    )
+    upscaler: Literal["latent", "lanczos"] = Field(
+        default="latent",
+        description=(
+            "latent: the first pass's latents scaled up bilinearly on the device (the web UI's Latent); "
+            "lanczos: its decoded pixels resized with PIL's Lanczos filter on the host (one more read back), "
+            "then encoded at the larger size (the web UI's Lanczos)."
+        ),
+    )
 
 
 class StepCacheConfig(_Section):
@@ -822,6 +858,14 @@ class RunConfig(_Section):
     )
     images_per_prompt: int = Field(
         default=1, ge=1, description="Images made from each prompt (a run plans at most 1,000,000 images)."
+    )
+    hires: HiresConfig | None = Field(
+        default=None,
+        description=(
+            "Hires fix: each text-only image made at the base size, upscaled, then made again from it at the "
+            "larger size by img2img ({scale, steps, strength, upscaler}); both sizes compile in warmup. A "
+            "server's config with hires warms it at each serve size. Unset: one pass."
+        ),
     )
     execution: ExecutionConfig = Field(
         default=ExecutionConfig(), description="How the run is executed: backend, mode, devices, memory strategy."

@@ -59,6 +59,16 @@ def load(path: str, width: int, height: int, mode: int, *, mask: bool = False, i
     return fit(image, width, height, mode)
 
 
+def upscale(pixels, width: int, height: int):
+    """A decoded image (a CHW tensor in [0, 1] on the host) as PIL, resized to width x height with Lanczos: the
+    web UI's Lanczos upscaler for a hires fix (it too rounds to 8-bit pixels first)."""
+    import numpy as np
+    from PIL import Image
+
+    array = (pixels.permute(1, 2, 0).numpy() * 255.0).round().clip(0, 255).astype(np.uint8)
+    return Image.fromarray(array).resize((width, height), Image.Resampling.LANCZOS)
+
+
 def size_of(path: str) -> tuple[int, int]:
     from PIL import Image
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import io
 import os
 import threading
@@ -53,6 +54,8 @@ class LoadedPipeline:
         self.running = "text encoders"  # what runs on the device now, for an out-of-memory message
         self.out_of_memory_advice = "`tpugen plan CONFIG` shows each component's size against the chip"
         self._loop_started = False
+        self._pass = ""  # "hires " while a hires fix's second pass runs: its phases are counted apart
+        self._steps_before = 0  # steps of the batch's passes before this one (on_step counts on through them)
         self.on_step = None  # called with each denoising step's number (1..steps) as it is handed to the device
         self.step_cache = None  # compile.step_cache once use_step_cache installed it
         # tpugen decodes the latents itself, so decoding and the conversion to pixels are one graph. A
@@ -97,7 +100,7 @@ class LoadedPipeline:
                 loaded._loop_started = True
                 loaded.backend.sync()
                 loaded.running = loaded.family.denoiser
-                loaded._mark("text encoding")
+                loaded._mark(loaded._pass + "text encoding")
             return base.interrupt.fget(pipe)
 
         patches = {"interrupt": property(interrupt)}
@@ -186,10 +189,10 @@ class LoadedPipeline:
         # pipelines whose loop lacks diffusers' own mark_step.
         self.backend.sync()
         if step == 0:
-            self._mark("first denoising step")
+            self._mark(self._pass + "first denoising step")
         if self.on_step is not None:
             # The step is handed to the device here, not finished: nothing is read back to know that.
-            self.on_step(step + 1)
+            self.on_step(self._steps_before + step + 1)
         return {}
 
     # ---------------------------------------------------------------- noise, call, decode
@@ -227,8 +230,6 @@ class LoadedPipeline:
         """An img2img or inpaint call's arguments: each row's images read and fitted to the batch's size on the
         host, and no latents: diffusers noises the encoded image itself, drawing the noise from each image's
         CPU generator (as it would on the CPU), and runs `strength` of the steps."""
-        import inspect
-
         import torch
 
         from tpugen.engine import images
@@ -264,10 +265,48 @@ class LoadedPipeline:
         accepted = inspect.signature(type(pipe).__call__).parameters
         return {key: value for key, value in arguments.items() if key in accepted}
 
-    def _decode(self, latents, batch: Batch):
+    def _decode(self, latents, height: int, width: int):
         """Latents to pixels in [0, 1], as each family's pipeline would, as one graph."""
-        shape = batch.shape
-        return self.family.decode(self.pipe, latents, shape.height, shape.width, self.backend.device_for("vae"))
+        return self.family.decode(self.pipe, latents, height, width, self.backend.device_for("vae"))
+
+    def _hires_pass(self, batch: Batch, latents) -> tuple:
+        """Hires fix's second pass on the first pass's `latents`: scaled up (latent: bilinearly, on the device;
+        lanczos: decoded, read back, resized by PIL on the host), then diffusers' img2img of the family at the
+        larger size for the hires steps at its strength, each image's noise from a generator of its seed.
+        Returns its output and its size (height, width); its phases are counted as "hires ..." ones."""
+        import torch
+
+        from tpugen.engine import images
+
+        hires, shape, rows = batch.hires, batch.shape, batch.rows
+        height, width = hires.size(shape.height, shape.width, self.family.size_multiple)
+        if hires.upscaler == "latent":
+            image = self.family.upscale_latents(self.pipe, latents, shape.height, shape.width, height, width)
+        else:
+            self.running = "vae"
+            pixels = self._decode(latents, shape.height, shape.width).to("cpu").float()
+            self._mark("first-pass decoding")
+            image = [images.upscale(picture, width, height) for picture in pixels]
+        pipe = self.task_pipe("img2img")
+        arguments = {
+            "prompt": [row.prompt for row in rows],
+            "image": image,
+            "strength": hires.strength,
+            "height": height,
+            "width": width,
+            "num_inference_steps": hires.steps,
+            "guidance_scale": batch.guidance_scale,
+            "generator": [torch.Generator("cpu").manual_seed(row.seed) for row in rows],
+            "output_type": "latent" if self.decodes_itself else "pt",
+            "callback_on_step_end": self._step_end,
+        }
+        arguments.update(self.family.call_arguments(pipe, rows, batch.guidance_scale))
+        accepted = inspect.signature(type(pipe).__call__).parameters
+        self._loop_started, self._pass, self._steps_before = False, "hires ", batch.steps
+        self.running = "text encoders"
+        output = pipe(**{key: value for key, value in arguments.items() if key in accepted}).images
+        self._mark("hires later denoising steps")
+        return output, height, width
 
     def generate(self, batch: Batch, census: bool = False):
         """Run one batch; returns uint8 HxWx3 arrays for its real (unpadded) rows.
@@ -281,7 +320,7 @@ class LoadedPipeline:
         start = self.backend.counters() if census else None
         self._census = [("start", start.compiles, start.compile_seconds)] if start is not None else None
         self.phase_memory = {}
-        self._loop_started = False
+        self._loop_started, self._pass, self._steps_before = False, "", 0
         self.running = "text encoders"
         try:
             pipe = self.task_pipe(batch.shape.task)
@@ -290,14 +329,19 @@ class LoadedPipeline:
                 arguments = self._call_arguments(batch, latents, generators)
             else:
                 arguments = self._image_arguments(batch, pipe)
+            if batch.hires is not None:
+                arguments["output_type"] = "latent"  # the second pass starts from them, or from their pixels
             reset_step_cache(self.pipe, self.family)  # a call that failed halfway left its step cache's state
             if self.step_cache is not None:
                 prepare_call(pipe, self.family, self.step_cache, batch.steps, task=batch.shape.task)
+            height, width = batch.shape.height, batch.shape.width
             with torch.no_grad():  # inference_mode tensors break torch_xla (version counters)
                 output = pipe(**arguments).images
                 self._mark("later denoising steps")
+                if batch.hires is not None:
+                    output, height, width = self._hires_pass(batch, output)
                 self.running = "vae"
-                images = self._decode(output, batch) if self.decodes_itself else output
+                images = self._decode(output, height, width) if self.decodes_itself else output
                 # The one read back to the host for the whole batch. Padding rows are dropped on the host:
                 # slicing on the device would be a new graph for every count of real rows.
                 host = images.to("cpu").float()[: len(batch.items)]

@@ -18,6 +18,7 @@ from tpugen.config.images import ImageSource, sha256_of
 from tpugen.config.loras import loras_by_content
 from tpugen.config.prompts import planned_images, resolve_prompts
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
+from tpugen.families import FAMILIES
 from tpugen.lines import text_lines
 from tpugen.outputs.files import atomic_write_text, inside, write_json
 from tpugen.outputs.grid import write_grid
@@ -107,6 +108,7 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
     cache = run.config.compile.step_cache.record()  # cached images are not the uncached ones
     step_cache = {"step_cache": cache} if cache else {}
     source = item.source.record() if item.source else {}  # by content: the path is where it was, not what it was
+    hires = {"hires": hires_record(item, FAMILIES[run.family].size_multiple)} if item.hires else {}
     return {
         "index": item.index,
         "file": file,
@@ -122,12 +124,20 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
         "model_id": model.id,
         "dtype": model.dtype,
         **source,
+        **hires,
         **loras,
         **step_cache,
         "batch": batch_number,
         "config_hash": run.config_hash,
         "tpugen_version": __version__,
     }
+
+
+def hires_record(item, multiple: int) -> dict:
+    """A hires fix image's second pass as its record holds it, with the size it was made at (the record's height
+    and width are the first pass's, as the web UI's Size is)."""
+    height, width = item.hires.size(item.height, item.width, multiple)
+    return {**item.hires.record(), "height": height, "width": width}
 
 
 class ImageWriter:

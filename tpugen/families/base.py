@@ -124,6 +124,12 @@ class Family:
         "hooks attention under transformer_blocks, which a UNet does not have"
     )
 
+    # Why hires fix's latent upscaler cannot run for this family (None: it can): its img2img pipeline must take
+    # the first pass's latents, scaled up, as its image (upscale_latents).
+    latent_upscale_refusal: str | None = None
+    # Why hires fix cannot run for this family at all (None: it can): its second pass is diffusers' img2img.
+    hires_refusal: str | None = None
+
     def covers(self, index: dict) -> bool:
         """Whether a pipeline of one of this family's classes, with this model_index.json, is this family's (two
         families may share a class and differ by a flag of the pipeline's config)."""
@@ -199,6 +205,15 @@ class Family:
             std = torch.tensor(config.latents_std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
             return latents * std / config.scaling_factor + mean
         return latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
+
+    def upscale_latents(self, pipe, latents, height: int, width: int, to_height: int, to_width: int):
+        """A first pass's latents (height x width pixels) scaled bilinearly to to_height x to_width, as the
+        family's img2img pipeline takes them for its `image` (the web UI's Latent upscaler: no antialiasing)."""
+        import torch
+
+        scale = pipe.vae_scale_factor
+        size = (to_height // scale, to_width // scale)
+        return torch.nn.functional.interpolate(latents, size=size, mode="bilinear", antialias=False)
 
     def decode(self, pipe, latents, height: int, width: int, device):
         """Latents to pixels in [0, 1], as the family's pipeline would (`device`: where the VAE is)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from PIL import Image, PngImagePlugin
 
+from tpugen.config.hires import HiresFix
 from tpugen.config.schema import step_cache_options_text
 from tpugen.outputs.files import atomic_write_bytes
 
@@ -55,6 +56,10 @@ def a1111_parameters(record: dict) -> str:
     }
     if record.get("strength") is not None:  # made from an init image (img2img, inpainting)
         fields["Denoising strength"] = record["strength"]
+    if record.get("hires"):  # hires fix: the web UI's own keys for its second pass
+        fields.update(
+            HiresFix(**{k: v for k, v in record["hires"].items() if k not in ("height", "width")}).parameters()
+        )
     if record.get("loras"):
         # As the web UI writes it (extensions-builtin/Lora): "NAME: HASH" pairs joined by ", ", each name without
         # ':' or ',', the hash its 12-digit short hash; the whole value then quoted, since it holds ':'.

@@ -139,5 +139,10 @@ class Flux(TransformerFamily):
         latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
         return super().vae_latents(pipe, latents, height, width)
 
+    def upscale_latents(self, pipe, latents, height: int, width: int, to_height: int, to_width: int):
+        # FluxImg2ImgPipeline takes 16-channel latents unpacked (it packs them itself).
+        grid = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+        return super().upscale_latents(pipe, grid, height, width, to_height, to_width)
+
 
 FAMILY = Flux()

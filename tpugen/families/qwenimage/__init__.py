@@ -62,6 +62,9 @@ def _build(target):
 
 
 class QwenImage(TransformerFamily):
+    latent_upscale_refusal = (
+        "QwenImageImg2ImgPipeline encodes pixels (its latents are packed, its VAE's 5-D); use upscaler: lanczos"
+    )
     name = "qwenimage"
     title = "Qwen-Image"
     pipeline_classes = ("QwenImagePipeline",)

@@ -49,6 +49,7 @@ def _build(target):
 
 
 class ZImage(TransformerFamily):
+    latent_upscale_refusal = "ZImageImg2ImgPipeline encodes pixels; use upscaler: lanczos"
     name = "zimage"
     title = "Z-Image"
     pipeline_classes = ("ZImagePipeline",)

@@ -1,0 +1,155 @@
+"""Hires fix from a run config: a first pass, an upscale, an img2img pass at the larger size, against diffusers'
+own pipelines on the CPU."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+from conftest import run_cli, tiny_config, write_config
+from PIL import Image
+
+# Uncached tiny pipelines on XLA:CPU hold 2/255 of diffusers' eager CPU images (the families' tests); so do these.
+WITHIN = 2
+
+
+@functools.cache
+def _plain(model: str):
+    from diffusers import DiffusionPipeline
+
+    from tpugen.tiny import builtin_path
+
+    pipe = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _reference(model: str, record: dict) -> np.ndarray:
+    """The image diffusers' own pipelines make on the CPU (eager, no tpugen patch): the text-to-image pipeline
+    from tpugen's noise for the seed, its latents scaled up bilinearly (or its own decoded image resized with
+    Lanczos), then the family's img2img pipeline at the larger size."""
+    import torch
+    from diffusers import AutoPipelineForImage2Image
+
+    from tpugen.families import BUILTINS
+
+    family = BUILTINS[model][1]
+    pipe = _plain(model)
+    hires = record["hires"]
+    height, width = record["height"], record["width"]
+    generator = torch.Generator("cpu").manual_seed(record["seed"])
+    (noise,) = family.noise(pipe, [generator], height, width)
+    common = {"prompt": record["prompt"], "guidance_scale": record["guidance_scale"]}
+    if record["negative_prompt"] and family.negative_prompt:
+        common["negative_prompt"] = record["negative_prompt"]
+    first = {"height": height, "width": width, "num_inference_steps": record["steps"], "latents": noise}
+    with torch.no_grad():
+        if hires["upscaler"] == "latent":
+            latents = pipe(**common, **first, generator=generator, output_type="latent").images
+            if model == "tiny-flux":  # packed 2x2 patches: the img2img pipeline takes them unpacked
+                latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+            size = (hires["height"] // pipe.vae_scale_factor, hires["width"] // pipe.vae_scale_factor)
+            image = torch.nn.functional.interpolate(latents, size=size, mode="bilinear", antialias=False)
+        else:
+            made = pipe(**common, **first, generator=generator, output_type="pil").images[0]
+            image = made.resize((hires["width"], hires["height"]), Image.Resampling.LANCZOS)
+        second = AutoPipelineForImage2Image.from_pipe(pipe)
+        second.set_progress_bar_config(disable=True)
+        out = second(
+            **common,
+            image=image,
+            strength=hires["strength"],
+            height=hires["height"],
+            width=hires["width"],
+            num_inference_steps=hires["steps"],
+            generator=torch.Generator("cpu").manual_seed(record["seed"]),
+            output_type="np",
+        ).images[0]
+    return (out * 255).round().clip(0, 255).astype(np.uint8)
+
+
+# (model, upscaler, base size): each a base size and batch no other test compiles, so the first pass's graph
+# counts are exact too. Flux.1's sides are multiples of 16.
+CASES = [("tiny-sd", "latent", 40), ("tiny-sd", "lanczos", 24), ("tiny-flux", "latent", 32)]
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize(("model", "upscaler", "side"), CASES)
+def test_hires_fix_on_xla_is_diffusers_own_with_both_sizes_warm(model, upscaler, side, tmp_path):
+    hires = {"scale": 2, "steps": 4, "strength": 0.5, "upscaler": upscaler}
+    config = tiny_config(
+        tmp_path,
+        model={"id": model},
+        prompts=["a red fox in snow", "a lighthouse at dawn", "a bowl of fruit"],
+        height=side,
+        width=side,
+        steps=3,
+        batch_size=2,
+        hires=hires,
+    )
+    result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
+    assert result.exit_code == 0, result.output
+    run_dir = tmp_path / "outputs" / "run"
+    report = json.loads((run_dir / "report.json").read_text())
+
+    # One shape key, both passes in it: every graph compiled in warmup, none after, one read back per batch
+    # (two with lanczos: the first pass's pixels go to the host to be resized).
+    label = f"{side}x{side} b2 {'cfg' if model == 'tiny-sd' else 'nocfg'} hires x2 {upscaler}"
+    (warm,) = report["warmup"]
+    assert warm["shape_key"] == label
+    graphs = warm["graphs_per_phase"]
+    first = {"text encoding": 1, "first denoising step": 1, "later denoising steps": 0}
+    if upscaler == "lanczos":
+        first["first-pass decoding"] = 1
+    second = {"hires text encoding": 1, "hires first denoising step": 1, "hires later denoising steps": 0}
+    assert graphs == {**first, **second, "decoding": 1}, graphs
+    assert report["compiles_after_warmup"] == 0
+    batches = report["timed_phase"]["batches"]
+    assert [b["shape_key"] for b in batches] == [label, label]
+    assert [b["transfers_to_host"] for b in batches] == [2 if upscaler == "lanczos" else 1] * 2
+
+    records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
+    for record in records:
+        assert record["hires"] == {**hires, "scale": 2.0, "height": 2 * side, "width": 2 * side}
+        png = Image.open(run_dir / record["file"])
+        assert png.size == (2 * side, 2 * side)
+        name = "Latent" if upscaler == "latent" else "Lanczos"
+        assert (
+            f"Size: {side}x{side}, Model: {model}, Denoising strength: 0.5, Hires upscale: 2, Hires steps: 4, "
+            f"Hires upscaler: {name}," in png.text["parameters"]
+        )
+        made = np.asarray(png.convert("RGB"), np.int16)
+        difference = int(np.abs(made - _reference(model, record).astype(np.int16)).max())
+        assert difference <= WITHIN, (record["file"], difference)
+
+
+def test_what_hires_fix_cannot_do_is_one_line_each(tmp_path):
+    Image.new("RGB", (64, 64), (128, 128, 128)).save(tmp_path / "init.png")
+
+    def validate(model: str = "tiny-sd", **overrides) -> str:
+        config = tiny_config(tmp_path, model={"id": model}, **overrides)
+        result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
+        assert result.exit_code == 2, result.output
+        return result.stderr
+
+    hires = {"scale": 2}
+    assert validate(hires={"scale": 1}) == "error: hires.scale: must be greater than 1, got 1\n"
+    assert validate(hires={"scale": 8}) == "error: hires.scale: must be less than or equal to 4, got 8\n"
+    assert (
+        validate(hires={"upscaler": "esrgan"}) == "error: hires.upscaler: must be 'latent' or 'lanczos', got 'esrgan'\n"
+    )
+    assert validate(hires={"strength": 0}) == "error: hires.strength: must be greater than 0, got 0\n"
+    text = validate(prompts=[{"prompt": "a fox", "init_image": "init.png"}], hires=hires)
+    assert "hires: is for text-only prompts, and prompt 0 has an init_image" in text
+    text = validate("tiny-flux", hires=hires, compile={"step_cache": {"method": "taylorseer"}})
+    assert "hires: compile.step_cache.method: taylorseer runs for txt2img only" in text
+    text = validate("tiny-qwen-image", hires=hires)
+    assert "hires.upscaler: latent for Qwen-Image models: QwenImageImg2ImgPipeline encodes pixels" in text
+    assert "FLUX.2 [klein] models: diffusers 0.42 has no img2img for FLUX.2" in validate(
+        "tiny-flux2-klein", hires=hires
+    )
+    # Lanczos for Qwen-Image passes, and a config without hires hashes as it did before hires existed.
+    config = tiny_config(tmp_path, model={"id": "tiny-qwen-image"}, hires={"upscaler": "lanczos"})
+    assert run_cli("validate", write_config(tmp_path / "q.yaml", config)).exit_code == 0
