@@ -57,11 +57,24 @@ def test_other_endpoints_and_failures_are_one_line_and_counted(client, server, m
     assert 'tpugen_requests_total{endpoint="/sdapi/v1/interrupt",status="500"} 1.0' in client.get("/metrics").text
 
 
-def test_a_body_over_one_mebibyte_is_refused(client):
+def test_a_text_body_over_one_mebibyte_is_refused_and_an_image_body_is_not(client):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
     response = client.post(
         "/sdapi/v1/txt2img", content=b"{" + b" " * (1 << 20) + b"}", headers={"Content-Type": "application/json"}
     )
     assert response.status_code == 413 and response.json()["detail"] == ["the body is over 1024 KiB"]
+    # A 1024x1024 init image of noise: a 3 MiB PNG, 4 MiB in base64 (fitted to the warm 64x64 on the host).
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), np.uint8)).save(buffer, "PNG")
+    assert buffer.tell() > 3 << 20
+    body = {"prompt": "a cat", "init_images": [base64.b64encode(buffer.getvalue()).decode()], "steps": 3}
+    answer = client.post("/sdapi/v1/img2img", json={**body, "width": 64, "height": 64, "seed": 1})
+    assert answer.status_code == 200, answer.text
 
 
 def test_metrics_count_requests_images_batches_and_padding(client):

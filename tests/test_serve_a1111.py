@@ -85,12 +85,26 @@ def test_requests_coalesce_into_full_batches_and_their_images_do_not_depend_on_c
     "fields,status,lines",
     [
         (
-            {"enable_hr": True, "restore_faces": True, "steps": "many"},
+            {"restore_faces": True, "steps": "many"},
+            422,
+            ["restore_faces: face restoration is not built", "steps: expected an integer, got 'many'"],
+        ),
+        (
+            {"enable_hr": True, "hr_upscaler": "R-ESRGAN 4x+", "hr_resize_x": 1024, "hr_scale": 8},
             422,
             [
-                "enable_hr: hires. fix (a second, upscaled pass) is not built",
-                "restore_faces: face restoration is not built",
-                "steps: expected an integer, got 'many'",
+                "hr_resize_x: a second pass sized by hr_resize_x/y is not built; give hr_scale",
+                "hr_upscaler: 'R-ESRGAN 4x+' is not built; Latent, Lanczos",
+                "hr_scale: must be above 1 and at most 4, got 8",
+            ],
+        ),
+        (
+            {"enable_hr": True, "hr_scale": 1.5},
+            422,
+            [
+                "hires fix x1.5 latent is not warm (the server's config has no hires section) (serve.new_shapes: "
+                "reject); warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM, Euler a; tasks txt2img, "
+                "img2img, inpaint"
             ],
         ),
         ({"enable_hr": False, "restore_faces": False, "alwayson_scripts": {}, "prompt": "fine"}, 200, None),
@@ -174,6 +188,8 @@ def test_requests_coalesce_into_full_batches_and_their_images_do_not_depend_on_c
     ],
     ids=[
         "missing features and a bad type",
+        "hires fix fields that are not built",
+        "a hires fix the server does not warm",
         "asking for nothing",
         "script",
         "long prompt",

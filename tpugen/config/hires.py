@@ -28,13 +28,22 @@ class HiresFix:
         return _side(height, self.scale, multiple), _side(width, self.scale, multiple)
 
     @property
+    def steps_run(self) -> int:
+        """About how many steps the second pass runs: img2img runs `strength` of its steps (rounded as
+        diffusers' Stable Diffusion pipelines do; a flow-matching one may run one more)."""
+        return max(1, min(self.steps, int(self.steps * self.strength)))
+
+    @property
     def shape_label(self) -> str:
         """What the compiled graphs depend on (the scale and the upscaler; steps and strength are data)."""
         return f"hires x{self.scale:g} {self.upscaler}"
 
-    def record(self) -> dict:
-        """What an image record says of it."""
-        return {"scale": self.scale, "steps": self.steps, "strength": self.strength, "upscaler": self.upscaler}
+    def record(self, height: int, width: int, multiple: int) -> dict:
+        """What the record of an image whose first pass was height x width says of it: with the size it was made
+        at (the record's own height and width are the first pass's, as the web UI's Size is)."""
+        to_height, to_width = self.size(height, width, multiple)
+        options = {"scale": self.scale, "steps": self.steps, "strength": self.strength, "upscaler": self.upscaler}
+        return {**options, "height": to_height, "width": to_width}
 
     def parameters(self) -> dict:
         """The web UI's own keys for it in a PNG's parameters text."""
@@ -44,6 +53,23 @@ class HiresFix:
             "Hires steps": self.steps,
             "Hires upscaler": UPSCALERS[self.upscaler],
         }
+
+
+def hires_problems(upscaler: str, family, step_cache_method: str, keys: dict[str, str]) -> list[str]:
+    """Why a hires fix with `upscaler` cannot run for a model of `family` under a step cache of
+    `step_cache_method`, one line each after the key that asks for it (`keys`: "hires" and "upscaler", as a
+    run config or a request names them)."""
+    if family.hires_refusal:
+        return [f"{keys['hires']}: {family.title} models: {family.hires_refusal}"]
+    problems = []
+    if upscaler == "latent" and family.latent_upscale_refusal:
+        problems.append(f"{keys['upscaler']}: latent for {family.title} models: {family.latent_upscale_refusal}")
+    if step_cache_method != "none":
+        problems.append(
+            f"{keys['hires']}: compile.step_cache.method: {step_cache_method} runs for txt2img only, and a hires "
+            "fix's second pass is img2img; leave one of them out"
+        )
+    return problems
 
 
 def _side(side: int, scale: float, multiple: int) -> int:

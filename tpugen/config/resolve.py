@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from tpugen.config.hires import hires_problems
 from tpugen.config.loras import Lora, loras_by_content, resolve_loras
 from tpugen.config.messages import format_error
 from tpugen.config.overrides import apply_overrides
@@ -176,16 +177,8 @@ def _hires_problems(config: RunConfig, prompts: list[PromptSpec], family: Family
     hires = config.hires
     if hires is None:
         return []
-    if family.hires_refusal:
-        return [f"hires: {family.title} models: {family.hires_refusal}"]
-    problems = []
-    if hires.upscaler == "latent" and family.latent_upscale_refusal:
-        problems.append(f"hires.upscaler: latent for {family.title} models: {family.latent_upscale_refusal}")
-    if config.compile.step_cache.method != "none":
-        problems.append(
-            f"hires: compile.step_cache.method: {config.compile.step_cache.method} runs for txt2img only, and a "
-            "hires fix's second pass is img2img; leave one of them out"
-        )
+    keys = {"hires": "hires", "upscaler": "hires.upscaler"}
+    problems = hires_problems(hires.upscaler, family, config.compile.step_cache.method, keys)
     with_images = [i for i, spec in enumerate(prompts) if spec.source is not None]
     if with_images:
         problems.append(

@@ -108,7 +108,8 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
     cache = run.config.compile.step_cache.record()  # cached images are not the uncached ones
     step_cache = {"step_cache": cache} if cache else {}
     source = item.source.record() if item.source else {}  # by content: the path is where it was, not what it was
-    hires = {"hires": hires_record(item, FAMILIES[run.family].size_multiple)} if item.hires else {}
+    multiple = FAMILIES[run.family].size_multiple
+    hires = {"hires": item.hires.record(item.height, item.width, multiple)} if item.hires else {}
     return {
         "index": item.index,
         "file": file,
@@ -131,13 +132,6 @@ def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch
         "config_hash": run.config_hash,
         "tpugen_version": __version__,
     }
-
-
-def hires_record(item, multiple: int) -> dict:
-    """A hires fix image's second pass as its record holds it, with the size it was made at (the record's height
-    and width are the first pass's, as the web UI's Size is)."""
-    height, width = item.hires.size(item.height, item.width, multiple)
-    return {**item.hires.record(), "height": height, "width": width}
 
 
 class ImageWriter:

@@ -12,9 +12,10 @@ import anyio.to_thread
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
+from tpugen.config.hires import DEFAULT_HIRES_STRENGTH, MAX_HIRES_SCALE, UPSCALERS, HiresFix, hires_problems
 from tpugen.config.images import ImageSource
 from tpugen.config.loras import safetensors_header
-from tpugen.config.request import seed_for
+from tpugen.config.request import MAX_STEPS, seed_for, strength_ok
 from tpugen.errors import InputError
 from tpugen.modes.serve.progress import Job
 from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse
@@ -92,7 +93,6 @@ class Txt2Img(BaseModel):
 # Fields that ask for what tpugen does not have: a request that sets one (to anything but "nothing", such as
 # enable_hr: false or an empty alwayson_scripts) is refused, naming the field.
 MISSING_FEATURES = {
-    "enable_hr": "hires. fix (a second, upscaled pass) is not built",
     "restore_faces": "face restoration is not built",
     "tiling": "tiling is not built",
     "script_name": "scripts are not built",
@@ -100,13 +100,57 @@ MISSING_FEATURES = {
     "styles": "saved prompt styles are not kept on this server; put the text in the prompt",
     "subseed_strength": "variation seeds are not built",
     "refiner_checkpoint": "a refiner is not built",
-    "firstpass_image": "a first-pass image is for hires. fix, which is not built",
+    "firstpass_image": "a hires fix from a given first-pass image is not built; send the image to img2img",
     "override_settings": "settings are the server's config; start it with others",
 }
 
 
 def missing_features(raw: dict) -> list[str]:
     return [f"{field}: {why}" for field, why in MISSING_FEATURES.items() if raw.get(field)]
+
+
+# The web UI's hr_upscaler names tpugen has (tpugen.config.hires.UPSCALERS), in lower case; unset: Latent.
+HR_UPSCALERS = {name.lower(): key for key, name in UPSCALERS.items()}
+# hires fix fields a request may leave at the web UI's defaults only.
+HR_UNBUILT = {
+    "hr_resize_x": "a second pass sized by hr_resize_x/y is not built; give hr_scale",
+    "hr_resize_y": "a second pass sized by hr_resize_x/y is not built; give hr_scale",
+    "hr_checkpoint_name": "another model for the second pass is not built",
+    "hr_sampler_name": "another sampler for the second pass is not built",
+    "hr_scheduler": "another schedule for the second pass is not built",
+    "hr_prompt": "another prompt for the second pass is not built",
+    "hr_negative_prompt": "another negative prompt for the second pass is not built",
+}
+
+
+def hires_for(service: Service, body: Txt2Img, steps: int) -> HiresFix | None:
+    """The request's hires fix (enable_hr), None without one, or an InputError naming each field it cannot do.
+    The web UI's img2img has no hires fix: an img2img request's enable_hr is ignored, as the web UI ignores it."""
+    if not body.enable_hr or type(body) is not Txt2Img:
+        return None
+    problems = [
+        f"{field}: {why}"
+        for field, why in HR_UNBUILT.items()
+        if getattr(body, field) not in (None, "", 0)
+        and not (field == "hr_scheduler" and body.hr_scheduler == "Automatic")
+    ]
+    upscaler = HR_UPSCALERS.get((body.hr_upscaler or "Latent").strip().lower())
+    if upscaler is None:
+        problems.append(f"hr_upscaler: {body.hr_upscaler!r} is not built; {', '.join(UPSCALERS.values())}")
+    if not 1 < body.hr_scale <= MAX_HIRES_SCALE:
+        problems.append(f"hr_scale: must be above 1 and at most {MAX_HIRES_SCALE:g}, got {body.hr_scale:g}")
+    strength = body.denoising_strength if body.denoising_strength is not None else DEFAULT_HIRES_STRENGTH
+    if not strength_ok(strength):
+        problems.append(f"denoising_strength: must be above 0 and at most 1, got {strength:g}")
+    if not 0 <= body.hr_second_pass_steps <= MAX_STEPS:
+        problems.append(f"hr_second_pass_steps: must be from 0 (as many as the first pass) to {MAX_STEPS}")
+    keys = {"hires": "enable_hr", "upscaler": "hr_upscaler"}
+    problems += hires_problems(
+        upscaler or "lanczos", service.family, service.run.config.compile.step_cache.method, keys
+    )
+    if problems:
+        raise InputError(*problems)
+    return HiresFix(float(body.hr_scale), body.hr_second_pass_steps or steps, float(strength), upscaler)
 
 
 def sampler_for(service: Service, sampler_name: str | None, scheduler: str | None) -> str | None:
@@ -176,18 +220,21 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
         problems.append(f"batch_size and n_iter: must be at least 1, got {body.batch_size} and {body.n_iter}")
     count = max(body.batch_size, 1) * max(body.n_iter, 1)
     seed = seed_for(body.seed)  # -1: a random one; another negative seed is refused with the request
+    steps = body.steps if body.steps is not None else config.steps
+    hires = collect(problems, hires_for, service, body, steps)
 
     def make(i: int) -> ImageSpec:
         return ImageSpec(
             prompt=prompt,
             negative_prompt=body.negative_prompt if body.negative_prompt is not None else config.negative_prompt,
             seed=seed + i,  # the web UI's rule: image i of a request gets seed + i
-            steps=body.steps if body.steps is not None else config.steps,
+            steps=steps,
             guidance_scale=body.cfg_scale if body.cfg_scale is not None else config.guidance_scale,
             height=body.height if body.height is not None else height,  # 0 is refused, not the default
             width=body.width if body.width is not None else width,
             scheduler=scheduler,
             loras=loras,
+            hires=hires,
         )
 
     images = collect(problems, service.image_specs, count, make)

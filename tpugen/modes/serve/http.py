@@ -15,7 +15,7 @@ from tpugen.config.messages import format_error
 from tpugen.errors import InputError, TpugenError, one_line
 from tpugen.modes.serve import a1111, openai_api, ops, page, runs_api
 from tpugen.modes.serve.queue import QueueFull
-from tpugen.modes.serve.replies import MAX_BODY_BYTES, TooLarge, problem_response
+from tpugen.modes.serve.replies import TooLarge, body_limit, problem_response, too_large
 from tpugen.modes.serve.request_ids import RequestIds
 from tpugen.modes.serve.service import Conflict, NotReady, Service, TimedOut, TooManyRuns
 
@@ -158,8 +158,8 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
         elif not service.engines and path not in OPEN_PATHS + ENGINE_FREE_PATHS and not reading_runs:
             line = service.failure or f"the server is loading {service.run.config.model.id}; GET /readyz says when"
             response = problem_response(503, [line], {"Retry-After": "5"})
-        elif int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            response = problem_response(413, [f"the body is over {MAX_BODY_BYTES // 1024} KiB"])
+        elif int(request.headers.get("content-length") or 0) > body_limit(path):
+            response = problem_response(413, [too_large(body_limit(path))])
         else:
             try:
                 response = await call_next(request)

@@ -14,6 +14,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tpugen.config.hires import HiresFix
+from tpugen.plan import ShapeKey
+
 
 class QueueFull(Exception):
     """More requests than the server keeps waiting (serve.max_queue)."""
@@ -32,6 +35,12 @@ class BatchKey:
     loras: tuple = ()  # tpugen.config.loras.loras_key of the LoRAs fused for it: other sets never share a batch
     task: str = "txt2img"  # img2img and inpaint: tpugen.plan.WorkItem.task
     strength: float | None = None  # img2img's: a call has one
+    hires: HiresFix | None = None  # hires fix's second pass: a call has one
+
+    def shape(self, batch_size: int) -> ShapeKey:
+        """The compiled shape a batch of this key runs at."""
+        label = self.hires.shape_label if self.hires else ""
+        return ShapeKey(self.height, self.width, batch_size, self.cfg, self.task, label)
 
 
 @dataclass

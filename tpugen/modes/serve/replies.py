@@ -10,11 +10,25 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from tpugen import __version__
+from tpugen.config.request import MAX_INPUT_BYTES
 from tpugen.errors import InputError
 from tpugen.modes.serve.service import Service
 from tpugen.outputs.png import png_bytes
 
-MAX_BODY_BYTES = 1 << 20
+MAX_BODY_BYTES = 1 << 20  # a request of text
+# Routes whose bodies carry images (base64 in JSON, or multipart): room for the largest input image tpugen takes
+# (MAX_INPUT_BYTES) in base64. A 1024x1024 PNG is 1.5 to 3 MB, past a text request's limit.
+IMAGE_ROUTES = ("/sdapi/v1/img2img", "/v1/images/edits", "/v1/runs")
+MAX_IMAGE_BODY_BYTES = MAX_INPUT_BYTES * 4 // 3 + (1 << 20)
+
+
+def body_limit(path: str) -> int:
+    """The largest body a route takes: an image route's, or a text request's."""
+    return MAX_IMAGE_BODY_BYTES if path in IMAGE_ROUTES else MAX_BODY_BYTES
+
+
+def too_large(limit: int) -> str:
+    return f"the body is over {limit // 1024} KiB"
 
 
 def problem_response(status: int, lines: list[str], headers: dict | None = None) -> JSONResponse:
@@ -26,7 +40,7 @@ def problem_response(status: int, lines: list[str], headers: dict | None = None)
 
 
 class TooLarge(InputError):
-    """A body over MAX_BODY_BYTES (413)."""
+    """A body over its route's body_limit (413)."""
 
 
 def image_b64(pixels, record: dict) -> str:
@@ -43,6 +57,7 @@ def image_record(service: Service, image) -> dict:
     loras = {"loras": [lora.record() for lora in image.loras]} if getattr(image, "loras", ()) else {}
     cache = service.run.config.compile.step_cache.record()  # cached images are not the uncached ones
     step_cache = {"step_cache": cache} if cache else {}
+    hires = getattr(image, "hires", None)
     return {
         "prompt": image.prompt,
         "negative_prompt": image.negative_prompt,
@@ -56,6 +71,7 @@ def image_record(service: Service, image) -> dict:
         "model_id": model.id,
         "dtype": model.dtype,
         **(image.source.record() if getattr(image, "source", None) else {}),
+        **({"hires": hires.record(image.height, image.width, service.family.size_multiple)} if hires else {}),
         **loras,
         **step_cache,
         "tpugen_version": __version__,
@@ -63,12 +79,13 @@ def image_record(service: Service, image) -> dict:
 
 
 async def read_body(request: Request) -> bytes:
-    """The body, refused past MAX_BODY_BYTES even when no Content-Length says so (chunked)."""
+    """The body, refused past the route's body_limit even when no Content-Length says so (chunked)."""
+    limit = body_limit(request.url.path)
     body = bytearray()
     async for chunk in request.stream():
         body.extend(chunk)
-        if len(body) > MAX_BODY_BYTES:
-            raise TooLarge(f"the body is over {MAX_BODY_BYTES // 1024} KiB")
+        if len(body) > limit:
+            raise TooLarge(too_large(limit))
     return bytes(body)
 
 

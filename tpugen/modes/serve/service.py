@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tpugen.config import ResolvedRun, resolve, run_sizes
+from tpugen.config.hires import HiresFix
 from tpugen.config.images import ImageSource, image_problem
 from tpugen.config.loras import Lora, is_hub_lora, loras_key, resolve_lora
 from tpugen.config.prompts import planned_images
@@ -30,7 +31,7 @@ from tpugen.modes.serve.progress import Jobs
 from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, Request
 from tpugen.modes.serve.request_ids import TASK_ID, current_caller
 from tpugen.outputs.files import atomic_write_bytes
-from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, image_count, plan_run
+from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, hires_fix, image_count, plan_run
 from tpugen.schedulers import find_scheduler
 
 log = logger("serve")
@@ -65,6 +66,12 @@ class ImageSpec(ImageRequest):
     scheduler: str | None = None  # a name find_scheduler knows; None: the model's own
     loras: tuple = ()  # tpugen.config.loras.Lora, fused for this image (a request's <lora:NAME:SCALE>)
     source: ImageSource | None = None  # img2img and inpainting: the images it starts from
+    hires: HiresFix | None = None  # hires fix (the web UI's enable_hr): a second pass at a larger size
+
+    @property
+    def steps_in_all(self) -> int:
+        """The steps its batch runs: with a hires fix, its second pass's too (about steps x strength of them)."""
+        return self.steps + (self.hires.steps_run if self.hires else 0)
 
 
 @dataclass
@@ -195,7 +202,10 @@ class Service:
         config = self.run.config
         steps = warm_steps(config.compile.step_cache, config.steps)
         batches = []
-        for task in self.serve.tasks:
+        kinds = [(task, None) for task in self.serve.tasks]
+        if config.hires is not None and "txt2img" in self.serve.tasks:  # the config's hires fix, for enable_hr
+            kinds.append(("txt2img", hires_fix(config.hires, steps)))
+        for task, hires in kinds:
             source = self._warm_source(task)
             for height, width in self.sizes:
                 item = WorkItem(
@@ -210,8 +220,9 @@ class Service:
                     width,
                     self.cfg,
                     source=source,
+                    hires=hires,
                 )
-                shape = ShapeKey(height, width, self.batch_size, self.cfg, task)
+                shape = ShapeKey(height, width, self.batch_size, self.cfg, task, hires.shape_label if hires else "")
                 batches.append(Batch(len(batches), shape, (item,), self.batch_size - 1))
         return RunPlan(tuple(b.items[0] for b in batches), tuple(batches))
 
@@ -237,12 +248,25 @@ class Service:
             mask = self.input_image(png(half), "warmup")
         return ImageSource(init[0], init[1], 0.75, 0, *(mask or (None, None)))
 
+    def _hires_warm(self, hires: HiresFix) -> bool:
+        """Whether the server's config warms hires fix at this scale and upscaler (its steps are data)."""
+        own = self.run.config.hires
+        return own is not None and hires_fix(own, 1).shape_label == hires.shape_label
+
+    def _hires_summary(self) -> str:
+        own = self.run.config.hires
+        if own is None:
+            return "the server's config has no hires section"
+        return f"the server's config warms hires x{own.scale:g} {own.upscaler}"
+
     def warm_summary(self) -> str:
         sizes = ", ".join(f"{w}x{h}" for h, w in self.sizes)
         names = ", ".join(s or self.engines[0].loaded.default_scheduler for s in self.schedulers)
         summary = f"sizes {sizes} (width x height; {'cfg' if self.cfg else 'no cfg'}, batch {self.batch_size}); samplers {names}"
         if self.serve.tasks != ["txt2img"]:
             summary += f"; tasks {', '.join(self.serve.tasks)}"
+        if self.run.config.hires is not None and "txt2img" in self.serve.tasks:
+            summary += f"; hires fix x{self.run.config.hires.scale:g} {self.run.config.hires.upscaler}"
         cache = self.run.config.compile.step_cache
         if cache.method != "none":
             # One per server: the hooks are on the loaded denoiser, so no request or run can switch it.
@@ -360,6 +384,7 @@ class Service:
             loras_key(image.loras),
             source.task if source else "txt2img",
             source.strength if source else None,
+            image.hires,
         )
 
     def input_image(self, data: bytes, where: str) -> tuple[str, str]:
@@ -408,12 +433,14 @@ class Service:
 
     def _not_warm(self, key: BatchKey) -> str | None:
         engine = self.engines[0]
-        shape = ShapeKey(key.height, key.width, self.batch_size, key.cfg, key.task)
+        shape = key.shape(self.batch_size)
         if engine.is_warm(shape, key.scheduler, key.steps):
             return None
         scheduler = key.scheduler or engine.loaded.default_scheduler
         if (key.height, key.width) not in self.sizes:
             what = f"size {key.width}x{key.height} is not warm"
+        elif key.hires is not None and not self._hires_warm(key.hires):
+            what = f"hires fix {key.hires.shape_label.removeprefix('hires ')} is not warm ({self._hires_summary()})"
         elif key.task not in self.serve.tasks:
             what = f"{key.task} is not warm (serve.tasks: {', '.join(self.serve.tasks)})"
         elif key.cfg != self.cfg:
@@ -443,7 +470,7 @@ class Service:
         self.check(images)
         caller = current_caller()
         job = self.progress.open(
-            "request", task or caller.request_id, images_planned=len(images), steps=images[0].steps
+            "request", task or caller.request_id, images_planned=len(images), steps=images[0].steps_in_all
         )
         request = Request(len(images), interruptible, client=caller.client, job=job)
         request.on_start = lambda: self.progress.start(job)
@@ -552,10 +579,11 @@ class Service:
                 key.width,
                 key.cfg,
                 source=job.source,
+                hires=key.hires,
             )
             for i, job in enumerate(jobs)
         )
-        shape = ShapeKey(key.height, key.width, self.batch_size, key.cfg, key.task)
+        shape = key.shape(self.batch_size)
         batch = Batch(number, shape, items, self.batch_size - len(items))
         cold = False
         try:
