@@ -11,6 +11,8 @@ import pytest
 from conftest import run_cli, tiny_config, write_config
 from PIL import Image
 
+from tpugen.config.hires import HiresFix
+
 # Uncached tiny pipelines on XLA:CPU hold 2/255 of diffusers' eager CPU images (the families' tests); so do these.
 WITHIN = 2
 
@@ -141,8 +143,6 @@ def test_what_hires_fix_cannot_do_is_one_line_each(tmp_path):
         validate(hires={"upscaler": "esrgan"}) == "error: hires.upscaler: must be 'latent' or 'lanczos', got 'esrgan'\n"
     )
     assert validate(hires={"strength": 0}) == "error: hires.strength: must be greater than 0, got 0\n"
-    text = validate(prompts=[{"prompt": "a fox", "init_image": "init.png"}], hires=hires)
-    assert "hires: is for text-only prompts, and prompt 0 has an init_image" in text
     text = validate("tiny-flux", hires=hires, compile={"step_cache": {"method": "taylorseer"}})
     assert "hires: compile.step_cache.method: taylorseer runs for txt2img only" in text
     text = validate("tiny-qwen-image", hires=hires)
@@ -153,3 +153,25 @@ def test_what_hires_fix_cannot_do_is_one_line_each(tmp_path):
     # Lanczos for Qwen-Image passes, and a config without hires hashes as it did before hires existed.
     config = tiny_config(tmp_path, model={"id": "tiny-qwen-image"}, hires={"upscaler": "lanczos"})
     assert run_cli("validate", write_config(tmp_path / "q.yaml", config)).exit_code == 0
+
+
+def test_hires_fix_is_for_the_text_only_prompts_of_a_run(tmp_path):
+    from tpugen.config import load_config
+    from tpugen.plan import plan_run
+
+    Image.new("RGB", (64, 64), (128, 128, 128)).save(tmp_path / "init.png")
+    Image.new("L", (64, 64), 255).save(tmp_path / "mask.png")
+    prompts = [
+        "a fox",
+        {"prompt": "a cat", "init_image": "init.png"},
+        {"prompt": "a dog", "init_image": "init.png", "mask_image": "mask.png"},
+    ]
+    config = tiny_config(tmp_path, prompts=prompts, hires={"scale": 1.5, "upscaler": "lanczos"}, steps=6)
+    plan = plan_run(load_config(write_config(tmp_path / "c.yaml", config)))
+    assert [(str(b.shape), b.hires) for b in plan.batches] == [
+        ("64x64 b2 cfg hires x1.5 lanczos", HiresFix(1.5, 6, 0.7, "lanczos")),
+        ("64x64 b2 cfg img2img", None),
+        ("64x64 b2 cfg inpaint", None),
+    ]
+    assert HiresFix(1.5, 6, 0.7, "lanczos").size(64, 64, 8) == (96, 96)
+    assert HiresFix(1.5, 6, 0.7, "latent").size(72, 40, 16) == (96, 48)  # floored to the family's multiple

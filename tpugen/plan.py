@@ -139,7 +139,8 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
                         width=width,
                         cfg=family.uses_cfg(spec.guidance_scale),
                         source=spec.source,
-                        hires=hires_fix(hires, spec.steps),
+                        # A hires fix is txt2img's: a prompt with an init image is its own img2img pass.
+                        hires=hires_fix(hires, spec.steps) if spec.source is None else None,
                     )
                 )
                 k += 1

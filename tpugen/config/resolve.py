@@ -103,7 +103,7 @@ def resolve(
 
     resolved_prompts = resolve_prompts(config, base_dir, prompts, problems, required=prompts_required)
     problems.extend(_size_problems(config, resolved_prompts, family))
-    problems.extend(_hires_problems(config, resolved_prompts, family))
+    problems.extend(_hires_problems(config, family))
     planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
         problems.append(
@@ -172,20 +172,13 @@ def _size_problems(config: RunConfig, prompts: list[PromptSpec], family: Family)
     return problems
 
 
-def _hires_problems(config: RunConfig, prompts: list[PromptSpec], family: Family) -> list[str]:
+def _hires_problems(config: RunConfig, family: Family) -> list[str]:
     """What hires fix cannot do as asked: its second pass is diffusers' img2img from the first pass."""
     hires = config.hires
     if hires is None:
         return []
     keys = {"hires": "hires", "upscaler": "hires.upscaler"}
-    problems = hires_problems(hires.upscaler, family, config.compile.step_cache.method, keys)
-    with_images = [i for i, spec in enumerate(prompts) if spec.source is not None]
-    if with_images:
-        problems.append(
-            f"hires: is for text-only prompts, and prompt {with_images[0]} has an init_image (an img2img run at "
-            "the larger size is its own hires pass); leave hires out or run those prompts apart"
-        )
-    return problems
+    return hires_problems(hires.upscaler, family, config.compile.step_cache.method, keys)
 
 
 def _read_mag_ratios(config: RunConfig, base_dir: Path, problems: list[str]) -> None:

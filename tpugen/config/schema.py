@@ -863,8 +863,9 @@ class RunConfig(_Section):
         default=None,
         description=(
             "Hires fix: each text-only image made at the base size, upscaled, then made again from it at the "
-            "larger size by img2img ({scale, steps, strength, upscaler}); both sizes compile in warmup. A "
-            "server's config with hires warms it at each serve size. Unset: one pass."
+            "larger size by img2img ({scale, steps, strength, upscaler}); both sizes compile in warmup. "
+            "Prompts with an init_image run as img2img at their size, without it. A server's config with "
+            "hires warms it at each serve size. Unset: one pass."
         ),
     )
     execution: ExecutionConfig = Field(
