@@ -73,8 +73,11 @@ def test_a_text_body_over_one_mebibyte_is_refused_and_an_image_body_is_not(clien
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), np.uint8)).save(buffer, "PNG")
     assert buffer.tell() > 3 << 20
     body = {"prompt": "a cat", "init_images": [base64.b64encode(buffer.getvalue()).decode()], "steps": 3}
-    answer = client.post("/sdapi/v1/img2img", json={**body, "width": 64, "height": 64, "seed": 1})
+    answer = client.post(
+        "/sdapi/v1/img2img", json={**body, "width": 64, "height": 64, "seed": 1, "include_init_images": True}
+    )
     assert answer.status_code == 200, answer.text
+    assert answer.json()["parameters"]["init_images"] == body["init_images"]  # echoed, as asked
 
 
 def test_metrics_count_requests_images_batches_and_padding(client):

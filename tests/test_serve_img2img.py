@@ -44,6 +44,8 @@ def test_webuiapi_img2img_and_inpainting_with_its_defaults(server, client):
     # server's warm size (the client's own default is 512x512, which this tiny server does not keep warm).
     result = api.img2img(images=[init], prompt="a blue square", seed=5, width=64, height=64)
     assert result.image.size == (64, 64)
+    # As the web UI's API: the request's images are echoed in `parameters` only with include_init_images.
+    assert result.parameters["init_images"] is None and result.parameters["prompt"] == "a blue square"
     info = result.info
     assert info["seed"] == 5 and "Denoising strength: 0.75" in info["infotexts"][0]
     png = Image.open(io.BytesIO(base64.b64decode(result.json["images"][0])))

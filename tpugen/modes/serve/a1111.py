@@ -316,7 +316,7 @@ def _reply(service: Service, body: Txt2Img, images: list[ImageSpec], crop: dict 
     return json_response(
         {
             "images": [image_b64(p, r) for p, r in zip(pixels, records, strict=True)] if body.send_images else [],
-            "parameters": body.model_dump(),
+            "parameters": _echoed(body),
             "info": json.dumps(info, ensure_ascii=False),
         }
     )
@@ -435,6 +435,15 @@ async def img2img(request: Request):
     service: Service = request.app.state.service
     body = await parse(request, Img2Img, img2img_problems)
     return await anyio.to_thread.run_sync(img2img_reply, service, body)
+
+
+def _echoed(body: Txt2Img) -> dict:
+    """The request as the reply's `parameters` echo it: as the web UI's API does, an img2img request's images
+    (init_images, mask) only with include_init_images, so a reply does not carry its request's megabytes back."""
+    parameters = body.model_dump()
+    if isinstance(body, Img2Img) and not body.include_init_images:
+        parameters["init_images"], parameters["mask"] = None, None
+    return parameters
 
 
 def img2img_reply(service: Service, body: Img2Img):
