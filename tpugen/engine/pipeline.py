@@ -132,6 +132,8 @@ class LoadedPipeline:
                 ) from None
             made.set_progress_bar_config(disable=True)
             self._patch_loop_start(made)
+            # The family's patches on a pipeline object (its components' it shares): on a Hooks of its own.
+            self.family.pipeline_hooks(made, Hooks())
             self._task_pipes[task] = made
         made = self._task_pipes[task]
         made.scheduler = self.pipe.scheduler

@@ -243,6 +243,11 @@ class Family:
         handle = getattr(pipe, self.denoiser).register_forward_pre_hook(to_device, with_kwargs=True)
         hooks.add("timesteps at the denoiser's door", handle.remove)
 
+    def pipeline_hooks(self, pipe, hooks) -> None:
+        """This family's patches on the pipeline object itself, not on its components: install_hooks makes them
+        on the loaded pipeline, and each img2img or inpaint pipeline made from its components gets them too
+        (the components, and their patches, it shares)."""
+
     def scheduler_hooks(self, scheduler, hooks) -> None:
         """This family's patches on a scheduler (installed again whenever the scheduler changes)."""
         if self.timesteps_on_host:

@@ -166,13 +166,19 @@ class QwenImage(TransformerFamily):
           first step's graph also made the table, and differed from every later step's);
         - the VAE's "nearest-exact" 2x upsampling as "nearest" (the same pixels for a factor of 2), which
           torch_xla lowers (the exact one ran on the CPU, a host read per upsampler)."""
-        import types
 
         super().install_hooks(pipe, device, hooks)
-        hooks.wrap(pipe, "_get_qwen_prompt_embeds", "text of a fixed length", lambda _: types.MethodType(_text, pipe))
-        hooks.wrap(pipe, "encode_prompt", "text mask kept", lambda _: types.MethodType(_encode_prompt, pipe))
+        self.pipeline_hooks(pipe, hooks)
         hooks.wrap(pipe.transformer.pos_embed, "_compute_video_freqs", "RoPE table on the host", _rope_on_host)
         hooks.add("VAE upsampling lowered", _nearest_upsampling(pipe.vae))
+
+    def pipeline_hooks(self, pipe, hooks) -> None:
+        """The text of a fixed length, with its mask kept (QwenImageImg2ImgPipeline and the inpaint pipeline
+        encode their text with the same two methods)."""
+        import types
+
+        hooks.wrap(pipe, "_get_qwen_prompt_embeds", "text of a fixed length", lambda _: types.MethodType(_text, pipe))
+        hooks.wrap(pipe, "encode_prompt", "text mask kept", lambda _: types.MethodType(_encode_prompt, pipe))
 
 
 def _text(pipe, prompt=None, device=None, dtype=None, max_sequence_length: int = 512):

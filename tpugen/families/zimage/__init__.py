@@ -131,5 +131,10 @@ class ZImage(TransformerFamily):
         hooks.add("timesteps at the denoiser's door", handle.remove)
         static.install(pipe, hooks)
 
+    def pipeline_hooks(self, pipe, hooks) -> None:
+        from tpugen.families.zimage import static
+
+        static.install_on_pipeline(pipe, hooks)
+
 
 FAMILY = ZImage()

@@ -168,7 +168,7 @@ def _forward(self, x, t, cap_feats, lengths, return_dict, patch_size, f_patch_si
 
 def install(pipe, hooks) -> None:
     """The fixed-length text path on this pipeline and its transformer, as removable hooks."""
-    hooks.wrap(pipe, "_encode_prompt", "text of a fixed length", lambda _: types.MethodType(encode_prompt, pipe))
+    install_on_pipeline(pipe, hooks)
     transformer = pipe.transformer
     hooks.wrap(
         transformer,
@@ -176,3 +176,8 @@ def install(pipe, hooks) -> None:
         "captions of a fixed length",
         lambda original: types.MethodType(static_forward(original), transformer),
     )
+
+
+def install_on_pipeline(pipe, hooks) -> None:
+    """The fixed-length text on the pipeline object (each img2img or inpaint one made from its components too)."""
+    hooks.wrap(pipe, "_encode_prompt", "text of a fixed length", lambda _: types.MethodType(encode_prompt, pipe))
