@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import numpy as np
 import pytest
@@ -65,16 +66,18 @@ def _reference(model: str, record: dict) -> np.ndarray:
             strength=hires["strength"],
             height=hires["height"],
             width=hires["width"],
-            num_inference_steps=hires["steps"],
+            # The web UI's rule: `steps` run, on a schedule stretched to steps / strength.
+            num_inference_steps=math.ceil(hires["steps"] / hires["strength"]),
             generator=torch.Generator("cpu").manual_seed(record["seed"]),
             output_type="np",
         ).images[0]
     return (out * 255).round().clip(0, 255).astype(np.uint8)
 
 
-# (model, upscaler, base size): each a base size and batch no other test compiles, so the first pass's graph
-# counts are exact too. Flux.1's sides are multiples of 16.
-CASES = [("tiny-sd", "latent", 40), ("tiny-sd", "lanczos", 24), ("tiny-flux", "latent", 32)]
+# (model, upscaler, base size): each a base size and batch no test before it compiles, so the first pass's graph
+# counts are exact too (tests/test_serve_hires.py, after it, serves tiny-sd's 32x32 key from these graphs).
+# Flux.1's sides are multiples of 16.
+CASES = [("tiny-sd", "latent", 32), ("tiny-sd", "lanczos", 24), ("tiny-flux", "latent", 32)]
 
 
 @pytest.mark.xla
@@ -175,3 +178,13 @@ def test_hires_fix_is_for_the_text_only_prompts_of_a_run(tmp_path):
     ]
     assert HiresFix(1.5, 6, 0.7, "lanczos").size(64, 64, 8) == (96, 96)
     assert HiresFix(1.5, 6, 0.7, "latent").size(72, 40, 16) == (96, 48)  # floored to the family's multiple
+
+
+def test_the_second_pass_runs_its_steps_on_a_schedule_of_steps_over_strength():
+    # diffusers' Stable Diffusion img2img runs int(n x strength) of n steps: ceil(steps / strength) runs `steps`.
+    for steps in (1, 2, 3, 4, 10, 20, 37):
+        for strength in (0.05, 0.3, 0.5, 0.7, 0.75, 0.999, 1.0):
+            n = HiresFix(2.0, steps, strength).schedule_steps
+            assert int(n * strength) == steps, (steps, strength, n)
+    assert HiresFix(2.0, 1, 0.7).schedule_steps == 2  # one step run, never none (SD-Turbo's single step)
+    assert HiresFix(1.4999999, 4, 0.5).shape_label != HiresFix(1.5, 4, 0.5).shape_label

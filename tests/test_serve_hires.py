@@ -39,6 +39,10 @@ def test_enable_hr_is_the_configs_hires_fix_warm_and_the_same_image_a_run_makes(
             hr_scale=2,
             hr_second_pass_steps=4,
             denoising_strength=0.5,
+            # The web UI's words for "as the first pass" ask for nothing more.
+            hr_checkpoint_name="Use same checkpoint",
+            hr_sampler_name="Use same sampler",
+            hr_prompt=fields["prompt"],
         )
         assert result.image.size == (64, 64)
         assert (

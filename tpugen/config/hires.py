@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # The upscalers built, by the names the web UI gives them (its hr_upscaler): Latent is the latents scaled
 # bilinearly (no antialiasing), as the web UI's own "Latent"; Lanczos is the decoded first pass resized on the
 # host with PIL's Lanczos filter, then encoded again at the larger size.
 UPSCALERS = {"latent": "Latent", "lanczos": "Lanczos"}
-DEFAULT_HIRES_STRENGTH = 0.7  # the web UI's denoising_strength for a hires fix's second pass
+DEFAULT_HIRES_STRENGTH = 0.7  # the web UI's hires fix slider's default (its API's unset denoising_strength: 0.75)
 MAX_HIRES_SCALE = 4.0
 
 
 @dataclass(frozen=True, order=True)
 class HiresFix:
     """The second pass of a hires fix: `scale` times the base size (each side floored to the family's multiple),
-    `steps` of an img2img pass at `strength` (so it runs about steps x strength of them), from the first pass's
-    latents scaled up (latent) or from its pixels resized (lanczos)."""
+    `steps` steps of an img2img pass at `strength` (as the web UI runs them: a schedule of steps / strength, of
+    which the last `steps` run), from the first pass's latents scaled up (latent) or its pixels resized (lanczos)."""
 
     scale: float
     steps: int
@@ -28,15 +29,16 @@ class HiresFix:
         return _side(height, self.scale, multiple), _side(width, self.scale, multiple)
 
     @property
-    def steps_run(self) -> int:
-        """About how many steps the second pass runs: img2img runs `strength` of its steps (rounded as
-        diffusers' Stable Diffusion pipelines do; a flow-matching one may run one more)."""
-        return max(1, min(self.steps, int(self.steps * self.strength)))
+    def schedule_steps(self) -> int:
+        """The img2img call's num_inference_steps: diffusers runs `strength` of them (int(n x strength) in the
+        Stable Diffusion pipelines), so ceil(steps / strength) runs `steps` (a flow-matching one may run one
+        more), as the web UI stretches its schedule to steps / strength. Never 0 steps run."""
+        return math.ceil(self.steps / self.strength - 1e-9)
 
     @property
     def shape_label(self) -> str:
         """What the compiled graphs depend on (the scale and the upscaler; steps and strength are data)."""
-        return f"hires x{self.scale:g} {self.upscaler}"
+        return f"hires x{self.scale:.10g} {self.upscaler}"
 
     def record(self, height: int, width: int, multiple: int) -> dict:
         """What the record of an image whose first pass was height x width says of it: with the size it was made

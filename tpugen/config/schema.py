@@ -225,7 +225,7 @@ class HiresConfig(_Section):
         ge=0,
         le=MAX_STEPS,
         description=(
-            "The second pass's steps, of which about steps x strength run (as img2img runs them); 0: the first "
+            "The steps the second pass runs (as the web UI, on a schedule of steps / strength); 0: the first "
             "pass's steps. The web UI's hr_second_pass_steps."
         ),
     )

@@ -296,7 +296,7 @@ class LoadedPipeline:
             "strength": hires.strength,
             "height": height,
             "width": width,
-            "num_inference_steps": hires.steps,
+            "num_inference_steps": hires.schedule_steps,
             "guidance_scale": batch.guidance_scale,
             "generator": [torch.Generator("cpu").manual_seed(row.seed) for row in rows],
             "output_type": "latent" if self.decodes_itself else "pt",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpugen.config import ResolvedRun
@@ -35,6 +35,9 @@ def calibrate(run: ResolvedRun, *, display: Display | None = None) -> Calibratio
     engine = Engine.open(EngineSpec.of(run), display=display)
     try:
         batch = plan_run(run).batches[0]
+        if batch.hires is not None:  # the ratios are the first pass's steps: its img2img pass is not calibrated
+            items = tuple(replace(item, hires=None) for item in batch.items)
+            batch = replace(batch, shape=replace(batch.shape, hires=""), items=items)
         display.phase(f"calibrating MagCache: {batch.steps} steps of {batch.shape}")
         start = time.perf_counter()
         ratios = engine.calibrate_mag_ratios(batch, display)

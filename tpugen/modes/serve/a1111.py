@@ -12,10 +12,10 @@ import anyio.to_thread
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from tpugen.config.hires import DEFAULT_HIRES_STRENGTH, MAX_HIRES_SCALE, UPSCALERS, HiresFix, hires_problems
+from tpugen.config.hires import MAX_HIRES_SCALE, UPSCALERS, HiresFix, hires_problems
 from tpugen.config.images import ImageSource
 from tpugen.config.loras import safetensors_header
-from tpugen.config.request import MAX_STEPS, seed_for, strength_ok
+from tpugen.config.request import DEFAULT_STRENGTH, MAX_STEPS, seed_for, strength_ok
 from tpugen.errors import InputError
 from tpugen.modes.serve.progress import Job
 from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse
@@ -111,16 +111,31 @@ def missing_features(raw: dict) -> list[str]:
 
 # The web UI's hr_upscaler names tpugen has (tpugen.config.hires.UPSCALERS), in lower case; unset: Latent.
 HR_UPSCALERS = {name.lower(): key for key, name in UPSCALERS.items()}
-# hires fix fields a request may leave at the web UI's defaults only.
+# hires fix fields a request may leave at the web UI's "the same as the first pass" only: unset, empty, the web
+# UI's own words for it, or the first pass's value.
 HR_UNBUILT = {
     "hr_resize_x": "a second pass sized by hr_resize_x/y is not built; give hr_scale",
     "hr_resize_y": "a second pass sized by hr_resize_x/y is not built; give hr_scale",
+    "firstphase_width": "a first pass sized by firstphase_width/height is not built; give width, height and hr_scale",
+    "firstphase_height": "a first pass sized by firstphase_width/height is not built; give width, height and hr_scale",
     "hr_checkpoint_name": "another model for the second pass is not built",
     "hr_sampler_name": "another sampler for the second pass is not built",
     "hr_scheduler": "another schedule for the second pass is not built",
     "hr_prompt": "another prompt for the second pass is not built",
     "hr_negative_prompt": "another negative prompt for the second pass is not built",
 }
+HR_SAME = {"Use same checkpoint", "Use same sampler", "Use same scheduler", "Automatic"}
+
+
+def _same_as_first_pass(body: Txt2Img, field: str) -> bool:
+    value = getattr(body, field)
+    first = {
+        "hr_sampler_name": body.sampler_name,
+        "hr_scheduler": body.scheduler,
+        "hr_prompt": body.prompt,
+        "hr_negative_prompt": body.negative_prompt,
+    }
+    return value in (None, "", 0) or value in HR_SAME or value == first.get(field)
 
 
 def hires_for(service: Service, body: Txt2Img, steps: int) -> HiresFix | None:
@@ -128,18 +143,14 @@ def hires_for(service: Service, body: Txt2Img, steps: int) -> HiresFix | None:
     The web UI's img2img has no hires fix: an img2img request's enable_hr is ignored, as the web UI ignores it."""
     if not body.enable_hr or type(body) is not Txt2Img:
         return None
-    problems = [
-        f"{field}: {why}"
-        for field, why in HR_UNBUILT.items()
-        if getattr(body, field) not in (None, "", 0)
-        and not (field == "hr_scheduler" and body.hr_scheduler == "Automatic")
-    ]
+    problems = [f"{field}: {why}" for field, why in HR_UNBUILT.items() if not _same_as_first_pass(body, field)]
     upscaler = HR_UPSCALERS.get((body.hr_upscaler or "Latent").strip().lower())
     if upscaler is None:
         problems.append(f"hr_upscaler: {body.hr_upscaler!r} is not built; {', '.join(UPSCALERS.values())}")
     if not 1 < body.hr_scale <= MAX_HIRES_SCALE:
         problems.append(f"hr_scale: must be above 1 and at most {MAX_HIRES_SCALE:g}, got {body.hr_scale:g}")
-    strength = body.denoising_strength if body.denoising_strength is not None else DEFAULT_HIRES_STRENGTH
+    # Unset: the web UI's API default for txt2img (its slider's is 0.7, which its clients send).
+    strength = body.denoising_strength if body.denoising_strength is not None else DEFAULT_STRENGTH
     if not strength_ok(strength):
         problems.append(f"denoising_strength: must be above 0 and at most 1, got {strength:g}")
     if not 0 <= body.hr_second_pass_steps <= MAX_STEPS:

@@ -70,8 +70,8 @@ class ImageSpec(ImageRequest):
 
     @property
     def steps_in_all(self) -> int:
-        """The steps its batch runs: with a hires fix, its second pass's too (about steps x strength of them)."""
-        return self.steps + (self.hires.steps_run if self.hires else 0)
+        """The steps its batch runs: with a hires fix, its second pass's too."""
+        return self.steps + (self.hires.steps if self.hires else 0)
 
 
 @dataclass

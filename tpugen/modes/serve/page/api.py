@@ -83,8 +83,9 @@ def run_images(run_id: str, request: Request, offset: int = Query(0, ge=0), limi
             {
                 "index": record["index"],
                 "file": record.get("file"),
-                "width": record.get("width"),
-                "height": record.get("height"),
+                # The file's size: a hires fix's record holds the first pass's as its own (the web UI's Size).
+                "width": (record.get("hires") or record).get("width"),
+                "height": (record.get("hires") or record).get("height"),
                 "seed": record.get("seed"),
                 "prompt": record.get("prompt"),
                 "parameters": parameters,
