@@ -188,3 +188,16 @@ def test_the_second_pass_runs_its_steps_on_a_schedule_of_steps_over_strength():
             assert int(n * strength) == steps, (steps, strength, n)
     assert HiresFix(2.0, 1, 0.7).schedule_steps == 2  # one step run, never none (SD-Turbo's single step)
     assert HiresFix(1.4999999, 4, 0.5).shape_label != HiresFix(1.5, 4, 0.5).shape_label
+
+
+def test_a_family_without_img2img_refuses_init_images_and_img2img_tasks(tmp_path):
+    Image.new("RGB", (64, 64), (128, 128, 128)).save(tmp_path / "init.png")
+    prompts = [{"prompt": "a fox", "init_image": "init.png"}]
+    config = tiny_config(tmp_path, model={"id": "tiny-flux2-klein"}, prompts=prompts, serve={"tasks": ["img2img"]})
+    result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
+    assert result.exit_code == 2
+    why = "FLUX.2 [klein] models: diffusers 0.42 has no img2img for FLUX.2 (its image input is a reference to edit"
+    assert result.stderr.splitlines() == [
+        f"error: prompts[0].init_image: {why} from, with no strength)",
+        f"error: serve.tasks: img2img for {why} from, with no strength)",
+    ]

@@ -104,6 +104,7 @@ def resolve(
     resolved_prompts = resolve_prompts(config, base_dir, prompts, problems, required=prompts_required)
     problems.extend(_size_problems(config, resolved_prompts, family))
     problems.extend(_hires_problems(config, family))
+    problems.extend(_img2img_problems(config, resolved_prompts, family))
     planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
         problems.append(
@@ -179,6 +180,20 @@ def _hires_problems(config: RunConfig, family: Family) -> list[str]:
         return []
     keys = {"hires": "hires", "upscaler": "hires.upscaler"}
     return hires_problems(hires.upscaler, family, config.compile.step_cache.method, keys)
+
+
+def _img2img_problems(config: RunConfig, prompts: list[PromptSpec], family: Family) -> list[str]:
+    """A prompt that starts from an image, or a server warming img2img, for a family without img2img."""
+    if not family.img2img_refusal:
+        return []
+    problems = []
+    with_image = next((i for i, spec in enumerate(prompts) if spec.source is not None), None)
+    if with_image is not None:
+        problems.append(f"prompts[{with_image}].init_image: {family.title} models: {family.img2img_refusal}")
+    tasks = [task for task in config.serve.tasks if task != "txt2img"]
+    if tasks:
+        problems.append(f"serve.tasks: {tasks[0]} for {family.title} models: {family.img2img_refusal}")
+    return problems
 
 
 def _read_mag_ratios(config: RunConfig, base_dir: Path, problems: list[str]) -> None:

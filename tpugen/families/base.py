@@ -127,8 +127,9 @@ class Family:
     # Why hires fix's latent upscaler cannot run for this family (None: it can): its img2img pipeline must take
     # the first pass's latents, scaled up, as its image (upscale_latents).
     latent_upscale_refusal: str | None = None
-    # Why hires fix cannot run for this family at all (None: it can): its second pass is diffusers' img2img.
-    hires_refusal: str | None = None
+    # Why img2img and inpainting (init_image, serve.tasks) and so hires fix, whose second pass is img2img, cannot
+    # run for this family (None: they can).
+    img2img_refusal: str | None = None
 
     def covers(self, index: dict) -> bool:
         """Whether a pipeline of one of this family's classes, with this model_index.json, is this family's (two

@@ -86,7 +86,7 @@ def _build_klein_distilled(target):
 
 
 class Flux2(TransformerFamily):
-    hires_refusal = (
+    img2img_refusal = (
         "diffusers 0.42 has no img2img for FLUX.2 (its image input is a reference to edit from, with no strength)"
     )
     name = "flux2"

@@ -421,6 +421,8 @@ class Service:
             problems.append("the request asks for no images")
         if count > limit:
             problems.append(f"{count} images asked for; this server makes at most {limit} per request")
+        if images and images[0].source is not None and self.family.img2img_refusal:
+            problems.append(f"image: {self.family.title} models: {self.family.img2img_refusal}")
         if images:  # a request's images differ in their seed alone
             limits = RequestLimits.of_server(self.sizes, self.run.config.guidance_scale)
             problems.extend(images[0].problems(self.family, limits, seeds=(image.seed for image in images)))
