@@ -334,3 +334,14 @@ def plain_diffusers_images(model: str, run_dir, prepare=None) -> dict[str, objec
 class WorkItemRow:
     def __init__(self, negative_prompt: str) -> None:
         self.negative_prompt = negative_prompt
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many memory maps this one process holds at the end, against the kernel's limit (scripts/test.sh):
+    compiled XLA:CPU graphs and device buffers each hold some, and past the limit the process crashes."""
+    try:
+        maps = Path("/proc/self/maps").read_text().count("\n")
+        limit = Path("/proc/sys/vm/max_map_count").read_text().strip()
+    except OSError:
+        return
+    terminalreporter.write_line(f"memory maps of the test process at the end: {maps} (vm.max_map_count {limit})")

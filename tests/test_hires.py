@@ -74,10 +74,10 @@ def _reference(model: str, record: dict) -> np.ndarray:
     return (out * 255).round().clip(0, 255).astype(np.uint8)
 
 
-# (model, upscaler, base size): each a base size and batch no test before it compiles, so the first pass's graph
-# counts are exact too (tests/test_serve_hires.py, after it, serves tiny-sd's 32x32 key from these graphs).
-# Flux.1's sides are multiples of 16.
-CASES = [("tiny-sd", "latent", 32), ("tiny-sd", "lanczos", 24), ("tiny-flux", "latent", 32)]
+# (model, upscaler, base size): base and second-pass sizes (twice the base) at batch 2 that no test before it
+# compiles, so the graph counts of both passes are exact (64x64 b2, the tests' default, would share the second
+# pass's step and decoding graphs). Flux.1's sides are multiples of 16.
+CASES = [("tiny-sd", "latent", 40), ("tiny-sd", "lanczos", 24), ("tiny-flux", "latent", 48)]
 
 
 @pytest.mark.xla
