@@ -230,29 +230,15 @@ class LoadedPipeline:
 
     def _image_arguments(self, batch: Batch, pipe) -> dict:
         """An img2img or inpaint call's arguments: each row's images read and fitted to the batch's size on the
-        host, and no latents: diffusers noises the encoded image itself, drawing the noise from each image's
-        CPU generator (as it would on the CPU), and runs `strength` of the steps."""
-        import torch
-
+        host (img2img_arguments does the rest)."""
         from tpugen.engine import images
 
-        shape, rows = batch.shape, batch.rows
-        sources = [row.source for row in rows]
+        shape = batch.shape
+        sources = [row.source for row in batch.rows]
         fitted = [images.load(s.init_image, shape.width, shape.height, s.resize_mode) for s in sources]
-        arguments = {
-            "prompt": [row.prompt for row in rows],
-            "image": fitted,
-            "strength": batch.strength,
-            "height": shape.height,
-            "width": shape.width,
-            "num_inference_steps": batch.steps,
-            "guidance_scale": batch.guidance_scale,
-            "generator": [torch.Generator("cpu").manual_seed(row.seed) for row in rows],
-            "output_type": "latent" if self.decodes_itself else "pt",
-            "callback_on_step_end": self._step_end,
-        }
+        extra = {}
         if shape.task == "inpaint":
-            arguments["mask_image"] = [
+            extra["mask_image"] = [
                 images.load(
                     s.mask_image,
                     shape.width,
@@ -263,6 +249,30 @@ class LoadedPipeline:
                 )
                 for s in sources
             ]
+        return self._img2img_arguments(
+            pipe, batch, fitted, batch.strength, shape.height, shape.width, batch.steps, extra
+        )
+
+    def _img2img_arguments(self, pipe, batch: Batch, image, strength, height, width, steps, extra=None) -> dict:
+        """The call of an img2img or inpaint pipeline (`pipe`) from `image`, for a batch's rows: no latents:
+        diffusers noises the encoded image itself, drawing the noise from each image's CPU generator (as it would
+        on the CPU), and runs `strength` of the `steps`; only the arguments its pipeline takes."""
+        import torch
+
+        rows = batch.rows
+        arguments = {
+            "prompt": [row.prompt for row in rows],
+            "image": image,
+            "strength": strength,
+            "height": height,
+            "width": width,
+            "num_inference_steps": steps,
+            "guidance_scale": batch.guidance_scale,
+            "generator": [torch.Generator("cpu").manual_seed(row.seed) for row in rows],
+            "output_type": "latent" if self.decodes_itself else "pt",
+            "callback_on_step_end": self._step_end,
+            **(extra or {}),
+        }
         arguments.update(self.family.call_arguments(pipe, rows, batch.guidance_scale))
         accepted = inspect.signature(type(pipe).__call__).parameters
         return {key: value for key, value in arguments.items() if key in accepted}
@@ -276,11 +286,9 @@ class LoadedPipeline:
         lanczos: decoded, read back, resized by PIL on the host), then diffusers' img2img of the family at the
         larger size for the hires steps at its strength, each image's noise from a generator of its seed.
         Returns its output and its size (height, width); its phases are counted as "hires ..." ones."""
-        import torch
-
         from tpugen.engine import images
 
-        hires, shape, rows = batch.hires, batch.shape, batch.rows
+        hires, shape = batch.hires, batch.shape
         height, width = hires.size(shape.height, shape.width, self.family.size_multiple)
         if hires.upscaler == "latent":
             image = self.family.upscale_latents(self.pipe, latents, shape.height, shape.width, height, width)
@@ -290,23 +298,10 @@ class LoadedPipeline:
             self._mark("first-pass decoding")
             image = [images.upscale(picture, width, height) for picture in pixels]
         pipe = self.task_pipe("img2img")
-        arguments = {
-            "prompt": [row.prompt for row in rows],
-            "image": image,
-            "strength": hires.strength,
-            "height": height,
-            "width": width,
-            "num_inference_steps": hires.schedule_steps,
-            "guidance_scale": batch.guidance_scale,
-            "generator": [torch.Generator("cpu").manual_seed(row.seed) for row in rows],
-            "output_type": "latent" if self.decodes_itself else "pt",
-            "callback_on_step_end": self._step_end,
-        }
-        arguments.update(self.family.call_arguments(pipe, rows, batch.guidance_scale))
-        accepted = inspect.signature(type(pipe).__call__).parameters
+        arguments = self._img2img_arguments(pipe, batch, image, hires.strength, height, width, hires.schedule_steps)
         self._loop_started, self._pass, self._steps_before = False, "hires ", batch.steps
         self.running = "text encoders"
-        output = pipe(**{key: value for key, value in arguments.items() if key in accepted}).images
+        output = pipe(**arguments).images
         self._mark("hires later denoising steps")
         return output, height, width
 
