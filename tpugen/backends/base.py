@@ -23,6 +23,9 @@ class Counters:
     persistent_cache_hits: int = 0
     persistent_cache_misses: int = 0
     persistent_cache_load_failures: int = 0
+    # Seconds the device spent on graph executions, each from its dispatch to its completion (XLA's ExecuteTime):
+    # exact while executions do not queue behind each other, more than the device's own time when they do.
+    execute_seconds: float | None = None
 
     def __sub__(self, other: Counters) -> Counters:
         def minus(a, b):
@@ -72,6 +75,37 @@ class FlashAttention:
         }
 
 
+TRACE_ONCE_HOOK = "trace once"  # the named hook that puts the denoiser's forward under dynamo
+TRACE_ONCE_FALSE = "compile.trace_once: false"
+TRACE_XLA_ONLY = "traces once on backend xla only (cpu and cuda: compile.torch_compile; torch_tpu: its compile mode)"
+
+
+@dataclass(frozen=True)
+class TraceOnce:
+    """Whether the denoiser is traced once per shape key (dynamo, openxla) or recorded again every step, and why."""
+
+    setting: bool  # compile.trace_once
+    component: str  # the pipeline component traced once (the family's denoiser)
+    reason: str | None = None  # why it is off; None while it is on
+    failed_attempt: dict | None = None  # the call whose trace failed: its shape key and error
+
+    @property
+    def on(self) -> bool:
+        return self.reason is None
+
+    def as_dict(self) -> dict:
+        return {
+            "state": "on" if self.on else "off",
+            "setting": self.setting,
+            "component": self.component,
+            "how": "torch.compile(backend='openxla', fullgraph=True, dynamic=False) of its forward"
+            if self.on
+            else None,
+            "reason": self.reason,
+            "failed_attempt": self.failed_attempt,
+        }
+
+
 def flash_attention_off(setting: bool | str, route, reason: str) -> FlashAttention:
     """Off for `reason`, or because the config says false."""
     return FlashAttention(setting, route.components, FLASH_ATTENTION_FALSE if setting is False else reason)
@@ -105,6 +139,7 @@ class Backend(Protocol):
     cache: dict  # the persistent compile cache's state, for the report
     placing: str | None  # the component moving onto the device now, for an out-of-memory message
     flash_attention: FlashAttention | None  # set by prepare_on_device
+    trace_once: TraceOnce | None  # set by prepare_on_device; read again after each call (a trace may fail)
 
     def prepare_on_host(self, pipe, family, compile_config) -> None:
         """Changes made while the weights are still on the host (scan stacks them)."""
@@ -146,6 +181,7 @@ class OneDeviceBackend:
     device_count = 1
     placing: str | None = None
     flash_attention: FlashAttention | None = None
+    trace_once: TraceOnce | None = None
 
     def device_for(self, component: str):
         """The device a component computes on (under offload too, where it waits on the host between calls)."""
@@ -182,6 +218,7 @@ class EagerBackend(OneDeviceBackend):
 
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
         self.flash_attention = flash_attention_off(compile_config.flash_attention, family.flash_attention, XLA_ONLY)
+        self.trace_once = TraceOnce(compile_config.trace_once, family.denoiser, TRACE_XLA_ONLY)
         if self.compile_spec is not None:
             self.compile_spec.apply(pipe, family, hooks)
 

@@ -259,6 +259,8 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
         del payload["model"]["loras"]
     if payload["compile"]["flash_attention"] == "auto":
         del payload["compile"]["flash_attention"]
+    if payload["compile"]["trace_once"] is True:
+        del payload["compile"]["trace_once"]
     cache = payload["compile"]["step_cache"]
     if payload["hires"] is None:
         del payload["hires"]

@@ -429,6 +429,16 @@ class CompileConfig(_Section):
             "torch.compile the denoiser on the cpu and cuda backends (xla compiles through torch_xla already)."
         ),
     )
+    trace_once: bool = Field(
+        default=True,
+        description=(
+            "xla: the denoiser is traced once per shape key by dynamo (torch.compile with torch_xla's openxla "
+            "backend) and every later step launches the cached graph, instead of recording the whole denoiser in "
+            "Python again each step (tens of ms of host time per step for SD 1.5, more for SDXL). Where it cannot "
+            "apply (a step cache, SPMD, offload, placement, scanned blocks, a denoiser dynamo cannot trace) the "
+            "run falls back to lazy tracing and says why at load and in the report. false: lazy tracing."
+        ),
+    )
     scan_blocks: bool = Field(
         default=False,
         description=(

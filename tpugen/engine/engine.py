@@ -180,6 +180,7 @@ class Engine:
         backend.wait()
         engine = cls(spec, backend, loaded, time.perf_counter() - start, memory, weights)
         engine._say_flash_attention(display)
+        engine._say_trace_once(display)
         return engine
 
     def accepts(self, run: ResolvedRun) -> bool:
@@ -197,6 +198,9 @@ class Engine:
 
     def describe(self) -> dict:
         described = {**self.backend.describe(), "flash_attention": self.flash_attention.as_dict()}
+        trace = self.backend.trace_once
+        if trace is not None:
+            described["trace_once"] = trace.as_dict()
         cache = self.spec.compile.step_cache
         if cache.method != "none":
             described["step_cache"] = {"method": cache.method, "options": cache.options()}
@@ -234,6 +238,18 @@ class Engine:
         elif flash.setting == "auto" and flash.reason not in (NOT_A_TPU, XLA_ONLY):
             display.phase(f"flash attention: off -- {flash.reason}")
 
+    def _say_trace_once(self, display: Display) -> None:
+        """Whether the denoiser is traced once per shape key, once: a warning when the config asked for it and
+        this run falls back to recording it every step, naming why; nothing where trace_once is false or off
+        this backend."""
+        trace = self.backend.trace_once
+        if trace is None or not trace.setting:
+            return
+        if trace.on:
+            display.phase(f"trace once: on ({trace.component} traced by dynamo once per shape key)")
+        elif self.backend.name == "xla":
+            display.warning(f"trace once: off, the {trace.component} is recorded every step -- {trace.reason}")
+
     def _kernel_route(self) -> str:
         """Which of the denoiser's attention calls the kernel takes, counted from its config (any size has as many
         calls; which of them reach the kernel's threshold depends on the size, which the report gives)."""
@@ -246,9 +262,21 @@ class Engine:
         return kernel_route_text(None if calls is None else len(calls), family.flash_attention.min_tokens)
 
     def _call(self, batch: Batch, display: Display, census: bool = False):
-        """One pipeline call. If it fails while flash attention is on, the model's own attention processors come
-        back (the hook is removed) and the call is made again: the fallback never costs a run, and happens at
-        most once per engine. A failure the kernel did not cause fails the second call the same way."""
+        """One pipeline call. A trace that dynamo refused falls back to recording the denoiser every step inside
+        the call (TracedDenoiser); the graphs warmed until then are not the ones later calls use, so the warm set
+        is cleared and the fallback said once. If the call fails while flash attention is on, the model's own
+        attention processors come back (the hook is removed) and the call is made again: the fallback never
+        costs a run, and happens at most once per engine. A failure the kernel did not cause fails the second
+        call the same way."""
+        trace = self.backend.trace_once
+        try:
+            return self._call_with_flash(batch, display, census)
+        finally:
+            if trace is not None and trace.on and not self.backend.trace_once.on:
+                self.warm.clear()
+                self._say_trace_once(display)
+
+    def _call_with_flash(self, batch: Batch, display: Display, census: bool = False):
         if not self.flash_attention.on:
             return self.loaded.generate(batch, census=census)
         before, start = self.backend.counters(), time.perf_counter()
@@ -340,15 +368,22 @@ class Engine:
     ):
         """One full pipeline call per shape key this engine has not compiled yet, at the plan's step count,
         with `scheduler` (None: the loaded one): its wall time is the compile time. Keys already warm are listed
-        as such and cost nothing. If flash attention falls back at a later key, the keys warmed before it are
-        warmed again without it (listed twice)."""
+        as such and cost nothing. If flash attention falls back at a later key, or dynamo refuses to trace the
+        denoiser (compile.trace_once), the keys warmed before it are warmed again without it (listed twice)."""
         display = display or Display()
-        flash_on = self.flash_attention.on
+        flash_on, traced = self.flash_attention.on, self._traced_once()
         results = self._warm_keys(plan, display, checkpoint, scheduler)
-        if flash_on and not self.flash_attention.on:
+        if (flash_on and not self.flash_attention.on) or (traced and not self._traced_once()):
             again = [e for e in self._warm_keys(plan, display, checkpoint, scheduler) if not e.get("already_warm")]
-            results += [{**e, "again_without_flash_attention": True} for e in again]
+            flag = (
+                "again_without_flash_attention" if flash_on and not self.flash_attention.on else "again_traced_lazily"
+            )
+            results += [{**e, flag: True} for e in again]
         return results
+
+    def _traced_once(self) -> bool:
+        trace = self.backend.trace_once
+        return trace is not None and trace.on
 
     def _warm_keys(self, plan: RunPlan, display: Display, checkpoint: Checkpoint, scheduler: str | None) -> list[dict]:
         first_batch: dict = {}
@@ -457,6 +492,7 @@ class Engine:
                         "compiles": delta.compiles if delta else None,
                         "executions": delta.executions if delta else None,
                         "transfers_to_host": delta.transfers_to_host if delta else None,
+                        **self._step_timing_row(),
                         **self._step_counts(batch),
                     }
                 )
@@ -505,6 +541,15 @@ class Engine:
             self._call(batch, display)
             self.backend.wait()
         return ratios
+
+    @property
+    def step_timing(self):
+        """The last call's host and device milliseconds per denoising step (tpugen.engine.step_clock.StepTiming)."""
+        return self.loaded.step_timing
+
+    def _step_timing_row(self) -> dict:
+        timing = self.loaded.step_timing
+        return timing.as_dict() if timing is not None else {"host_ms_per_step": None, "device_ms_per_step": None}
 
     def _step_counts(self, batch: Batch) -> dict:
         """How many of the call's steps just made ran full and how many cached ({} without a step cache)."""

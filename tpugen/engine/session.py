@@ -68,6 +68,7 @@ _ROUNDING_KEYS = {
     "compile.torch_compile",
     "compile.scan_blocks",
     "compile.flash_attention",
+    "compile.trace_once",
 }
 RUN_RECORD = "run.json"  # what made the run: the resolved config and its prompts, as they were at the start
 MANIFEST = "manifest.jsonl"

@@ -27,6 +27,8 @@ class PlacedBackend(XlaBackend):
     device, where the pipeline itself runs; the moves go through the host, once per call of that component.
     """
 
+    placed = True
+
     def __init__(self, cache_enabled: bool | str, cache_dir: str | None, *, cores: int) -> None:
         use_devices(cores, "placement")
         super().__init__(cache_enabled, cache_dir)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 
-from tpugen.backends.base import Counters, FlashAttention, OneDeviceBackend
+from tpugen.backends.base import Counters, FlashAttention, OneDeviceBackend, TraceOnce
 from tpugen.backends.xla.cache import start_cache
 from tpugen.backends.xla.devices import import_torch_xla
 from tpugen.backends.xla.flash import flash_reason, install_flash_attention, jax_installed
 from tpugen.backends.xla.patches import let_diffusers_offload_to_xla, solve_small_systems_on_xla
+from tpugen.backends.xla.trace import install_trace_once, trace_once_reason
 from tpugen.errors import one_line
 
 
@@ -17,6 +18,9 @@ class XlaBackend(OneDeviceBackend):
 
     name = "xla"
     spmd = False
+    placed = False  # components on several devices (PlacedBackend)
+    offloaded = False  # execution.offload: model
+    _traced = None  # the denoiser under dynamo (compile.trace_once), once prepare_on_device installed it
 
     def __init__(
         self, cache_enabled: bool | str = "auto", cache_dir: str | None = None, *, device_index: int | None = None
@@ -41,6 +45,7 @@ class XlaBackend(OneDeviceBackend):
             self.scanned_blocks = scan_repeated_blocks(getattr(pipe, family.denoiser), family.scan_attributes)
 
     def place(self, pipe, *, offload: bool, family) -> None:
+        self.offloaded = offload
         if offload:
             let_diffusers_offload_to_xla()
             pipe.enable_model_cpu_offload(device=self.device)
@@ -66,6 +71,34 @@ class XlaBackend(OneDeviceBackend):
             except Exception as exc:  # diffusers refused to switch: the model keeps its own attention
                 reason = one_line(exc)
         self.flash_attention = FlashAttention(setting, route.components, reason, None if reason else spec)
+        self._prepare_trace_once(pipe, family, compile_config, hooks)
+
+    def _prepare_trace_once(self, pipe, family, compile_config, hooks) -> None:
+        """compile.trace_once: the denoiser under dynamo, or why it is recorded lazily every step."""
+        self._trace_setting = compile_config.trace_once
+        reason = trace_once_reason(
+            compile_config.trace_once,
+            step_cache=compile_config.step_cache.method != "none",
+            offload=self.offloaded,
+            placed=self.placed,
+            spmd=self.spmd,
+            scanned=bool(self.scanned_blocks),
+        )
+        self._trace_reason = reason
+        if reason is None:
+            self._traced = install_trace_once(pipe, family, self.device, hooks)
+        else:
+            self._traced = None
+        self._trace_component = family.denoiser
+
+    @property
+    def trace_once(self) -> TraceOnce | None:
+        """Whether the denoiser is traced once now (a trace that failed turned it off), and if not, why."""
+        if not hasattr(self, "_trace_setting"):
+            return None
+        if self._traced is not None:
+            return self._traced.state(self._trace_setting)
+        return TraceOnce(self._trace_setting, self._trace_component, self._trace_reason)
 
     def flash_partition_spec(self, pipe, route) -> tuple | None:
         """The kernel's SPMD partition spec: none on one device."""
@@ -97,6 +130,10 @@ class XlaBackend(OneDeviceBackend):
             data = met.metric_data(metric)
             return int(data[0]) if data else 0
 
+        def seconds(metric: str) -> float:
+            data = met.metric_data(metric)
+            return data[1] / 1e9 if data else 0.0
+
         compile_data = met.metric_data("CompileTime")
         return Counters(
             compiles=count("CompileTime"),
@@ -107,6 +144,7 @@ class XlaBackend(OneDeviceBackend):
             persistent_cache_hits=int(met.counter_value("PersistentCacheHit") or 0),
             persistent_cache_misses=int(met.counter_value("PersistentCacheMiss") or 0),
             persistent_cache_load_failures=int(met.counter_value("PersistentCacheDeserializeFailure") or 0),
+            execute_seconds=seconds("ExecuteTime") + seconds("ExecuteReplicatedTime"),
         )
 
     def describe(self) -> dict:

@@ -1,0 +1,127 @@
+"""compile.trace_once: the denoiser traced once per shape key by dynamo (torch.compile, openxla), then launched from
+its cache every step, instead of being recorded again in Python by lazy tensors at every step."""
+
+from __future__ import annotations
+
+from tpugen.backends.base import TRACE_ONCE_FALSE, TRACE_ONCE_HOOK, TraceOnce
+from tpugen.errors import one_line
+
+# Why a run records the denoiser lazily every step instead, by what the config asks for.
+STEP_CACHE = (
+    "compile.step_cache: the cache's hooks decide on the host, step by step, which blocks run (Python state that "
+    "dynamo would guard on and trace again)"
+)
+OFFLOAD = "execution.offload: the denoiser's weights leave the device between calls; dynamo traced them on it"
+PLACEMENT = (
+    "execution.placement: components on several devices; torch_xla's dynamo bridge clears pending work on the "
+    "thread's default device only"
+)
+SPMD = "execution.sharding: spmd: not combined with dynamo in tpugen yet (the bridge re-traces when a sharding moves)"
+SCAN = "compile.scan_blocks: torch_xla's scan traces the stacked blocks itself, inside the step dynamo would trace"
+
+# Shape keys a process may trace before dynamo stops tracing a new one (its default, 8, is a server's few hours).
+RECOMPILE_LIMIT = 1024
+
+
+def trace_once_reason(setting: bool, *, step_cache: bool, offload: bool, placed: bool, spmd: bool, scanned: bool):
+    """Why the denoiser is recorded every step instead of traced once (None: it is traced once). Pure."""
+    if not setting:
+        return TRACE_ONCE_FALSE
+    for applies, reason in ((step_cache, STEP_CACHE), (offload, OFFLOAD), (placed, PLACEMENT), (spmd, SPMD)):
+        if applies:
+            return reason
+    return SCAN if scanned else None
+
+
+class TracedDenoiser:
+    """The denoiser's forward under dynamo, with its own forward kept: a trace that dynamo refuses (a graph break,
+    an op the bridge cannot take) turns tracing off for the rest of the engine's life, and the call that failed
+    runs on the recorded path, so a run never fails for it."""
+
+    def __init__(self, module, device, component: str) -> None:
+        import torch
+
+        raise_recompile_limit()
+        self.module = module
+        self.component = component
+        self.original = module.forward  # the bound method (diffusers' hooks may have set one of their own)
+        self.compiled = torch.compile(self.original, backend="openxla", fullgraph=True, dynamic=False)
+        self.failure: str | None = None
+        self.failed_shape: str | None = None
+        self._device = device
+        self._handle = module.register_forward_pre_hook(self._inputs_ready, with_kwargs=True)
+        module.forward = self._forward
+
+    def _inputs_ready(self, module, args, kwargs):
+        """The inputs as data on the device before dynamo sees them: host tensors (a timestep on the CPU) moved over
+        as data, and what the step computed before the denoiser (the CFG batch, the scheduler's input scaling) cut
+        as a graph of its own, handed off without waiting. Left pending, torch_xla's bridge would run that graph
+        and wait for the device at every step."""
+        if self.failure is not None:
+            return args, kwargs
+        import torch
+        import torch_xla
+        from torch.utils import _pytree
+
+        device = self._device
+
+        def to_device(tensor):
+            return tensor.to(device) if tensor.device.type == "cpu" else tensor
+
+        args, kwargs = _pytree.tree_map_only(torch.Tensor, to_device, (args, kwargs))
+        torch_xla.sync()
+        return args, kwargs
+
+    def _forward(self, *args, **kwargs):
+        if self.failure is None:
+            import torch._dynamo
+
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as exc:
+                self.failure = one_line(exc)
+                self.failed_shape = _shape_of(args, kwargs)
+        return self.original(*args, **kwargs)
+
+    def state(self, setting: bool) -> TraceOnce:
+        if self.failure is None:
+            return TraceOnce(setting, self.component)
+        failed = {"input": self.failed_shape, "error": self.failure}
+        return TraceOnce(
+            setting, self.component, f"dynamo could not trace the {self.component}: {self.failure}", failed
+        )
+
+    def remove(self) -> None:
+        self._handle.remove()
+        if self.module.forward == self._forward:
+            del self.module.forward  # the class's own forward again (or the instance's, which original is)
+            if self.module.forward != self.original:
+                self.module.forward = self.original
+
+
+def _shape_of(args, kwargs) -> str | None:
+    """The shape of the denoiser's first tensor input (its latents), to say which call failed."""
+    import torch
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return "x".join(str(side) for side in value.shape)
+    return None
+
+
+def raise_recompile_limit() -> None:
+    """Let dynamo keep a graph per shape key (and per engine) of a long-lived process: past its limit it would stop
+    tracing new shapes and record them lazily again, silently."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(config, name) and getattr(config, name) < RECOMPILE_LIMIT:
+            setattr(config, name, RECOMPILE_LIMIT)
+
+
+def install_trace_once(pipe, family, device, hooks) -> TracedDenoiser:
+    """The family's denoiser traced once per shape key from now on, as the named hook TRACE_ONCE_HOOK."""
+    traced = TracedDenoiser(getattr(pipe, family.denoiser), device, family.denoiser)
+    hooks.add(TRACE_ONCE_HOOK, traced.remove)
+    return traced
