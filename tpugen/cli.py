@@ -223,11 +223,14 @@ def _print_summary(report: dict) -> None:
         rank = f"rank {entry['rank']} " if "rank" in entry else ""
         rank = f"worker {entry['worker']} " if "worker" in entry else rank
         again = " again, without flash attention" if entry.get("again_without_flash_attention") else ""
+        again += " again, recorded every step" if entry.get("again_traced_lazily") else ""
         table.add_row(f"{rank}warmup {entry['shape_key']}{again} s", f"{entry['seconds']:.2f}{compiles}")
     show = lambda v, fmt: "n/a" if v is None else fmt.format(v)  # noqa: E731
     table.add_row("timed phase s", show(timed["wall_seconds"], "{:.2f}"))
     table.add_row("per image s (mean)", show(timed["per_image_seconds"]["mean"], "{:.3f}"))
     table.add_row("images per s", show(timed["images_per_second"], "{:.2f}"))
+    table.add_row("host ms per step", show(timed.get("host_ms_per_step"), "{:.2f}"))
+    table.add_row("device ms per step", show(timed.get("device_ms_per_step"), "{:.2f}"))
     after = report["compiles_after_warmup"]
     table.add_row("compiles after warmup", "n/a (eager)" if after is None else str(after))
     out.print(table)

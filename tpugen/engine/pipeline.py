@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tpugen.engine.hooks import Hooks
 from tpugen.engine.step_cache import install_step_cache, prepare_call, reset_step_cache
+from tpugen.engine.step_clock import StepClock, StepTiming
 from tpugen.errors import RunError
 from tpugen.families import Family
 from tpugen.families.base import TIMESTEPS_ON_HOST
@@ -57,6 +58,8 @@ class LoadedPipeline:
         self._pass = ""  # "hires " while a hires fix's second pass runs: its phases are counted apart
         self._steps_before = 0  # steps of the batch's passes before this one (on_step counts on through them)
         self.on_step = None  # called with each denoising step's number (1..steps) as it is handed to the device
+        self._clock: StepClock | None = None  # the running call's
+        self.step_timing: StepTiming | None = None  # the last call's host and device time per denoising step
         self.step_cache = None  # compile.step_cache once use_step_cache installed it
         # tpugen decodes the latents itself, so decoding and the conversion to pixels are one graph. A
         # safety checker or a watermark runs on the host, so pipelines with one keep their own path.
@@ -101,6 +104,8 @@ class LoadedPipeline:
                 loaded.backend.sync()
                 loaded.running = loaded.family.denoiser
                 loaded._mark(loaded._pass + "text encoding")
+                if loaded._clock is not None:
+                    loaded._clock.loop_started()
             return base.interrupt.fget(pipe)
 
         patches = {"interrupt": property(interrupt)}
@@ -190,6 +195,8 @@ class LoadedPipeline:
         # Cut the lazy graph once per denoising step, so XLA compiles one step and replays it, even in
         # pipelines whose loop lacks diffusers' own mark_step.
         self.backend.sync()
+        if self._clock is not None:
+            self._clock.step_handed_off()
         if step == 0:
             self._mark(self._pass + "first denoising step")
         if self.on_step is not None:
@@ -302,6 +309,7 @@ class LoadedPipeline:
         self._loop_started, self._pass, self._steps_before = False, "hires ", batch.steps
         self.running = "text encoders"
         output = pipe(**arguments).images
+        self._clock.loop_ended()
         self._mark("hires later denoising steps")
         return output, height, width
 
@@ -319,6 +327,7 @@ class LoadedPipeline:
         self.phase_memory = {}
         self._loop_started, self._pass, self._steps_before = False, "", 0
         self.running = "text encoders"
+        self._clock, self.step_timing = StepClock(self.backend), None
         try:
             pipe = self.task_pipe(batch.shape.task)
             if batch.shape.task == "txt2img":
@@ -334,6 +343,7 @@ class LoadedPipeline:
             height, width = batch.shape.height, batch.shape.width
             with torch.no_grad():  # inference_mode tensors break torch_xla (version counters)
                 output = pipe(**arguments).images
+                self._clock.loop_ended()
                 self._mark("later denoising steps")
                 if batch.hires is not None:
                     output, height, width = self._hires_pass(batch, output)
@@ -349,6 +359,8 @@ class LoadedPipeline:
             raise RunError(
                 f"out of memory on the device while the {self.running} ran ({batch.shape}): {self.out_of_memory_advice}"
             ) from exc
+        finally:
+            self.step_timing, self._clock = self._clock.timing(), None
         pixels = (host.permute(0, 2, 3, 1).numpy() * 255.0).round().clip(0, 255).astype(np.uint8)
         counted = self._per_phase()
         self._census = None

@@ -161,6 +161,30 @@ def total(values) -> float | None:
     return None if any(v is None for v in values) else sum(values)
 
 
+def step_times(rows: list[dict]) -> dict:
+    """The timed phase's host and device milliseconds per denoising step, from its batches': the host's is the
+    median of the batches' medians, each counted once per step it stands for; the device's the mean over every
+    step. None where no batch measured it."""
+    host = [(row["host_ms_per_step"], row.get("steps") or 1) for row in rows if row.get("host_ms_per_step") is not None]
+    device = [
+        (row["device_ms_per_step"], row.get("steps") or 1) for row in rows if row.get("device_ms_per_step") is not None
+    ]
+    expanded = [value for value, steps in host for _ in range(steps)]
+    steps = sum(count for _, count in device)
+    return {
+        "host_ms_per_step": percentile(expanded, 50) if expanded else None,
+        "device_ms_per_step": sum(value * count for value, count in device) / steps if steps else None,
+    }
+
+
+def host_bound(host_ms: float | None, device_ms: float | None) -> str | None:
+    """The warning a report gives when the host, not the device, sets the pace of the steps (None: it does not, or
+    one of the two is not known)."""
+    if host_ms is None or device_ms is None or host_ms < device_ms:
+        return None
+    return f"host-bound: the host needs {host_ms:.2f} ms per step, the device {device_ms:.2f} ms"
+
+
 def plan_counts(plan) -> dict:
     """What build_report takes from a run's plan (tpugen.plan.RunPlan)."""
     return {
@@ -243,6 +267,7 @@ def build_report(
             "images_per_second": images / wall if wall > 0 and images else None,
             "per_image_seconds": latency_summary(per_image),
             "seconds_per_step": sum(r["seconds"] / r["steps"] for r in rows) / len(rows) if rows else None,
+            **step_times(rows),
             "batches": rows,
         },
         compiles_after_warmup=counters["compiles"] if counters else None,
@@ -304,6 +329,32 @@ def earlier_sessions_of(run_dir: Path) -> list[dict]:
     if previous is None or "timed_phase" not in previous:
         return []
     return [*previous.get("earlier_sessions", []), session_summary(previous)]
+
+
+def _step_time_lines(timed: dict) -> list[str]:
+    """Host and device milliseconds per denoising step, and the warning when the host sets the pace."""
+    host, device = timed.get("host_ms_per_step"), timed.get("device_ms_per_step")
+    if host is None and device is None:
+        return []
+    lines = [
+        f"- host ms per denoising step (recording and handing it to the device; median): {fmt(host, 2)}; "
+        f"device ms per step (its graphs' execution, dispatch to completion; mean): {fmt(device, 2)}"
+    ]
+    warning = host_bound(host, device)
+    return lines + ([f"- **{warning}**"] if warning else [])
+
+
+def _trace_lines(trace: dict | None) -> list[str]:
+    """Whether the denoiser was traced once per shape key or recorded every step, and if so why."""
+    if not trace or not trace.get("setting"):
+        return []
+    if trace["state"] == "on":
+        return [f"- trace once: on ({trace['component']}: {trace['how']})"]
+    lines = [f"- trace once: off, the {trace['component']} was recorded every step -- {trace['reason']}"]
+    failed = trace.get("failed_attempt")
+    if failed:
+        lines.append(f"  - the call that failed to trace had input {failed['input']}; warmed up again lazily")
+    return lines
 
 
 def _memory_line(memory: dict | None) -> str:
@@ -469,6 +520,7 @@ def render_markdown(report: RunReport) -> str:
         _memory_line(report.memory),
         *_attention_lines(report.memory),
         *_flash_lines(device.get("flash_attention"), memory.get("attention")),
+        *_trace_lines(device.get("trace_once")),
         *_sharding_lines(device.get("sharding")),
         *_placement_lines(device.get("placement")),
         *_step_cache_lines(device.get("step_cache"), (report.timed_phase or {}).get("batches") or []),
@@ -482,6 +534,8 @@ def render_markdown(report: RunReport) -> str:
         where = f"{_part_label(entry)}{entry['shape_key']}"
         if entry.get("again_without_flash_attention"):
             where += " (again, without flash attention)"
+        if entry.get("again_traced_lazily"):
+            where += " (again, recorded every step: the trace failed)"
         if entry.get("already_warm"):
             lines.append(f"| {where} | 0.00 | 0 | 0.00 | already warm on this engine |")
             continue
@@ -513,6 +567,7 @@ def render_markdown(report: RunReport) -> str:
         f"p99 {fmt(lat.get('p99'))}",
         f"- seconds per denoising step (batch latency / steps, incl. text encoding and decoding): "
         f"{fmt(timed.get('seconds_per_step'), 4)}",
+        *_step_time_lines(timed),
         f"- compiles after warmup: {fmt(report.compiles_after_warmup)}",
     ]
     counters = report.xla_counters

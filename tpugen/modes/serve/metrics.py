@@ -28,6 +28,16 @@ class Metrics:
         self.compiles_after_warmup = Counter(
             "tpugen_compiles_after_warmup", "XLA graphs compiled while serving", registry=self.registry
         )
+        self.host_ms_per_step = Gauge(
+            "tpugen_host_ms_per_step",
+            "the last batch's host milliseconds per denoising step (median): recording and handing it to the device",
+            registry=self.registry,
+        )
+        self.device_ms_per_step = Gauge(
+            "tpugen_device_ms_per_step",
+            "the last batch's device milliseconds per denoising step (its graphs' execution, dispatch to completion)",
+            registry=self.registry,
+        )
         # A request's own bad input is not counted: only what says the device (or the code driving it) is broken.
         self.device_failures = Counter(
             "tpugen_device_failures",
@@ -35,10 +45,14 @@ class Metrics:
             registry=self.registry,
         )
 
-    def batch(self, seconds: float, images: int, padding: int) -> None:
+    def batch(self, seconds: float, images: int, padding: int, step_timing=None) -> None:
         self.batch_seconds.observe(seconds)
         self.images.inc(images)
         self.padding_rows.inc(padding)
+        if step_timing is not None and step_timing.host_ms_per_step is not None:
+            self.host_ms_per_step.set(step_timing.host_ms_per_step)
+        if step_timing is not None and step_timing.device_ms_per_step is not None:
+            self.device_ms_per_step.set(step_timing.device_ms_per_step)
 
     def exposition(self) -> tuple[bytes, str]:
         """(the text format, its content type) for GET /metrics."""

@@ -621,7 +621,7 @@ class Service:
         # Counted before the images are handed over: a client that reads /metrics after its answer sees its batch.
         if before is not None and after is not None and after.compiles > before.compiles:
             self.metrics.compiles_after_warmup.inc(after.compiles - before.compiles)
-        self.metrics.batch(seconds, len(jobs), batch.padding)
+        self.metrics.batch(seconds, len(jobs), batch.padding, engine.step_timing)
         # Counted before the images are handed over too: a request's progress says done by the time it answers.
         made: dict[int, list] = {}
         for job in jobs:

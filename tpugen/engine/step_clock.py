@@ -1,0 +1,81 @@
+"""Where a denoising step's time goes: the host's share (recording and handing the step to the device) and the
+device's, measured in every pipeline call at almost no cost to the step loop."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One pipeline call's denoising steps: the host's median per step and the device's mean per step (None where
+    the backend cannot tell)."""
+
+    steps: int
+    host_ms_per_step: float | None
+    device_ms_per_step: float | None
+
+    def as_dict(self) -> dict:
+        return {"host_ms_per_step": self.host_ms_per_step, "device_ms_per_step": self.device_ms_per_step}
+
+
+def median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+class StepClock:
+    """Host time per step: from one step's hand-off to the device (its sync returned, which does not wait for the
+    device) to the next one's, the first step counted from the loop's start. Device time per step: the device's
+    execution seconds over the loops (read from the backend's counters with the device idle at each end: one wait
+    where a loop starts and one where it ends, none inside it), over their steps.
+
+    A denoising loop may run more than once in a call (hires fix's second pass): the figures cover every loop."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+        self._host: list[float] = []
+        self._last: float | None = None
+        self._device = 0.0
+        self._device_known = True
+        self._loop_started_at: float | None = None  # the device's execution seconds where the running loop started
+
+    def loop_started(self) -> None:
+        self._backend.wait()
+        self._loop_started_at = self._execute_seconds()
+        self._last = time.perf_counter()
+
+    def step_handed_off(self) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self._host.append(now - self._last)
+        self._last = now
+
+    def loop_ended(self) -> None:
+        if self._loop_started_at is None:
+            return
+        self._backend.wait()
+        end = self._execute_seconds()
+        if end is None or self._loop_started_at is None:
+            self._device_known = False
+        else:
+            self._device += end - self._loop_started_at
+        self._loop_started_at, self._last = None, None
+
+    def _execute_seconds(self) -> float | None:
+        counters = self._backend.counters()
+        return None if counters is None else counters.execute_seconds
+
+    def timing(self) -> StepTiming:
+        steps = len(self._host)
+        host = median(self._host)
+        device = self._device / steps if steps and self._device_known and self._device > 0 else None
+        return StepTiming(
+            steps,
+            None if host is None else host * 1000.0,
+            None if device is None else device * 1000.0,
+        )
