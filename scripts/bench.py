@@ -14,6 +14,9 @@ With --compile instead: the compile seconds of one Flux transformer forward (tin
 (2 double + 12 single) and at Flux.1's real depth of 57 (19 + 38), unrolled vs compile.scan_blocks, each in
 a fresh process; writes bench/compile.json.
 
+With `trace` instead (scripts/bench.py trace): compile.trace_once against recording the denoiser every step; see
+scripts/bench_trace.py for what it measures. Writes bench/trace.json.
+
 With `serve` instead (scripts/bench.py serve): `tpugen serve` against fresh processes, side by side.
 (1) five small runs (tiny-sd, 3 prompts, batch 2, 10 steps) as five fresh `tpugen generate` processes, against
     one server started for them (its start and warmup counted) plus five `tpugen generate --server` calls;
@@ -688,9 +691,14 @@ def main() -> None:
     parser.add_argument(
         "what",
         nargs="?",
-        choices=["serve", "serve-load"],
-        help="serve: the server against fresh processes, then under load; serve-load: the load part only",
+        choices=["serve", "serve-load", "trace"],
+        help="serve: the server against fresh processes, then under load; serve-load: the load part only; "
+        "trace: compile.trace_once against recording every step (scripts/bench_trace.py)",
     )
+    parser.add_argument("--models", nargs="*", help="trace: the tiny built-ins of part (a) (default: one per family)")
+    parser.add_argument("--denoisers", nargs="*", help="trace: the full-size denoisers of part (b), by label")
+    parser.add_argument("--skip-tiny", action="store_true", help="trace: part (b) only")
+    parser.add_argument("--skip-full", action="store_true", help="trace: part (a) only")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side (medians are reported)")
     parser.add_argument("--compile", action="store_true", help="scan_blocks vs unrolled compile seconds instead")
     parser.add_argument("--step-cache", action="store_true", help="each step cache vs none on a deep Flux instead")
@@ -715,6 +723,16 @@ def main() -> None:
         return
     if args.what == "serve":
         run_serve_bench()
+        return
+    if args.what == "trace":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_trace
+
+        out = ROOT / "bench"
+        out.mkdir(exist_ok=True)
+        results = bench_trace.run(args.models, args.denoisers, args.skip_tiny, args.skip_full)
+        (out / "trace.json").write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nwrote {out / 'trace.json'}")
         return
     if args.what == "serve-load":
         out = ROOT / "bench"

@@ -69,6 +69,9 @@ def tiny_config(tmp: Path, **overrides) -> dict:
         "seed": 7,
         "batch_size": 2,
         "execution": {"backend": "xla"},
+        # The graph counts these tests pin are those of the lazy path (one graph per denoising step); the
+        # default, trace_once: true, is tested by tests/test_trace_once.py, which sets it back on.
+        "compile": {"trace_once": False},
         "output": {"dir": str(tmp / "outputs"), "run_id": "run"},
     }
     for key, value in overrides.items():
@@ -345,3 +348,25 @@ def pytest_terminal_summary(terminalreporter) -> None:
     except OSError:
         return
     terminalreporter.write_line(f"memory maps of the test process at the end: {maps} (vm.max_map_count {limit})")
+
+
+class Recording:
+    """A Display that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.phases: list[str] = []
+        self.warnings: list[str] = []
+
+    def phase(self, text: str) -> None:
+        self.phases.append(text)
+
+    def warning(self, text: str) -> None:
+        self.warnings.append(text)
+
+    def batches_started(self, total: int) -> None: ...
+
+    def batch_done(self, batch, seconds: float) -> None: ...
+
+    def progress(self, done: int, total: int) -> None: ...
+
+    def finished(self) -> None: ...

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import SAME_SETUP, assert_same_images, run_cli, tiny_config, write_config
+from conftest import SAME_SETUP, Recording, assert_same_images, run_cli, tiny_config, write_config
 
 from tpugen.backends.xla.flash import NO_JAX, NO_SPMD_SPEC, flash_partition_spec, flash_reason
 from tpugen.families import family as family_code
@@ -229,28 +229,6 @@ def test_plan_says_whether_flash_attention_is_on_and_what_attention_holds(monkey
 
 
 # ---------------------------------------------------------------- XLA:CPU: auto and the fallback
-
-
-class Recording:
-    """A Display that keeps what it was told."""
-
-    def __init__(self) -> None:
-        self.phases: list[str] = []
-        self.warnings: list[str] = []
-
-    def phase(self, text: str) -> None:
-        self.phases.append(text)
-
-    def warning(self, text: str) -> None:
-        self.warnings.append(text)
-
-    def batches_started(self, total: int) -> None: ...
-
-    def batch_done(self, batch, seconds: float) -> None: ...
-
-    def progress(self, done: int, total: int) -> None: ...
-
-    def finished(self) -> None: ...
 
 
 def _resolved(tmp_path: Path, run_id: str, **overrides):

@@ -93,3 +93,7 @@ def test_metrics_count_requests_images_batches_and_padding(client):
         "tpugen_compiles_after_warmup_total 0.0",
     ):
         assert name in text, name
+    # The host's and the device's milliseconds per denoising step of the last batch, as a run's report has them.
+    for name in ("tpugen_host_ms_per_step", "tpugen_device_ms_per_step"):
+        (line,) = [line for line in text.splitlines() if line.startswith(name + " ")]
+        assert float(line.split()[1]) > 0, line

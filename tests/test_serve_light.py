@@ -15,7 +15,7 @@ def test_generate_on_a_server_sends_only_the_settings_the_user_made(tmp_path):
     run = load_config(write_config(tmp_path / "c.yaml", config))
     data = run_payload(run, "r1")
     assert data["model"] == {"id": "tiny-sd", "dtype": "float32"}
-    assert data["execution"] == {"backend": "xla"} and data["compile"] == {"torch_compile": False}
+    assert data["execution"] == {"backend": "xla"} and data["compile"] == {"torch_compile": False, "trace_once": False}
     assert "cache" not in data and "serve" not in data and "prompts_file" not in data
     assert data["output"] == {"run_id": "r1"} and data["batch_size"] == 2 and data["prompts"][0] == config["prompts"][0]
 

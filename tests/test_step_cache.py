@@ -115,12 +115,13 @@ def test_no_step_cache_keeps_the_config_hash_and_a_cache_changes_it(tmp_path):
     from tpugen.config import load_config
 
     def hash_of(name: str, **compile_section) -> str:
-        config = tiny_config(tmp_path, model={"id": "tiny-flux"}, compile=compile_section)
+        # trace_once at its default (true), as a config that never names it: tiny_config turns it off.
+        config = tiny_config(tmp_path, model={"id": "tiny-flux"}, compile={"trace_once": True, **compile_section})
         return load_config(write_config(tmp_path / name, config)).config_hash
 
     plain = hash_of("a.yaml")
     # A TaylorSeer config hashes by its method and its own options alone: as it did before MagCache and PAB
-    # added theirs (the figure is the hash tpugen 7c60096 gave this config).
+    # added theirs, and before compile.trace_once (the figure is the hash tpugen 7c60096 gave this config).
     assert hash_of("t.yaml", step_cache=TAYLORSEER) == TAYLORSEER_HASH
     assert hash_of("b.yaml", step_cache={"method": "none"}) == plain  # configs from before the key hash as they did
     assert hash_of("c.yaml", step_cache=TAYLORSEER) != plain

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tpugen.backends import FlashAttention, backend_environment
 from tpugen.backends.xla.flash import planned_flash_attention
+from tpugen.backends.xla.trace import trace_once_reason
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display
 from tpugen.errors import InputError
@@ -74,6 +75,7 @@ class PlanView:
     fit: str | None  # whether that fits the chip
     flash_attention: FlashAttention  # as a run here would start (a failure at warmup can still turn it off)
     attention: dict | None  # the largest attention matrix, or that flash attention holds none
+    trace_once: str | None = None  # xla: whether the denoiser is traced once, or why it is recorded every step
 
 
 def plan(run: ResolvedRun) -> PlanView:
@@ -104,7 +106,25 @@ def plan(run: ResolvedRun) -> PlanView:
             attention = attention_summary(largest, flash_on=flash.on, min_tokens=route.min_tokens)
     if fit == "fits" and memory and attention and attention["materialised"]:
         fit = attention_fit(memory, attention, execution, flash_route=bool(route.components)) or fit
-    return PlanView(run_plan, memory, how_it_runs(execution), fit, flash, attention)
+    return PlanView(run_plan, memory, how_it_runs(execution), fit, flash, attention, planned_trace(config, family_))
+
+
+def planned_trace(config, family_) -> str | None:
+    """What a run would do with compile.trace_once, in a line (None off backend xla, where it does not apply)."""
+    execution, compile_config = config.execution, config.compile
+    if execution.backend != "xla":
+        return None
+    reason = trace_once_reason(
+        compile_config.trace_once,
+        step_cache=compile_config.step_cache.method != "none",
+        offload=execution.offload == "model",
+        placed=execution.placement != "none",
+        spmd=execution.sharding == "spmd",
+        scanned=compile_config.scan_blocks,
+    )
+    if reason is None:
+        return f"trace once: on ({family_.denoiser} traced by dynamo once per shape key), unless dynamo refuses it"
+    return f"trace once: off, the {family_.denoiser} is recorded every step -- {reason}"
 
 
 def attention_fit(memory, attention: dict, execution, *, flash_route: bool) -> str | None:

@@ -134,6 +134,8 @@ def _show_plan(run) -> None:
         out.print(f"flash attention: on ({', '.join(flash.components)}), unless the kernel fails at warmup")
     else:
         out.print(f"flash attention: off -- {flash.reason}", markup=False)  # reasons hold [brackets]
+    if view.trace_once:
+        out.print(view.trace_once, markup=False)
     if view.attention:
         out.print(view.attention["note"], markup=False)
     for line in app.mode_plan(run):

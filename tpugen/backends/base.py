@@ -77,7 +77,6 @@ class FlashAttention:
 
 TRACE_ONCE_HOOK = "trace once"  # the named hook that puts the denoiser's forward under dynamo
 TRACE_ONCE_FALSE = "compile.trace_once: false"
-TRACE_XLA_ONLY = "traces once on backend xla only (cpu and cuda: compile.torch_compile; torch_tpu: its compile mode)"
 
 
 @dataclass(frozen=True)
@@ -139,7 +138,9 @@ class Backend(Protocol):
     cache: dict  # the persistent compile cache's state, for the report
     placing: str | None  # the component moving onto the device now, for an out-of-memory message
     flash_attention: FlashAttention | None  # set by prepare_on_device
-    trace_once: TraceOnce | None  # set by prepare_on_device; read again after each call (a trace may fail)
+    # compile.trace_once's state (xla; None on backends it does not apply to: cpu and cuda have torch_compile,
+    # torch_tpu its compile mode), set by prepare_on_device and read again after each call (a trace may fail).
+    trace_once: TraceOnce | None
 
     def prepare_on_host(self, pipe, family, compile_config) -> None:
         """Changes made while the weights are still on the host (scan stacks them)."""
@@ -218,7 +219,6 @@ class EagerBackend(OneDeviceBackend):
 
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
         self.flash_attention = flash_attention_off(compile_config.flash_attention, family.flash_attention, XLA_ONLY)
-        self.trace_once = TraceOnce(compile_config.trace_once, family.denoiser, TRACE_XLA_ONLY)
         if self.compile_spec is not None:
             self.compile_spec.apply(pipe, family, hooks)
 

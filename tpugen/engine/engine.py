@@ -119,6 +119,9 @@ class Engine:
         self._loras: tuple[Lora, ...] = spec.loras if weights is not None else ()
         self._key = loras_key(self._loras)
         self.flash_attention = backend.flash_attention  # tpugen.backends.FlashAttention; off after a fallback
+        # Keys warmed with the denoiser traced once, before a trace failed and it went back to being recorded every
+        # step: warm for a server, warmed again by the next warmup.
+        self._warmed_traced: set[tuple[str, str]] = set()
 
     # ---------------------------------------------------------------- opening
 
@@ -263,8 +266,9 @@ class Engine:
 
     def _call(self, batch: Batch, display: Display, census: bool = False):
         """One pipeline call. A trace that dynamo refused falls back to recording the denoiser every step inside
-        the call (TracedDenoiser); the graphs warmed until then are not the ones later calls use, so the warm set
-        is cleared and the fallback said once. If the call fails while flash attention is on, the model's own
+        the call (TracedDenoiser), said once; the keys warmed until then were warmed traced, so a warmup warms
+        them again lazily, while a server keeps serving them (each then compiles its lazy step graph once, counted
+        as a compile after warmup, rather than being refused). If the call fails while flash attention is on, the model's own
         attention processors come back (the hook is removed) and the call is made again: the fallback never
         costs a run, and happens at most once per engine. A failure the kernel did not cause fails the second
         call the same way."""
@@ -273,7 +277,7 @@ class Engine:
             return self._call_with_flash(batch, display, census)
         finally:
             if trace is not None and trace.on and not self.backend.trace_once.on:
-                self.warm.clear()
+                self._warmed_traced.update(self.warm)
                 self._say_trace_once(display)
 
     def _call_with_flash(self, batch: Batch, display: Display, census: bool = False):
@@ -405,7 +409,7 @@ class Engine:
         results = []
         for shape, batch in first_batch.items():
             key = (str(shape), choice)
-            if self.is_warm(shape, scheduler, batch.steps):
+            if self.is_warm(shape, scheduler, batch.steps) and key not in self._warmed_traced:
                 results.append(WarmupEntry.warm_already(shape).as_dict())
                 continue
             warmed_steps = self._warm_steps.get(key, 0) if key in self.warm else 0
@@ -425,6 +429,7 @@ class Engine:
                     self.loaded.use_scheduler(None)  # at rest, an engine has the scheduler it was loaded with
             entry = WarmupEntry.measured(shape, seconds, delta, census, dict(self.loaded.phase_memory)).as_dict()
             self.warm[key] = entry
+            self._warmed_traced.discard(key)
             self._warm_steps[key] = max(warmed_steps, batch.steps)
             results.append(entry)
         return results
