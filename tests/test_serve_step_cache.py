@@ -33,7 +33,7 @@ def flux_serve_config(tmp, **serve):
     so tests/test_step_cache.py's 64x64 graphs are not compiled here first in a whole-suite process."""
     path = serve_config(tmp, **serve)
     config = yaml.safe_load(path.read_text())
-    config.update(model=FLUX, steps=4, width=80, compile={"step_cache": TAYLORSEER})
+    config.update(model=FLUX, steps=4, width=80, compile={**config["compile"], "step_cache": TAYLORSEER})
     return write_config(path, config)
 
 

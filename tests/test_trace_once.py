@@ -181,7 +181,9 @@ def test_a_step_cache_falls_back_to_recording_every_step_and_says_why_at_load(tm
     said = Recording()
     engine = Engine.open(EngineSpec.of(run), display=said)
     try:
-        assert said.warnings == [f"trace once: off, the transformer is recorded every step -- {STEP_CACHE}"]
+        # The way the config runs, not a surprise: said as the load goes, not as a warning.
+        assert f"trace once: off, the transformer is recorded every step -- {STEP_CACHE}" in said.phases
+        assert not [w for w in said.warnings if "trace once" in w]
         assert engine.describe()["trace_once"]["reason"] == STEP_CACHE
         assert "trace once" not in engine.loaded.hooks.names()
     finally:
@@ -264,10 +266,14 @@ def test_every_family_traces_once_with_the_pixels_of_recording_every_step(model,
     assert trace["state"] == "on", trace  # no family's denoiser breaks dynamo's graph
     assert traced["compiles_after_warmup"] == 0 and lazy["compiles_after_warmup"] == 0
     assert traced["xla_counters"]["timed_phase"]["transfers_to_host"] == traced["batches"]
-    # The denoiser's own graph and the step's work after it at least (and the work before it, where a step
-    # makes its CFG batch or scales its input there); later steps add at most one more, compiled in warmup.
-    phases = traced["warmup"][0]["graphs_per_phase"]
-    assert 2 <= phases["first denoising step"] <= 3 and phases["later denoising steps"] <= 1, phases
+    # Graph executions per step (exact whatever this process compiled before): recorded every step, 1; traced
+    # once, the denoiser's graph and the step's work after it, and the work before it where a step does some
+    # there (the CFG batch, the input's scaling). Plus text encoding and decoding, one each per batch.
+    def per_step(report) -> float:
+        executions = report["xla_counters"]["timed_phase"]["executions"]
+        return (executions - 2 * report["batches"]) / (2 * report["batches"])
+
+    assert per_step(lazy) == 1 and per_step(traced) in (2, 3), (per_step(lazy), per_step(traced))
     assert_same_images(traced_dir, lazy_dir, OTHER_GRAPH)
 
 

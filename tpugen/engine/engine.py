@@ -242,16 +242,17 @@ class Engine:
             display.phase(f"flash attention: off -- {flash.reason}")
 
     def _say_trace_once(self, display: Display) -> None:
-        """Whether the denoiser is traced once per shape key, once: a warning when the config asked for it and
-        this run falls back to recording it every step, naming why; nothing where trace_once is false or off
-        this backend."""
+        """Whether the denoiser is traced once per shape key, once, in a line: when the config asked for it and
+        this run falls back to recording it every step, why (a warning where dynamo refused the trace; the way
+        the config runs, a step cache say, is no surprise); nothing where trace_once is false or does not apply."""
         trace = self.backend.trace_once
         if trace is None or not trace.setting:
             return
         if trace.on:
             display.phase(f"trace once: on ({trace.component} traced by dynamo once per shape key)")
-        elif self.backend.name == "xla":
-            display.warning(f"trace once: off, the {trace.component} is recorded every step -- {trace.reason}")
+            return
+        line = f"trace once: off, the {trace.component} is recorded every step -- {trace.reason}"
+        (display.warning if trace.failed_attempt else display.phase)(line)
 
     def _kernel_route(self) -> str:
         """Which of the denoiser's attention calls the kernel takes, counted from its config (any size has as many

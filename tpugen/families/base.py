@@ -105,6 +105,9 @@ class Family:
     lora_signs: tuple[LoraSign, ...] = (UNET_KEYS,)
 
     denoiser = "unet"  # the pipeline component that runs every denoising step
+    # The denoiser's method compile.trace_once traces: one that takes only tensors and shapes (a family whose
+    # forward reads Python numbers from its inputs splits off the part that does not).
+    traced_method = "forward"
     # The denoiser's block lists that compile.scan_blocks runs through torch_xla's scan (none: not built), each
     # with the arguments its blocks return new values of, in their order.
     scan_attributes: dict[str, tuple[str, ...]] = {}

@@ -38,19 +38,21 @@ class TracedDenoiser:
     an op the bridge cannot take) turns tracing off for the rest of the engine's life, and the call that failed
     runs on the recorded path, so a run never fails for it."""
 
-    def __init__(self, module, device, component: str) -> None:
+    def __init__(self, module, device, component: str, method: str = "forward") -> None:
         import torch
 
         raise_recompile_limit()
         self.module = module
         self.component = component
-        self.original = module.forward  # the bound method (diffusers' hooks may have set one of their own)
+        self.method = method
+        self.own = method in vars(module)  # an instance attribute (a hook's), or the class's method
+        self.original = getattr(module, method)  # bound
         self.compiled = torch.compile(self.original, backend="openxla", fullgraph=True, dynamic=False)
         self.failure: str | None = None
         self.failed_shape: str | None = None
         self._device = device
         self._handle = module.register_forward_pre_hook(self._inputs_ready, with_kwargs=True)
-        module.forward = self._forward
+        setattr(module, method, self._forward)
 
     def _inputs_ready(self, module, args, kwargs):
         """The inputs as data on the device before dynamo sees them: host tensors (a timestep on the CPU) moved over
@@ -93,10 +95,10 @@ class TracedDenoiser:
 
     def remove(self) -> None:
         self._handle.remove()
-        if self.module.forward == self._forward:
-            del self.module.forward  # the class's own forward again (or the instance's, which original is)
-            if self.module.forward != self.original:
-                self.module.forward = self.original
+        if self.own:
+            setattr(self.module, self.method, self.original)
+        else:
+            delattr(self.module, self.method)  # the class's own method again
 
 
 def _shape_of(args, kwargs) -> str | None:
@@ -122,6 +124,6 @@ def raise_recompile_limit() -> None:
 
 def install_trace_once(pipe, family, device, hooks) -> TracedDenoiser:
     """The family's denoiser traced once per shape key from now on, as the named hook TRACE_ONCE_HOOK."""
-    traced = TracedDenoiser(getattr(pipe, family.denoiser), device, family.denoiser)
+    traced = TracedDenoiser(getattr(pipe, family.denoiser), device, family.denoiser, family.traced_method)
     hooks.add(TRACE_ONCE_HOOK, traced.remove)
     return traced

@@ -54,6 +54,9 @@ class ZImage(TransformerFamily):
     title = "Z-Image"
     pipeline_classes = ("ZImagePipeline",)
     step_cache_refusal = "diffusers 0.42 has no step cache for it: ZImageTransformer2DModel has no enable_cache"
+    # Its fixed-length text path reads each caption's real length (a Python number) for the position tables, which
+    # it builds on the host; the part after them takes only tensors (static.DEVICE_FORWARD).
+    traced_method = "tpugen_device_forward"
     steps = 50
     guidance_scale = 5.0
     max_sequence_length = 512  # text padded to this many tokens (the pipeline's default), masked as keys
@@ -130,6 +133,7 @@ class ZImage(TransformerFamily):
         handle = pipe.transformer.register_forward_pre_hook(to_device, with_kwargs=True)
         hooks.add("timesteps at the denoiser's door", handle.remove)
         static.install(pipe, hooks)
+        static.precompute_rope(pipe.transformer, device, hooks)
 
     def pipeline_hooks(self, pipe, hooks) -> None:
         from tpugen.families.zimage import static

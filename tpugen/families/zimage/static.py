@@ -17,6 +17,9 @@ from diffusers.models.transformers.transformer_z_image import SEQ_MULTI_OF
 from diffusers.utils.peft_utils import apply_lora_scale
 
 REAL_TOKENS = "_tpugen_real_tokens"  # the attribute of a caption row that holds its real length
+# The transformer's method that takes only tensors (the host's tables included): what compile.trace_once traces,
+# since the real lengths the tables are made from are Python numbers dynamo would guard on.
+DEVICE_FORWARD = "tpugen_device_forward"
 
 
 def _to_multiple(n: int) -> int:
@@ -99,20 +102,20 @@ def static_forward(original):
 
 
 def _forward(self, x, t, cap_feats, lengths, return_dict, patch_size, f_patch_size):
-    key = f"{patch_size}-{f_patch_size}"
-    device, rows = x[0].device, len(x)
-    adaln = self.t_embedder(t * self.t_scale).type_as(x[0])
+    """The host's part (position ids and masks, from the real lengths: Python numbers, cached as device tables),
+    then the device's part, which takes only tensors (what compile.trace_once traces: DEVICE_FORWARD)."""
+    tables = _tables(self, x, cap_feats, lengths, patch_size, f_patch_size)
+    return getattr(self, DEVICE_FORWARD)(x, t, cap_feats, tables, return_dict, patch_size, f_patch_size)
 
-    # Image tokens, all of one shape, padded to a multiple of 32 as diffusers pads them.
-    patches, sizes = [], []
-    for image in x:
-        patch, size, grid = self._patchify_image(image, patch_size, f_patch_size)
-        patches.append(patch)
-        sizes.append(size)
-    image_tokens = patches[0].shape[0]
+
+def _tables(self, x, cap_feats, lengths, patch_size, f_patch_size) -> tuple:
+    """The step's position ids and masks, built on the host from shapes and the captions' real lengths, kept on
+    the device per set of lengths (so a step hands them in as data)."""
+    device, rows = x[0].device, len(x)
+    _, frames, height, width = x[0].shape
+    grid = (frames // f_patch_size, height // patch_size, width // patch_size)
+    image_tokens = grid[0] * grid[1] * grid[2]
     image_pad = (-image_tokens) % SEQ_MULTI_OF
-    if image_pad:
-        patches = [torch.cat([p, p[-1:].repeat(image_pad, 1)], dim=0) for p in patches]
     padded_image = image_tokens + image_pad
     text = _to_multiple(cap_feats[0].shape[0])
     caption = [_to_multiple(n) for n in lengths]  # what diffusers would pad each caption to
@@ -140,7 +143,29 @@ def _forward(self, x, t, cap_feats, lengths, return_dict, patch_size, f_patch_si
         if len(cache) > 64:
             cache.clear()
         cache[table_key] = host_tables()
-    image_ids, text_ids, image_padding, text_padding, text_keys, keys = cache[table_key]
+    return cache[table_key]
+
+
+def _device_forward(self, x, t, cap_feats, tables, return_dict, patch_size, f_patch_size):
+    """The transformer's computation for one step, from its inputs and the host's tables: every number it needs
+    besides them comes from shapes, so dynamo traces it once per shape key."""
+    key = f"{patch_size}-{f_patch_size}"
+    rows = len(x)
+    image_ids, text_ids, image_padding, text_padding, text_keys, keys = tables
+    adaln = self.t_embedder(t * self.t_scale).type_as(x[0])
+
+    # Image tokens, all of one shape, padded to a multiple of 32 as diffusers pads them.
+    patches, sizes = [], []
+    for image in x:
+        patch, size, _ = self._patchify_image(image, patch_size, f_patch_size)
+        patches.append(patch)
+        sizes.append(size)
+    image_tokens = patches[0].shape[0]
+    image_pad = (-image_tokens) % SEQ_MULTI_OF
+    if image_pad:
+        patches = [torch.cat([p, p[-1:].repeat(image_pad, 1)], dim=0) for p in patches]
+    padded_image = image_tokens + image_pad
+    text = _to_multiple(cap_feats[0].shape[0])
 
     hidden = self.all_x_embedder[key](torch.cat(patches, dim=0))
     hidden = torch.where(image_padding.unsqueeze(-1), self.x_pad_token, hidden).view(rows, padded_image, -1)
@@ -176,6 +201,19 @@ def install(pipe, hooks) -> None:
         "captions of a fixed length",
         lambda original: types.MethodType(static_forward(original), transformer),
     )
+    setattr(transformer, DEVICE_FORWARD, types.MethodType(_device_forward, transformer))
+    hooks.add("the transformer's device part", lambda: delattr(transformer, DEVICE_FORWARD))
+
+
+def precompute_rope(transformer, device, hooks) -> None:
+    """The rotary tables on the device before the first step: diffusers' RopeEmbedder makes them at its first call
+    inside a `torch.device("cpu")` block, which dynamo cannot trace (compile.trace_once); the same tables either way.
+    Removing the hook leaves them to be made at the first call again."""
+    rope = transformer.rope_embedder
+    if rope.freqs_cis is None:
+        tables = rope.precompute_freqs_cis(rope.axes_dims, rope.axes_lens, theta=rope.theta)
+        rope.freqs_cis = [table.to(device) for table in tables]
+        hooks.add("rotary tables made ahead", lambda: setattr(rope, "freqs_cis", None))
 
 
 def install_on_pipeline(pipe, hooks) -> None:
