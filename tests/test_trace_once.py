@@ -7,7 +7,16 @@ import json
 
 import numpy as np
 import pytest
-from conftest import OTHER_GRAPH, SAME_SETUP, Recording, assert_same_images, run_cli, tiny_config, write_config
+from conftest import (
+    OTHER_DEVICE_COUNT,
+    OTHER_GRAPH,
+    SAME_SETUP,
+    Recording,
+    assert_same_images,
+    run_cli,
+    tiny_config,
+    write_config,
+)
 
 from tpugen.backends.base import TRACE_ONCE_FALSE
 from tpugen.backends.xla.trace import OFFLOAD, PLACEMENT, SCAN, SPMD, STEP_CACHE, trace_once_reason
@@ -266,6 +275,7 @@ def test_every_family_traces_once_with_the_pixels_of_recording_every_step(model,
     assert trace["state"] == "on", trace  # no family's denoiser breaks dynamo's graph
     assert traced["compiles_after_warmup"] == 0 and lazy["compiles_after_warmup"] == 0
     assert traced["xla_counters"]["timed_phase"]["transfers_to_host"] == traced["batches"]
+
     # Graph executions per step (exact whatever this process compiled before): recorded every step, 1; traced
     # once, the denoiser's graph and the step's work after it, and the work before it where a step does some
     # there (the CFG batch, the input's scaling). Plus text encoding and decoding, one each per batch.
@@ -381,3 +391,24 @@ def test_img2img_inpainting_and_hires_fix_trace_once_with_the_pixels_of_recordin
     assert sorted(w["shape_key"] for w in traced["warmup"]) == sorted(w["shape_key"] for w in lazy["warmup"])
     assert len(list(traced_dir.glob("[0-9]*.png"))) == 3
     assert_same_images(traced_dir, lazy_dir, OTHER_GRAPH)
+
+
+@pytest.mark.xla
+def test_all_chips_of_a_vm_trace_once_in_each_rank(both_ways, tmp_path):
+    """execution.mode: multi (on XLA:CPU, two ranks as threads of one process; on a TPU VM a process per chip):
+    each rank's UNet traced once, the images those of one device recording every step."""
+    from conftest import generate_in_new_process
+
+    # A process of its own: torch_xla.launch must start before this process's XLA runtime did.
+    proc, run_dir = generate_in_new_process(
+        tmp_path,
+        compile={"trace_once": True},
+        execution={"backend": "xla", "mode": "multi", "cores": 2},
+        **SMALL,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["device"]["trace_once"]["state"] == "on"
+    assert report["compiles_after_warmup"] == 0 and report["images"] == 2
+    (_, lazy_dir, _) = both_ways[1]
+    assert_same_images(run_dir, lazy_dir, OTHER_DEVICE_COUNT)
