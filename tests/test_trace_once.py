@@ -65,11 +65,19 @@ def test_trace_once_defaults_on_and_leaves_the_config_hash_as_it_was(tmp_path):
 
 
 def test_plan_says_whether_the_denoiser_is_traced_once(tmp_path):
+    from tpugen.app import planned_trace
+    from tpugen.families import family
+
     config = tiny_config(tmp_path)
     config.pop("compile")
-    result = run_cli("plan", write_config(tmp_path / "on.yaml", config))
-    assert result.exit_code == 0, result.output
-    assert "trace once: on (unet traced by dynamo once per shape key)" in " ".join(result.output.split())
+    on = load_config(write_config(tmp_path / "on.yaml", config)).config
+    assert planned_trace(on, family("sd")).startswith("trace once: on (unet traced by dynamo once per shape key)")
+    assert (
+        planned_trace(
+            on.model_copy(update={"execution": on.execution.model_copy(update={"backend": "cpu"})}), family("sd")
+        )
+        is None
+    )
     cached = {**config, "model": {"id": "tiny-flux"}, "compile": {"step_cache": {"method": "taylorseer"}}}
     result = run_cli("plan", write_config(tmp_path / "cache.yaml", cached))
     assert result.exit_code == 0, result.output
