@@ -122,7 +122,7 @@ def test_report_md_shows_both_figures_and_the_warning():
     text = render_markdown(report)
     assert f"- trace once: off, the unet was recorded every step -- {STEP_CACHE}" in text
     assert "host ms per denoising step (recording and handing it to the device; median): 41.50" in text
-    assert "device ms per step (its graphs' execution, dispatch to completion; mean): 3.50" in text
+    assert "device ms per step (its graphs' execution, at most the loop's time; mean): 3.50" in text
     assert "- **host-bound: the host needs 41.50 ms per step, the device 3.50 ms**" in text
 
 

@@ -32,7 +32,11 @@ class StepClock:
     """Host time per step: from one step's hand-off to the device (its sync returned, which does not wait for the
     device) to the next one's, the first step counted from the loop's start. Device time per step: the device's
     execution seconds over the loops (read from the backend's counters with the device idle at each end: one wait
-    where a loop starts and one where it ends, none inside it), over their steps.
+    where a loop starts and one where it ends, none inside it), over their steps. Each execution counts from its
+    dispatch to its completion, so where executions queue behind each other (the host ahead of the device) their
+    sum passes the time the device was busy; it can never be busy longer than the loop took, so the figure is
+    the smaller of the two: exact while the device waits on the host, the loop's own time while the host waits on
+    the device.
 
     A denoising loop may run more than once in a call (hires fix's second pass): the figures cover every loop."""
 
@@ -47,7 +51,7 @@ class StepClock:
     def loop_started(self) -> None:
         self._backend.wait()
         self._loop_started_at = self._execute_seconds()
-        self._last = time.perf_counter()
+        self._last = self._loop_wall_start = time.perf_counter()
 
     def step_handed_off(self) -> None:
         now = time.perf_counter()
@@ -59,11 +63,11 @@ class StepClock:
         if self._loop_started_at is None:
             return
         self._backend.wait()
-        end = self._execute_seconds()
+        end, wall = self._execute_seconds(), time.perf_counter() - self._loop_wall_start
         if end is None or self._loop_started_at is None:
             self._device_known = False
         else:
-            self._device += end - self._loop_started_at
+            self._device += min(end - self._loop_started_at, wall)
         self._loop_started_at, self._last = None, None
 
     def _execute_seconds(self) -> float | None:

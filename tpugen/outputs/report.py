@@ -338,7 +338,7 @@ def _step_time_lines(timed: dict) -> list[str]:
         return []
     lines = [
         f"- host ms per denoising step (recording and handing it to the device; median): {fmt(host, 2)}; "
-        f"device ms per step (its graphs' execution, dispatch to completion; mean): {fmt(device, 2)}"
+        f"device ms per step (its graphs' execution, at most the loop's time; mean): {fmt(device, 2)}"
     ]
     warning = host_bound(host, device)
     return lines + ([f"- **{warning}**"] if warning else [])

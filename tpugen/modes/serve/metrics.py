@@ -35,7 +35,7 @@ class Metrics:
         )
         self.device_ms_per_step = Gauge(
             "tpugen_device_ms_per_step",
-            "the last batch's device milliseconds per denoising step (its graphs' execution, dispatch to completion)",
+            "the last batch's device milliseconds per denoising step (its graphs' execution, at most the loop's time)",
             registry=self.registry,
         )
         # A request's own bad input is not counted: only what says the device (or the code driving it) is broken.
