@@ -58,22 +58,25 @@ SETTLE = 2.0
 # ---------------------------------------------------------------- (a) end to end
 
 
+def _run_config(model: str, trace_once: bool, output: dict, **work) -> dict:
+    """A run of `model` at 64x64 on XLA:CPU with trace_once as given: what every side of this benchmark runs."""
+    return {
+        "model": {"id": model, "dtype": "float32"},
+        "height": 64,
+        "width": 64,
+        **work,
+        "execution": {"backend": "xla"},
+        "compile": {"trace_once": trace_once},
+        "output": output,
+    }
+
+
 def _generate(workdir: Path, model: str, trace_once: bool) -> dict:
     from bench import _generate_fresh  # scripts/bench.py: `tpugen generate` in a fresh process
 
     run_id = f"{model}-{'traced' if trace_once else 'lazy'}"
-    config = {
-        "model": {"id": model, "dtype": "float32"},
-        "prompts": PROMPTS,
-        "height": 64,
-        "width": 64,
-        "steps": 8,
-        "batch_size": 2,
-        "seed": 5,
-        "execution": {"backend": "xla"},
-        "compile": {"trace_once": trace_once},
-        "output": {"dir": str(workdir), "run_id": run_id},
-    }
+    output = {"dir": str(workdir), "run_id": run_id}
+    config = _run_config(model, trace_once, output, prompts=PROMPTS, steps=8, batch_size=2, seed=5)
     return _generate_fresh(workdir, run_id, config)
 
 
@@ -272,17 +275,7 @@ def step_parts_worker(model: str, trace_once: bool) -> None:
     from tpugen.plan import plan_run
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = {
-            "model": {"id": model, "dtype": "float32"},
-            "prompts": ["a red circle"],
-            "height": 64,
-            "width": 64,
-            "steps": 20,
-            "batch_size": 1,
-            "execution": {"backend": "xla"},
-            "compile": {"trace_once": trace_once},
-            "output": {"dir": tmp},
-        }
+        config = _run_config(model, trace_once, {"dir": tmp}, prompts=["a red circle"], steps=20, batch_size=1)
         path = Path(tmp) / "c.yaml"
         path.write_text(yaml.safe_dump(config))
         run = load_config(path)
