@@ -26,6 +26,10 @@ class Counters:
     # Seconds the device spent on graph executions, each from its dispatch to its completion (XLA's ExecuteTime):
     # exact while executions do not queue behind each other, more than the device's own time when they do.
     execute_seconds: float | None = None
+    # Lazy graphs looked up in the in-memory compile cache, found or not (XLA's UncachedCompile plus CachedCompile):
+    # a phase that runs each of its graphs once looks up as many as a fresh process compiles there, whatever
+    # this process compiled before.
+    graph_lookups: int | None = None
 
     def __sub__(self, other: Counters) -> Counters:
         def minus(a, b):

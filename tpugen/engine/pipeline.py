@@ -11,6 +11,7 @@ import os
 import threading
 from pathlib import Path
 
+from tpugen.backends.base import Counters
 from tpugen.engine.hooks import Hooks
 from tpugen.engine.step_cache import install_step_cache, prepare_call, reset_step_cache
 from tpugen.engine.step_clock import StepClock, StepTiming
@@ -50,7 +51,7 @@ class LoadedPipeline:
         self.model_label = model_label
         self.scheduler_name = scheduler_name
         self.hooks = Hooks()
-        self._census: list[tuple[str, int]] | None = None
+        self._census: list[tuple[str, Counters]] | None = None
         self.phase_memory: dict[str, dict | None] = {}  # device memory after each phase of the last census
         self.running = "text encoders"  # what runs on the device now, for an out-of-memory message
         self.out_of_memory_advice = "`tpugen plan CONFIG` shows each component's size against the chip"
@@ -186,8 +187,7 @@ class LoadedPipeline:
 
     def _mark(self, phase: str) -> None:
         if self._census is not None:
-            counters = self.backend.counters()
-            self._census.append((phase, counters.compiles, counters.compile_seconds))
+            self._census.append((phase, self.backend.counters()))
             # With offload only this phase's component is on the device, so this is its footprint.
             self.phase_memory[phase] = self.backend.memory()
 
@@ -317,13 +317,14 @@ class LoadedPipeline:
         """Run one batch; returns uint8 HxWx3 arrays for its real (unpadded) rows.
 
         With `census`, also returns {"graphs": graphs compiled per phase, "compile_seconds": their compile
-        seconds per phase} (None where nothing counts compiles; compile seconds are XLA's only).
+        seconds per phase, "graphs_run": lazy graphs looked up in the compile cache per phase, compiled or found}
+        (None where nothing counts compiles; compile seconds and lookups are XLA's only).
         """
         import numpy as np
         import torch
 
         start = self.backend.counters() if census else None
-        self._census = [("start", start.compiles, start.compile_seconds)] if start is not None else None
+        self._census = [("start", start)] if start is not None else None
         self.phase_memory = {}
         self._loop_started, self._pass, self._steps_before = False, "", 0
         self.running = "text encoders"
@@ -369,14 +370,17 @@ class LoadedPipeline:
     def _per_phase(self) -> dict | None:
         if self._census is None:
             return None
-        steps = list(zip(self._census, self._census[1:], strict=False))
-        seconds = {
-            phase: (after - before if after is not None and before is not None else None)
-            for (_, _, before), (phase, _, after) in steps
-        }
+        marks = zip(self._census, self._census[1:], strict=False)
+        deltas = {phase: after - before for (_, before), (phase, after) in marks}
+
+        def per_phase(field: str) -> dict | None:
+            values = {phase: getattr(delta, field) for phase, delta in deltas.items()}
+            return values if all(v is not None for v in values.values()) else None
+
         return {
-            "graphs": {phase: count - previous for (_, previous, _), (phase, count, _) in steps},
-            "compile_seconds": seconds if all(v is not None for v in seconds.values()) else None,
+            "graphs": per_phase("compiles"),
+            "compile_seconds": per_phase("compile_seconds"),
+            "graphs_run": per_phase("graph_lookups"),
         }
 
 

@@ -19,6 +19,9 @@ class WarmupEntry:
     compiles: int | None  # None where the backend counts no compiles
     compile_seconds: float | None
     graphs_per_phase: dict | None = None
+    # Lazy graphs each phase looked up in the compile cache, compiled or found there: in a phase that runs each
+    # of its graphs once (the first denoising step), as many as a fresh process compiles, whatever ran before.
+    graphs_run_per_phase: dict | None = None
     compile_seconds_per_phase: dict | None = None
     device_memory_per_phase: dict | None = None
     persistent_cache_hits: int | None = None
@@ -49,6 +52,7 @@ class WarmupEntry:
             compiles=delta.compiles if delta else None,
             compile_seconds=delta.compile_seconds if delta else None,
             graphs_per_phase=census["graphs"] if census else None,
+            graphs_run_per_phase=census["graphs_run"] if census else None,
             compile_seconds_per_phase=census["compile_seconds"] if census else None,
             device_memory_per_phase=memory or None,
             persistent_cache_hits=delta.persistent_cache_hits if delta else None,

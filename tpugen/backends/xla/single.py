@@ -145,6 +145,7 @@ class XlaBackend(OneDeviceBackend):
             persistent_cache_misses=int(met.counter_value("PersistentCacheMiss") or 0),
             persistent_cache_load_failures=int(met.counter_value("PersistentCacheDeserializeFailure") or 0),
             execute_seconds=seconds("ExecuteTime") + seconds("ExecuteReplicatedTime"),
+            graph_lookups=int(met.counter_value("UncachedCompile") or 0) + int(met.counter_value("CachedCompile") or 0),
         )
 
     def describe(self) -> dict:

@@ -77,12 +77,16 @@ class TracedDenoiser:
     def _forward(self, *args, **kwargs):
         if self.failure is None:
             import torch._dynamo
+            import torch_xla
 
+            counted = _kept_counters(torch_xla._XLAC)
             try:
                 return self.compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as exc:
                 self.failure = one_line(exc)
                 self.failed_shape = _shape_of(args, kwargs)
+            finally:
+                _put_back(torch_xla._XLAC, counted)
         return self.original(*args, **kwargs)
 
     def state(self, setting: bool) -> TraceOnce:
@@ -99,6 +103,22 @@ class TracedDenoiser:
             setattr(self.module, self.method, self.original)
         else:
             delattr(self.module, self.method)  # the class's own method again
+
+
+# torch_xla's dynamo bridge clears every counter while it traces a new shape (at each FX node, restoring only two
+# of its own), and the census and the report read these: a call that traced puts them back (four reads a step).
+KEPT_COUNTERS = ("CachedCompile", "PersistentCacheHit", "PersistentCacheMiss", "PersistentCacheDeserializeFailure")
+
+
+def _kept_counters(xlac) -> list[int]:
+    return [xlac._xla_counter_value(name) or 0 for name in KEPT_COUNTERS]
+
+
+def _put_back(xlac, before: list[int]) -> None:
+    if any(now < then for now, then in zip(_kept_counters(xlac), before, strict=True)):
+        for name, then in zip(KEPT_COUNTERS, before, strict=True):
+            if then:
+                xlac._xla_increment_counter(name, then)
 
 
 def _shape_of(args, kwargs) -> str | None:
