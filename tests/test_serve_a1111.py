@@ -241,32 +241,49 @@ def test_web_ui_clients_may_set_the_served_checkpoint_and_list_schedules(client)
     )
 
 
-def test_interrupt_answers_the_web_uis_requests_with_what_they_have_and_no_others(client, server):
+def test_interrupt_answers_the_web_uis_requests_with_what_they_have_and_no_others(client, server, monkeypatch):
     service = server[1]
     results = {}
+    # The device waits after each batch until the test lets it go: what the web UI request has when it is
+    # interrupted is then known exactly, whatever the machine's speed.
+    gate = threading.Event()
+    run_batch = service._run_batch
+
+    def batch_then_wait(engine, key, jobs):
+        run_batch(engine, key, jobs)
+        gate.wait(120)
+
+    monkeypatch.setattr(service, "_run_batch", batch_then_wait)
 
     def web_ui() -> None:
-        body = {**BASE, "prompt": "a slow cat", "seed": 40, "batch_size": 4, "n_iter": 2, "steps": 40}
+        body = {**BASE, "prompt": "a cat", "seed": 40, "batch_size": 4, "n_iter": 2, "steps": 8}
         results["web ui"] = client.post("/sdapi/v1/txt2img", json=body)
 
     def openai() -> None:
         results["openai"] = client.post("/v1/images/generations", json={"prompt": "a dog", "n": 2, "size": "64x64"})
 
-    asking = [threading.Thread(target=web_ui)]
-    asking[0].start()
-    deadline = time.monotonic() + 120
-    while not any(r.pixels for r in service.queue.open_requests()) and time.monotonic() < deadline:
-        time.sleep(0.01)  # until the web UI request has its first batch
-    asking.append(threading.Thread(target=openai))
-    asking[1].start()
-    while len(service.queue.open_requests()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert client.post("/sdapi/v1/interrupt").status_code == 200
-    for thread in asking:
-        thread.join(120)
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not condition():
+            assert time.monotonic() < deadline, f"not within 120 s: {what}"
+            time.sleep(0.01)
+
+    asking = [threading.Thread(target=web_ui), threading.Thread(target=openai)]
+    try:
+        asking[0].start()
+        wait_for(lambda: any(r.pixels for r in service.queue.open_requests()), "the web UI request's first batch")
+        (web,) = service.queue.open_requests()
+        had = len(web.pixels)  # the device now waits: no more images until the gate opens
+        asking[1].start()
+        wait_for(lambda: len(service.queue.open_requests()) == 2, "the OpenAI request open beside it")
+        assert client.post("/sdapi/v1/interrupt").status_code == 200
+    finally:
+        gate.set()
+        for thread in asking:
+            thread.join(120)
     answer = results["web ui"].json()
     info = json.loads(answer["info"])
-    assert 1 <= len(answer["images"]) < 8 and len(info["all_seeds"]) == len(answer["images"])
+    assert 1 <= had < 8 and len(answer["images"]) == had and len(info["all_seeds"]) == had
     # Each image answered keeps its own seed: the PNG's parameters and info's list agree.
     seeds = [int(re.search(r"Seed: (\d+)", decode(b64).text["parameters"]).group(1)) for b64 in answer["images"]]
     assert seeds == info["all_seeds"] and set(seeds) <= set(range(40, 48))

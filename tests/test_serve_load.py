@@ -55,7 +55,13 @@ def test_a_burst_past_the_queue_then_hundreds_more_then_sigterm_in_flight(tmp_pa
             made = [r for r in burst if r.status_code == 200]
             refused = [r for r in burst if r.status_code == 503]
             assert made and all(decode(r.json()["images"][0]).size == (64, 64) for r in made)
+            # 48 at once against a queue of 8: the requests past it are refused, each saying why, and counted.
+            assert refused, f"all {BURST} requests of the burst were taken by a queue of 8"
             assert all(int(r.headers["retry-after"]) > 0 for r in refused)
+            assert all("the server is busy" in r.json()["detail"][0] for r in refused), refused[0].text
+            assert all("(serve.max_queue)" in r.json()["detail"][0] for r in refused), refused[0].text
+            refusals = 'tpugen_requests_total{endpoint="/sdapi/v1/txt2img",status="503"}'
+            assert metric(url, refusals) == len(refused)
             print(f"burst of {BURST} at serve.max_queue 8: {len(made)} images, {len(refused)} refused with 503")
 
             before = rss_mb(proc.pid)
