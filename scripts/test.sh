@@ -4,19 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 
-# The one pytest process compiles thousands of XLA:CPU graphs, each holding about 15 memory maps, and keeps many
-# buffers (16,792 maps after test_generate_xla.py and test_hires.py alone, measured): past the kernel's
-# vm.max_map_count (65530 by default) it crashed late in the suite (rc 139,
-# in libgcc_s's unwinder). Raised where this user may; else said, with the command.
-want=1048576
-have=$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo "$want")
-if [ "$have" -lt "$want" ]; then
-  if [ -w /proc/sys/vm/max_map_count ] && echo "$want" >/proc/sys/vm/max_map_count 2>/dev/null; then
-    echo "test: vm.max_map_count raised from $have to $want (the suite's one process holds many maps)" >&2
-  else
-    echo "test: vm.max_map_count is $have; if the suite crashes near its end (rc 139): sudo sysctl -w vm.max_map_count=$want" >&2
-  fi
-fi
-
+# Two test processes, one a core (pytest-xdist): tests that share a module's or the session's fixtures run in the
+# same process (tests/conftest.py's groups, docs/internals.md). At the end: the slowest files and each process's
+# memory maps, against a budget (tests/conftest.py: MAPS_BUDGET), so the suite fails before it grows into a crash.
+# TPUGEN_TEST_WORKERS sets how many processes (0: this one alone, as pytest without xdist).
 export PJRT_DEVICE=CPU
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest -n "${TPUGEN_TEST_WORKERS:-2}" --dist loadgroup --slowest-files 12 "$@"

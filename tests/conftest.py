@@ -52,6 +52,20 @@ def assert_same_images(run_dir: Path, reference: Path, max_diff: int, names: lis
         assert a.shape == b.shape and int(np.abs(a - b).max()) <= max_diff, (name, int(np.abs(a - b).max()))
 
 
+# A first call's graphs by phase, lazily traced: text encoding, one step (replayed for the later ones), decoding.
+FIRST_CALL = {"text encoding": 1, "first denoising step": 1, "later denoising steps": 0, "decoding": 1}
+
+
+def cold_graphs(warm: dict) -> dict:
+    """The graphs a fresh process compiles in each phase of this warmup entry, whatever this process compiled
+    before. A phase that runs each of its graphs once (text encoding, the first step, decoding) counts the graphs
+    it looked up in the compile cache, compiled or found there (report.json's graphs_run_per_phase). A phase of
+    later steps replays its graphs, so it counts what it compiled: 0 whatever ran before when the steps reuse the
+    first step's graphs, and only then; a test that expects new graphs there measures in a fresh process."""
+    run = warm["graphs_run_per_phase"]
+    return {phase: warm["graphs_per_phase"][phase] if "later" in phase else count for phase, count in run.items()}
+
+
 def image_bytes(run_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(run_dir.glob("[0-9]*.png"))}
 
@@ -339,15 +353,158 @@ class WorkItemRow:
         self.negative_prompt = negative_prompt
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
-    """How many memory maps this one process holds at the end, against the kernel's limit (scripts/test.sh):
-    compiled XLA:CPU graphs and device buffers each hold some, and past the limit the process crashes."""
+# ---------------------------------------------------------------- the suite as a system (docs/internals.md)
+
+# Test modules that share a session fixture run in one process (pytest-xdist --dist loadgroup): the server of
+# `server`/`client`. Every other module is a group of its own, so its module fixtures are built once.
+SHARED_GROUPS = {
+    "session-server": {
+        "test_serve.py",
+        "test_serve_a1111.py",
+        "test_serve_bounds.py",
+        "test_serve_fairness.py",
+        "test_serve_img2img.py",
+        "test_serve_jobs.py",
+        "test_serve_lifecycle.py",
+        "test_serve_loras.py",
+        "test_serve_offloop.py",
+        "test_serve_openai.py",
+        "test_serve_page.py",
+        "test_serve_runs.py",
+        "test_serve_runs_images.py",
+    },
+}
+# Memory maps one test process may hold at its end. Each XLA:CPU executable holds hundreds (its JIT-compiled
+# kernels: about 560 a tiny-sd graph, measured), freed when the compile cache lets it go; the kernel's default
+# vm.max_map_count is 65,530, and past it the process crashes (rc 139). TPUGEN_TEST_MAPS_BUDGET overrides.
+MAPS_BUDGET = int(os.environ.get("TPUGEN_TEST_MAPS_BUDGET", "20000"))
+
+
+def group_of(module: str) -> str:
+    return next((group for group, names in SHARED_GROUPS.items() if module in names), module.removesuffix(".py"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Each test's xdist group (before xdist reads the marks); without xdist the marks are inert."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group_of(item.path.name)))
+
+
+# The test a child pytest process runs for a `cold_process` test (its node id), set in the child only.
+COLD_CHILD = "TPUGEN_TEST_COLD_CHILD"
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked `cold_process` runs in a child pytest process of its own, whose compile cache (XLA's and
+    dynamo's) starts empty: for counts that only a first compile shows (graphs a later phase adds, graphs one
+    engine shares with another). Its fixtures are the child's; the parent's are set up and not used."""
+    if pyfuncitem.get_closest_marker("cold_process") is None or os.environ.get(COLD_CHILD) == pyfuncitem.nodeid:
+        return None
+    config = pyfuncitem.config
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", pyfuncitem.nodeid, "-q", "-p", "no:cacheprovider", "-n", "0"],
+        cwd=config.rootpath,
+        capture_output=True,
+        text=True,
+        timeout=float(config.getini("timeout") or 600) - 30,  # within the parent's own limit
+        env={**os.environ, COLD_CHILD: pyfuncitem.nodeid, "PJRT_DEVICE": "CPU"},
+    )
+    if proc.returncode != 0 or " passed" not in proc.stdout:
+        pytest.fail(f"in a process of its own (rc {proc.returncode}):\n{proc.stdout[-6000:]}{proc.stderr[-2000:]}")
+    return True
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--slowest-files", type=int, default=0, metavar="N", help="list the N test files that took longest"
+    )
+
+
+def _memory_maps() -> int | None:
     try:
-        maps = Path("/proc/self/maps").read_text().count("\n")
-        limit = Path("/proc/sys/vm/max_map_count").read_text().strip()
+        return Path("/proc/self/maps").read_text().count("\n")
     except OSError:
+        return None
+
+
+_processes: dict[str, int] = {}  # memory maps at the end, by test process ("main" without xdist)
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Seconds per test file (setup, call and teardown), summed in the process that reports (xdist's controller)."""
+    path = report.nodeid.split("::")[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+
+
+_file_maps: dict[str, int] = {}  # memory maps each test file left its process holding (compiled graphs, mostly)
+_maps_seen: list[int] = []
+
+
+def pytest_sessionstart(session) -> None:
+    maps = _memory_maps()
+    if maps is not None:
+        _maps_seen.append(maps)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a file's last test (and its module fixtures' teardown): the maps it added to this process."""
+    result = yield
+    if nextitem is None or nextitem.path != item.path:
+        maps = _memory_maps()
+        if maps is not None:
+            before = _maps_seen[-1] if _maps_seen else maps
+            _maps_seen.append(maps)
+            path = item.nodeid.split("::")[0]
+            _file_maps[path] = _file_maps.get(path, 0) + maps - before
+    return result
+
+
+def pytest_testnodedown(node, error) -> None:
+    """A worker's end (xdist's controller): the maps it reported."""
+    output = getattr(node, "workeroutput", {})
+    if output.get("memory_maps") is not None:
+        _processes[node.gateway.id] = output["memory_maps"]
+    for path, maps in output.get("file_maps", {}).items():
+        _file_maps[path] = _file_maps.get(path, 0) + maps
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Every process's memory maps at its end; past the budget the suite fails, before it grows into a crash."""
+    config = session.config
+    if hasattr(config, "workeroutput"):  # an xdist worker: tell the controller
+        config.workeroutput["memory_maps"] = _memory_maps()
+        config.workeroutput["file_maps"] = _file_maps
         return
-    terminalreporter.write_line(f"memory maps of the test process at the end: {maps} (vm.max_map_count {limit})")
+    if not _processes:  # no workers: this one process ran the tests
+        maps = _memory_maps()
+        if maps is not None:
+            _processes["main"] = maps
+    if any(maps > MAPS_BUDGET for maps in _processes.values()) and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    if hasattr(config, "workeroutput"):
+        return
+    slowest = config.getoption("slowest_files")
+    if slowest and _file_seconds:
+        terminalreporter.write_sep("-", f"the {slowest} slowest test files (seconds, summed over their tests)")
+        for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1])[:slowest]:
+            terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    if slowest and _file_maps:
+        most = sorted(_file_maps.items(), key=lambda kv: -kv[1])[:slowest]
+        terminalreporter.write_line("memory maps added by file: " + ", ".join(f"{p} {m}" for p, m in most))
+    for process, maps in sorted(_processes.items()):
+        over = f" -- OVER the budget of {MAPS_BUDGET}" if maps > MAPS_BUDGET else ""
+        terminalreporter.write_line(f"memory maps of test process {process} at the end: {maps}{over}")
+    if any(maps > MAPS_BUDGET for maps in _processes.values()):
+        terminalreporter.write_line(
+            f"the suite fails: a test process ended with more than {MAPS_BUDGET} memory maps (TPUGEN_TEST_MAPS_BUDGET)"
+        )
 
 
 class Recording:
