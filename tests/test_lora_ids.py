@@ -5,6 +5,7 @@ reports and the server's replies carry no machine path; pod-run ships the files 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shlex
 import shutil
@@ -302,4 +303,9 @@ def test_a_runs_images_and_report_carry_no_machine_path_and_it_resumes_after_a_m
     (moved / "manifest.jsonl").write_text("")
     resumed = run_cli("resume", moved, "--quiet")
     assert resumed.exit_code == 0, resumed.output
+    again = Image.open(png)
+    assert json.loads(again.text["tpugen"]) == json.loads(text["tpugen"])  # the same record, field by field
+    assert again.text == text
+    pixels = [np.asarray(image.convert("RGB"), dtype=np.int16) for image in (again, Image.open(io.BytesIO(first)))]
+    assert int(np.abs(pixels[0] - pixels[1]).max()) == 0, int(np.abs(pixels[0] - pixels[1]).max())
     assert png.read_bytes() == first
