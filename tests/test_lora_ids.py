@@ -122,6 +122,33 @@ def test_a_runs_own_config_far_from_the_config_it_started_from_finds_the_file_th
         resolve(json.loads(run.config.model_dump_json()), base_dir=session.run_dir)
 
 
+def test_a_copy_of_the_same_bytes_under_another_name_does_not_rename_a_runs_lora(tmp_path, monkeypatch):
+    from tpugen.config import resolve
+    from tpugen.engine.session import RunSession
+
+    # Another config used the same bytes as style-kohya.safetensors: this machine remembers that file for the
+    # sha256. The run, its folder moved, still finds its own style.safetensors, and its records keep the name.
+    monkeypatch.setenv("TPUGEN_CACHE", str(tmp_path / "cache"))
+    path = project(tmp_path / "proj")
+    monkeypatch.chdir(tmp_path / "proj")
+    run = load_config(path)
+    session = RunSession.create(run)
+    monkeypatch.chdir(tmp_path)
+    other = tmp_path / "elsewhere" / "style-kohya.safetensors"
+    other.parent.mkdir()
+    shutil.copy(run.loras[0].path, other)
+    assert load_config(write_config(tmp_path / "other.yaml", {**yaml.safe_load(path.read_text()), "model": {
+        "id": "tiny-sd", "loras": [{"id": str(other)}]}})).loras[0].name == "style-kohya"  # fmt: skip
+    shutil.move(tmp_path / "proj", tmp_path / "moved")
+    moved_run = tmp_path / "moved" / session.run_dir.relative_to(tmp_path / "proj")
+
+    copy = resolve(json.loads(run.config.model_dump_json()), base_dir=moved_run)
+
+    assert copy.loras[0].name == "style" and copy.loras[0].path == str(
+        tmp_path / "moved" / "loras" / "style.safetensors"
+    )
+
+
 def test_a_runs_lora_that_is_gone_is_one_line_naming_its_id_and_the_sha256_it_needs(tmp_path, monkeypatch):
     from tpugen.engine.session import RunSession
 

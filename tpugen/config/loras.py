@@ -231,10 +231,14 @@ def remember(sha256: str, path: Path) -> None:
         pass
 
 
-def _remembered(sha256: str) -> Path | None:
-    """The file this machine last found with this sha256, if it is still there with that content."""
+def _remembered(sha256: str, file_name: str | None) -> Path | None:
+    """The file this machine last found with this sha256, if it is still there with that content and has the
+    `file_name` the id gives (a LoRA is named by its file: a copy of the same bytes under another name, which
+    another config used, would rename it in a resumed run's records)."""
     try:
         path = Path(_known_file(sha256).read_text(encoding="utf-8"))
+        if file_name is not None and path.name != file_name:
+            return None
         if path.is_absolute() and path.is_file() and file_hashes(path)[0] == sha256:
             return path
     except (OSError, ValueError, struct.error):
@@ -254,7 +258,8 @@ def locate(
     if candidate.exists():
         path = _in_folder(candidate, weight_name, where) if candidate.is_dir() else candidate
     elif relative and sha256 is not None and in_run_dir(base_dir):
-        found = _remembered(sha256) or _beside_run(lora_id, weight_name, sha256, base_dir)
+        file_name = Path(weight_name or lora_id).name if weight_name or lora_id.endswith(".safetensors") else None
+        found = _remembered(sha256, file_name) or _beside_run(lora_id, weight_name, sha256, base_dir)
         if found is not None:
             return found, False
         if is_hub_lora(lora_id):
