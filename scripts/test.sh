@@ -7,6 +7,6 @@ cd "$(dirname "$0")/.."
 # Two test processes, one a core (pytest-xdist): tests that share a module's or the session's fixtures run in the
 # same process (tests/conftest.py's groups, docs/internals.md). At the end: the slowest files and each process's
 # memory maps, against a budget (tests/conftest.py: MAPS_BUDGET), so the suite fails before it grows into a crash.
-# TPUGEN_TEST_WORKERS sets how many processes (0: this one alone, as pytest without xdist).
+# TPUGEN_TEST_WORKERS sets how many processes (0: this one alone), over pyproject.toml's addopts.
 export PJRT_DEVICE=CPU
 exec .venv/bin/python -m pytest -n "${TPUGEN_TEST_WORKERS:-2}" --dist loadgroup --slowest-files 12 "$@"
