@@ -9,4 +9,4 @@ cd "$(dirname "$0")/.."
 # memory maps, against a budget (tests/conftest.py: MAPS_BUDGET), so the suite fails before it grows into a crash.
 # TPUGEN_TEST_WORKERS sets how many processes (0: this one alone), over pyproject.toml's addopts.
 export PJRT_DEVICE=CPU
-exec .venv/bin/python -m pytest -n "${TPUGEN_TEST_WORKERS:-2}" --dist loadgroup --slowest-files 12 "$@"
+exec .venv/bin/python -m pytest -n "${TPUGEN_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder --slowest-files 12 "$@"
