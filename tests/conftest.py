@@ -424,6 +424,22 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: rank.get(groups[id(item)], len(rank)))  # stable: collection order otherwise
 
 
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    """Under --dist loadgroup every test a worker collected must carry its group (xdist writes it into the node
+    id, which pytest 9.2 stopped honouring: the groups were then spread over both processes, each setting up the
+    same clusters and servers again, without a word). Said in one line instead of a slower, doubled suite."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    ungrouped = [nodeid for nodeid in ids if "@" not in nodeid.rpartition("]")[2]]
+    if ungrouped:
+        pytest.exit(
+            f"pytest-xdist --dist loadgroup did not group {len(ungrouped)} tests (pytest {pytest.__version__}; "
+            f"the first: {ungrouped[0]}): its groups would run in several processes; install the pytest that "
+            "pyproject.toml's dev extra names",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+
+
 # The test a child pytest process runs for a `cold_process` test (its node id), set in the child only.
 COLD_CHILD = "TPUGEN_TEST_COLD_CHILD"
 
