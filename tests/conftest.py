@@ -444,20 +444,27 @@ def pytest_xdist_node_collection_finished(node, ids) -> None:
 COLD_CHILD = "TPUGEN_TEST_COLD_CHILD"
 
 
+def plain_nodeid(nodeid: str) -> str:
+    """A test's node id without the "@group" xdist's loadgroup appends (an "@" inside a parameter stays)."""
+    head, at, group = nodeid.rpartition("@")
+    return head if at and "]" not in group else nodeid
+
+
 def pytest_pyfunc_call(pyfuncitem):
     """A test marked `cold_process` runs in a child pytest process of its own, whose compile cache (XLA's and
     dynamo's) starts empty: for counts that only a first compile shows (graphs a later phase adds, graphs one
     engine shares with another). Its fixtures are the child's; the parent's are set up and not used."""
-    if pyfuncitem.get_closest_marker("cold_process") is None or os.environ.get(COLD_CHILD) == pyfuncitem.nodeid:
+    nodeid = plain_nodeid(pyfuncitem.nodeid)
+    if pyfuncitem.get_closest_marker("cold_process") is None or os.environ.get(COLD_CHILD) == nodeid:
         return None
     config = pyfuncitem.config
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", pyfuncitem.nodeid, "-q", "-p", "no:cacheprovider", "-n", "0"],
+        [sys.executable, "-m", "pytest", nodeid, "-q", "-p", "no:cacheprovider", "-n", "0"],
         cwd=config.rootpath,
         capture_output=True,
         text=True,
         timeout=float(config.getini("timeout") or 600) - 30,  # within the parent's own limit
-        env={**os.environ, COLD_CHILD: pyfuncitem.nodeid, "PJRT_DEVICE": "CPU"},
+        env={**os.environ, COLD_CHILD: nodeid, "PJRT_DEVICE": "CPU"},
     )
     if proc.returncode != 0 or " passed" not in proc.stdout:
         pytest.fail(f"in a process of its own (rc {proc.returncode}):\n{proc.stdout[-6000:]}{proc.stderr[-2000:]}")
