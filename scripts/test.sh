@@ -4,9 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 
-# Two test processes, one a core (pytest-xdist): tests that share a module's or the session's fixtures run in the
-# same process (tests/conftest.py's groups, docs/internals.md). At the end: the slowest files and each process's
+# Two test processes, one a core (pytest-xdist), given tests one at a time, the slowest files first
+# (tests/conftest.py: SLOWEST_FILES, docs/internals.md). At the end: the slowest files and each process's
 # memory maps, against a budget (tests/conftest.py: MAPS_BUDGET), so the suite fails before it grows into a crash.
 # TPUGEN_TEST_WORKERS sets how many processes (0: this one alone), over pyproject.toml's addopts.
 export PJRT_DEVICE=CPU
-exec .venv/bin/python -m pytest -n "${TPUGEN_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder --slowest-files 12 "$@"
+exec .venv/bin/python -m pytest -n "${TPUGEN_TEST_WORKERS:-2}" --dist load --slowest-files 12 "$@"

@@ -362,25 +362,6 @@ class WorkItemRow:
 
 # ---------------------------------------------------------------- the suite as a system (docs/internals.md)
 
-# Test modules that share a session fixture run in one process (pytest-xdist --dist loadgroup): the server of
-# `server`/`client`. Every other module is a group of its own, so its module fixtures are built once.
-SHARED_GROUPS = {
-    "session-server": {
-        "test_serve.py",
-        "test_serve_a1111.py",
-        "test_serve_bounds.py",
-        "test_serve_fairness.py",
-        "test_serve_img2img.py",
-        "test_serve_jobs.py",
-        "test_serve_lifecycle.py",
-        "test_serve_loras.py",
-        "test_serve_offloop.py",
-        "test_serve_openai.py",
-        "test_serve_page.py",
-        "test_serve_runs.py",
-        "test_serve_runs_images.py",
-    },
-}
 # Memory maps one test process may hold at its end. Each XLA:CPU executable holds hundreds (its JIT-compiled
 # kernels: about 450 a tiny-sd graph with TEST_XLA_FLAGS), freed only when the compile cache lets it go; past the
 # kernel's default vm.max_map_count (65,530) a process crashes (rc 139). Two processes ended the suite at 29,238
@@ -390,54 +371,34 @@ SHARED_GROUPS = {
 MAPS_BUDGET = int(os.environ.get("TPUGEN_TEST_MAPS_BUDGET", "55000"))
 
 
-def group_of(module: str) -> str:
-    return next((group for group, names in SHARED_GROUPS.items() if module in names), module.removesuffix(".py"))
-
-
-# The groups that take longest (seconds summed over their tests, a full run on 2 cores, 2026-12-03: 2,309 s in
-# all), started first so that neither process is left running a long one alone at the end (pyproject.toml's
-# addopts turn off xdist's own order, by test count); the other groups follow in collection order.
-SLOWEST_GROUPS = [
-    "test_cluster",  # 368
-    "session-server",  # 277 (thirteen files)
-    "test_trace_once",  # 188
-    "test_pod",  # 173
-    "test_step_cache",  # 164
-    "test_dist",  # 131
-    "test_resume",  # 113
-    "test_multi",  # 106
-    "test_scan",  # 105
-    "test_families",  # 93
-    "test_backends",  # 85
-    "test_tiny_shapes",  # 70
+# Tests go to the two processes one at a time (pytest-xdist --dist load), the files that take longest first
+# (seconds summed over their tests, a full run on 2 cores, 2026-12-03: 19 min 40 s), so that neither process
+# ends running a long file alone; the rest follow in collection order. Grouping every file's tests in one process
+# (--dist loadgroup, each module's fixtures built once) took 27 min 0 s the same day: the groups that start
+# processes of their own (Ray workers, pod workers, ranks, CLI runs) then ran side by side, and the machine did
+# 46 CPU-minutes of work against 33. A session or module fixture is built in each process that runs one of its
+# tests (the session's server and a Ray cluster, twice), which costs less than that.
+SLOWEST_FILES = [
+    "test_cluster.py",  # 330
+    "test_step_cache.py",  # 217
+    "test_trace_once.py",  # 217
+    "test_pod.py",  # 189
+    "test_resume.py",  # 106
+    "test_scan.py",  # 106
+    "test_multi.py",  # 106
+    "test_dist.py",  # 97
+    "test_backends.py",  # 88
+    "test_serve_process.py",  # 84
+    "test_serve_lifecycle.py",  # 84
+    "test_families.py",  # 76
 ]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Each test's xdist group (before xdist reads the marks; without xdist the marks are inert), the slowest
-    groups first."""
-    rank = {group: number for number, group in enumerate(SLOWEST_GROUPS)}
-    groups = {id(item): group_of(item.path.name) for item in items}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
-    items.sort(key=lambda item: rank.get(groups[id(item)], len(rank)))  # stable: collection order otherwise
-
-
-def pytest_xdist_node_collection_finished(node, ids) -> None:
-    """Under --dist loadgroup every test a worker collected must carry its group (xdist writes it into the node
-    id, which pytest 9.2 stopped honouring: the groups were then spread over both processes, each setting up the
-    same clusters and servers again, without a word). Said in one line instead of a slower, doubled suite."""
-    if node.config.getvalue("dist") != "loadgroup":
-        return
-    ungrouped = [nodeid for nodeid in ids if "@" not in nodeid.rpartition("]")[2]]
-    if ungrouped:
-        pytest.exit(
-            f"pytest-xdist --dist loadgroup did not group {len(ungrouped)} tests (pytest {pytest.__version__}; "
-            f"the first: {ungrouped[0]}): its groups would run in several processes; install the pytest that "
-            "pyproject.toml's dev extra names",
-            returncode=pytest.ExitCode.USAGE_ERROR,
-        )
+    """The slowest files' tests first (SLOWEST_FILES), each file's in collection order."""
+    rank = {name: number for number, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: collection order otherwise
 
 
 # The test a child pytest process runs for a `cold_process` test (its node id), set in the child only.
@@ -445,7 +406,8 @@ COLD_CHILD = "TPUGEN_TEST_COLD_CHILD"
 
 
 def plain_nodeid(nodeid: str) -> str:
-    """A test's node id without the "@group" xdist's loadgroup appends (an "@" inside a parameter stays)."""
+    """A test's node id without an "@group" pytest-xdist's --dist loadgroup would append (an "@" inside a
+    parameter stays), so that a child process can find the test whichever way the suite is spread."""
     head, at, group = nodeid.rpartition("@")
     return head if at and "]" not in group else nodeid
 
