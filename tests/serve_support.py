@@ -54,7 +54,7 @@ def running_server(config: Path, runs: Path, key: str | None):
     service = Service(run, open_engines(run, Display()), output_root=runs, display=Display())
     port = free_port()
     uvicorn_server = uvicorn.Server(
-        uvicorn.Config(build_app(service, key), host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.Config(build_app(service, key, host="127.0.0.1"), host="127.0.0.1", port=port, log_level="warning")
     )
     thread = threading.Thread(target=uvicorn_server.run, name="test-server")
     thread.start()

@@ -54,6 +54,19 @@ def strength_ok(strength: float) -> bool:
     return math.isfinite(strength) and 0 < strength <= 1
 
 
+def strength_to_run(steps: int, strength: float) -> float:
+    """The strength an img2img call of `steps` steps is given: `strength`, or where steps x strength rounds below
+    one step the least strength that runs one, as the web UI runs at least one step at any denoising strength
+    (diffusers' Stable Diffusion pipelines run int(steps x strength) steps and fail on none; its flow-matching
+    ones run one already, from the same last noise level)."""
+    if int(steps * strength) >= 1:
+        return strength
+    least = 1.0 / steps
+    while int(steps * least) < 1:  # 49 x (1 / 49) is 0.9999999999999999 in floating point
+        least = math.nextafter(least, 2.0)
+    return least
+
+
 # How an input image is fitted to the run's size, as the web UI's resize_mode numbers them.
 RESIZE_MODES = {0: "just resize", 1: "crop and resize", 2: "resize and fill"}
 DEFAULT_STRENGTH = 0.75  # the web UI's denoising_strength default
@@ -150,13 +163,16 @@ class RequestLimits:
     min_side: int = MIN_REQUEST_SIDE
     max_guidance_scale: float = MAX_GUIDANCE_SCALE
     max_prompt_characters: int = MAX_PROMPT_CHARACTERS
+    max_side: int | None = None  # a server's serve.max_side; None: no bound beyond a config's
 
     @classmethod
-    def of_server(cls, sizes: Iterable[tuple[int, int]], guidance_scale: float) -> RequestLimits:
+    def of_server(
+        cls, sizes: Iterable[tuple[int, int]], guidance_scale: float, max_side: int | None = None
+    ) -> RequestLimits:
         """A server's: the sizes it keeps warm and its config's guidance always pass (a config allows sides from
         8 and any finite guidance, and an OpenAI request takes the config's guidance as it is)."""
         sides = [side for size in sizes for side in size]
-        return cls(min([MIN_REQUEST_SIDE, *sides]), max(MAX_GUIDANCE_SCALE, guidance_scale))
+        return cls(min([MIN_REQUEST_SIDE, *sides]), max(MAX_GUIDANCE_SCALE, guidance_scale), max_side=max_side)
 
 
 @dataclass(frozen=True)
@@ -191,6 +207,8 @@ class ImageRequest:
             web_ui = limits.min_side == MIN_REQUEST_SIDE
             why = "the web UI's sliders start there" if web_ui else "the smallest side this server keeps warm"
             problems.append(f"{size}: width and height must be at least {limits.min_side} ({why})")
+        elif limits.max_side is not None and max(self.height, self.width) > limits.max_side:
+            problems.append(f"{size}: width and height must be at most {limits.max_side} (serve.max_side)")
         elif self.height % step or self.width % step:
             problems.append(f"{size}: {family.title} models need multiples of {step}")
         if not steps_ok(self.steps):

@@ -786,6 +786,44 @@ class ServeConfig(_Section):
             "it."
         ),
     )
+    max_side: int | None = Field(
+        default=None,
+        ge=64,
+        description=(
+            "A request's largest width or height; unset: 2048 under new_shapes: compile (each new size is a compile "
+            "and graphs kept in memory), and under reject the warm sizes (a larger one is refused as not warm)."
+        ),
+    )
+    max_warm_shapes: int = Field(
+        default=64,
+        ge=1,
+        description=(
+            "Under new_shapes: compile, the most shape keys the server keeps warm (warmup's included): a request "
+            "that would compile one more gets 422."
+        ),
+    )
+    hub_loras: bool = Field(
+        default=False,
+        description=(
+            "Whether a run sent to /v1/runs may name a hub LoRA (org/name), which the server downloads with its own "
+            "token; off: runs and requests name the LoRAs of serve.lora_dir only."
+        ),
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Web pages (scheme://host[:port], as a browser sends Origin) that may call the server besides its own "
+            "page: a request from any other origin gets 403, so a page on the web cannot drive a server on your "
+            "machine."
+        ),
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Host names a server bound to a loopback address answers besides loopback ones (localhost, 127.0.0.1, "
+            "[::1]): any other Host gets 400, so a DNS name rebound to 127.0.0.1 cannot reach it."
+        ),
+    )
 
     @field_validator("schedulers")
     @classmethod

@@ -119,9 +119,11 @@ class Engine:
         self._loras: tuple[Lora, ...] = spec.loras if weights is not None else ()
         self._key = loras_key(self._loras)
         self.flash_attention = backend.flash_attention  # tpugen.backends.FlashAttention; off after a fallback
-        # Keys warmed with the denoiser traced once, before a trace failed and it went back to being recorded every
-        # step: warm for a server, warmed again by the next warmup.
-        self._warmed_traced: set[tuple[str, str]] = set()
+        # Keys warmed with graphs the engine no longer uses (the denoiser traced once, before a trace failed and it
+        # went back to being recorded every step; flash attention's processors, before a call failed with them and
+        # they came off): still warm for a server, which keeps serving them (each compiles once more, counted as a
+        # compile after warmup, rather than being refused), and warmed again by the next warmup.
+        self._warmed_stale: set[tuple[str, str]] = set()
 
     # ---------------------------------------------------------------- opening
 
@@ -278,7 +280,7 @@ class Engine:
             return self._call_with_flash(batch, display, census)
         finally:
             if trace is not None and trace.on and not self.backend.trace_once.on:
-                self._warmed_traced.update(self.warm)
+                self._warmed_stale.update(self.warm)
                 self._say_trace_once(display)
 
     def _call_with_flash(self, batch: Batch, display: Display, census: bool = False):
@@ -297,7 +299,7 @@ class Engine:
         self.loaded.hooks.remove(FLASH_ATTENTION_HOOK)
         failed = {"shape_key": str(batch.shape), "seconds": seconds, "compiles": delta.compiles if delta else None}
         self.flash_attention = replace(self.flash_attention, reason=reason, partition_spec=None, failed_attempt=failed)
-        self.warm.clear()  # graphs compiled with the kernel's processors are not the ones the run will use
+        self._warmed_stale.update(self.warm)  # compiled with the kernel's processors: not the graphs used from now
         self._say_flash_attention(display)
         return self.loaded.generate(batch, census=census)
 
@@ -410,7 +412,7 @@ class Engine:
         results = []
         for shape, batch in first_batch.items():
             key = (str(shape), choice)
-            if self.is_warm(shape, scheduler, batch.steps) and key not in self._warmed_traced:
+            if self.is_warm(shape, scheduler, batch.steps) and key not in self._warmed_stale:
                 results.append(WarmupEntry.warm_already(shape).as_dict())
                 continue
             warmed_steps = self._warm_steps.get(key, 0) if key in self.warm else 0
@@ -430,7 +432,7 @@ class Engine:
                     self.loaded.use_scheduler(None)  # at rest, an engine has the scheduler it was loaded with
             entry = WarmupEntry.measured(shape, seconds, delta, census, dict(self.loaded.phase_memory)).as_dict()
             self.warm[key] = entry
-            self._warmed_traced.discard(key)
+            self._warmed_stale.discard(key)
             self._warm_steps[key] = max(warmed_steps, batch.steps)
             results.append(entry)
         return results

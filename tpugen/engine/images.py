@@ -3,6 +3,8 @@ graphs never see another size."""
 
 from __future__ import annotations
 
+import threading
+
 from tpugen.logs import logger
 
 _log = logger("images")
@@ -79,9 +81,20 @@ def size_of(path: str) -> tuple[int, int]:
 # ---------------------------------------------------------------- the web UI's inpainting, on the host
 
 
+# Images a server decodes at once: each may be 8192 x 8192 (MAX_INPUT_SIDE, 200 MB as RGB), so concurrent requests
+# wait their turn to decode rather than add their pixels up (four such requests at once added 2 GB before).
+DECODES_AT_ONCE = 2
+_decoding = threading.BoundedSemaphore(DECODES_AT_ONCE)
+
+
 def open_bytes(data: bytes, where: str, *, mask: bool = False, keep_alpha: bool = False):
     """An image a request sent, as PIL (RGB, or one channel for a mask; `keep_alpha`: RGBA where it has
-    transparency); InputError naming `where` if it is none."""
+    transparency); InputError naming `where` if it is none. At most DECODES_AT_ONCE decode at a time."""
+    with _decoding:
+        return _open_bytes(data, where, mask=mask, keep_alpha=keep_alpha)
+
+
+def _open_bytes(data: bytes, where: str, *, mask: bool, keep_alpha: bool):
     import io
 
     from PIL import Image

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from tpugen.backends.base import Counters
+from tpugen.config.request import MAX_STEPS, strength_to_run
 from tpugen.engine.hooks import Hooks
 from tpugen.engine.step_cache import install_step_cache, prepare_call, reset_step_cache
 from tpugen.engine.step_clock import StepClock, StepTiming
@@ -67,6 +68,7 @@ class LoadedPipeline:
         host_steps = getattr(pipe, "safety_checker", None) is not None or getattr(pipe, "watermark", None) is not None
         self.decodes_itself = not host_steps
         self._schedulers = {scheduler_name: pipe.scheduler}
+        self._max_steps: dict[str, int] = {}  # by scheduler name: max_steps's answers
         self._task_pipes: dict = {}  # img2img and inpaint pipelines made from pipe's components (task_pipe)
         self.default_scheduler = scheduler_name  # the one the model was loaded with (or the config named)
         self._sync_at_loop_start()
@@ -185,6 +187,22 @@ class LoadedPipeline:
         self.scheduler_name = wanted
         self._scheduler_hooks()
 
+    def max_steps(self, name: str | None) -> int:
+        """The most steps, up to MAX_STEPS, that the scheduler a user names (None: the one loaded) runs on this
+        model: each timestep it sets must index the model's noise tables (DDIM's 1000 steps of 1000, offset by 1,
+        ask for timestep 1000: an IndexError in its step). Found once per scheduler, on the host, on a copy of it
+        (the loaded one may be mid-call on a device thread)."""
+        choice = find_scheduler(name) if name else None
+        wanted = choice.name if choice else next(iter(self._schedulers))
+        if wanted not in self._max_steps:
+            import diffusers
+
+            base = next(iter(self._schedulers.values()))
+            scheduler_class = getattr(diffusers, choice.class_name) if choice else type(base)
+            options = choice.options if choice else {}
+            self._max_steps[wanted] = _most_steps(lambda: scheduler_class.from_config(base.config, **options))
+        return self._max_steps[wanted]
+
     def _mark(self, phase: str) -> None:
         if self._census is not None:
             self._census.append((phase, self.backend.counters()))
@@ -270,7 +288,7 @@ class LoadedPipeline:
         arguments = {
             "prompt": [row.prompt for row in rows],
             "image": image,
-            "strength": strength,
+            "strength": strength_to_run(steps, strength),
             "height": height,
             "width": width,
             "num_inference_steps": steps,
@@ -382,6 +400,31 @@ class LoadedPipeline:
             "compile_seconds": per_phase("compile_seconds"),
             "graphs_run": per_phase("graph_lookups"),
         }
+
+
+def _most_steps(make) -> int:
+    """The most steps, up to MAX_STEPS, for which a fresh scheduler from `make()` sets timesteps that index its
+    noise tables (alphas_cumprod; a scheduler without them takes any)."""
+
+    def runs(steps: int) -> bool:
+        scheduler = make()
+        tables = getattr(scheduler, "alphas_cumprod", None)
+        try:
+            scheduler.set_timesteps(steps)
+        except (ValueError, IndexError):
+            return False
+        timesteps = scheduler.timesteps
+        if len(timesteps) == 0:
+            return False
+        return tables is None or 0 <= float(timesteps.min()) and float(timesteps.max()) < len(tables)
+
+    if runs(MAX_STEPS):
+        return MAX_STEPS
+    runs_at, fails_at = 1, MAX_STEPS
+    while runs_at + 1 < fails_at:
+        middle = (runs_at + fails_at) // 2
+        runs_at, fails_at = (middle, fails_at) if runs(middle) else (runs_at, middle)
+    return runs_at
 
 
 FROM_STEP_ZERO = "scheduler starts at step 0"

@@ -353,6 +353,7 @@ class Img2Img(Txt2Img):
     include_init_images: bool = False
 
 
+MAX_INPAINT_PADDING = 256  # the web UI's "Only masked padding, pixels" slider stops there
 # The web UI's inpainting_fill values tpugen has: what the masked area holds before it is noised.
 INPAINTING_FILLS = {0: "fill", 1: "original"}
 
@@ -374,7 +375,10 @@ def _decoded(text: str, where: str) -> bytes:
     import base64
     import binascii
 
-    payload = text.split(",", 1)[1] if text.startswith("data:") else text
+    header, comma, data = text.partition(",")
+    if text.startswith("data:") and not comma:
+        raise InputError(f"{where}: a data: URL with no data after its header (data:image/png;base64,DATA)")
+    payload = data if text.startswith("data:") else text
     try:
         return base64.b64decode(payload, validate=False)
     except (binascii.Error, ValueError):
@@ -399,6 +403,10 @@ def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageSpec], di
         problems.append(f"denoising_strength: must be above 0 and at most 1, got {strength}")
     if not 0 <= body.mask_blur <= 64:
         problems.append(f"mask_blur: must be from 0 to 64, got {body.mask_blur}")
+    if not 0 <= body.inpaint_full_res_padding <= MAX_INPAINT_PADDING:
+        problems.append(
+            f"inpaint_full_res_padding: must be from 0 to {MAX_INPAINT_PADDING} pixels, got {body.inpaint_full_res_padding}"
+        )
     txt = images_for(service, body) if not problems else None
     if problems or not txt:
         refuse(problems or ["init_images: missing"], service, None)

@@ -2,32 +2,36 @@
 
 from __future__ import annotations
 
-import base64
 import hmac
+import html
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tpugen import __version__
 from tpugen.config.messages import format_error
 from tpugen.errors import InputError, TpugenError, one_line
 from tpugen.modes.serve import a1111, openai_api, ops, page, runs_api
+from tpugen.modes.serve.browsers import SECURITY_HEADERS, host_problem, is_loopback, origin_problem
 from tpugen.modes.serve.queue import QueueFull
-from tpugen.modes.serve.replies import TooLarge, body_limit, problem_response, too_large
-from tpugen.modes.serve.request_ids import RequestIds
+from tpugen.modes.serve.replies import TooLarge, WrongType, body_limit, problem_response, too_large
+from tpugen.modes.serve.request_ids import RequestIds, offered_key
 from tpugen.modes.serve.service import Conflict, NotReady, Service, TimedOut, TooManyRuns
 
 # Answered without the API key, and while draining; the page's files hold no data (each call it makes has the key).
 OPEN_PATHS = ("/healthz", "/readyz", *page.OPEN_PATHS)
 # Answered while the model loads (no engine yet), besides OPEN_PATHS and reading runs: nothing here needs one.
-ENGINE_FREE_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json")
+ENGINE_FREE_PATHS = ("/metrics", "/docs", "/openapi.json")
 
 
 def _status_of(exc: BaseException) -> int:
     if isinstance(exc, TooLarge):
         return 413
+    if isinstance(exc, WrongType):
+        return 415
     if isinstance(exc, (NotReady, QueueFull)):
         return 503
     if isinstance(exc, TimedOut):
@@ -39,6 +43,29 @@ def _status_of(exc: BaseException) -> int:
     if isinstance(exc, InputError):
         return 422
     return 500
+
+
+def docs_page(schema: dict) -> str:
+    """The server's routes as one self-contained HTML page (nothing loaded from elsewhere): each method and path
+    with its summary, and the schema's address for clients that read it."""
+    rows = []
+    for path, methods in schema.get("paths", {}).items():
+        for method, operation in methods.items():
+            summary = operation.get("summary") or ""
+            first = (operation.get("description") or "").strip().split("\n\n")[0].replace("\n", " ")
+            rows.append(
+                f"<tr><td><code>{method.upper()}</code></td><td><code>{html.escape(path)}</code></td>"
+                f"<td>{html.escape(first or summary)}</td></tr>"
+            )
+    info = schema.get("info", {})
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>tpugen API</title>"
+        "<style>body{font-family:sans-serif;margin:2em}td{padding:.3em .8em;vertical-align:top}</style></head><body>"
+        f"<h1>{html.escape(str(info.get('title', 'tpugen')))} {html.escape(str(info.get('version', '')))}</h1>"
+        "<p>The OpenAPI schema: <a href='openapi.json'>openapi.json</a>. Each route takes the API key, as "
+        "<code>Authorization: Bearer KEY</code> or basic auth with the key as the password.</p>"
+        f"<table>{''.join(rows)}</table></body></html>"
+    )
 
 
 def require_key(api_key: str | None):
@@ -56,16 +83,7 @@ def has_key(request: Request, api_key: str | None) -> bool:
     """Whether the request carries `api_key` (None: no key is needed)."""
     if api_key is None:
         return True
-    header = request.headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
-    offered = ""
-    if scheme.lower() == "bearer":
-        offered = value.strip()
-    elif scheme.lower() == "basic":
-        try:
-            offered = base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")[2]
-        except (ValueError, UnicodeDecodeError):
-            offered = ""
+    offered = offered_key(request.headers.get("authorization", ""))
     return hmac.compare_digest(offered.encode(), api_key.encode())
 
 
@@ -78,8 +96,9 @@ class Unauthorized(Exception):
     """No API key, or another one."""
 
 
-def build_app(service: Service, api_key: str | None) -> FastAPI:
-    """The app: routers for the A1111 API, the OpenAI images API, tpugen runs and operations."""
+def build_app(service: Service, api_key: str | None, host: str | None = None) -> FastAPI:
+    """The app: routers for the A1111 API, the OpenAI images API, tpugen runs and operations. `host`: the address
+    the server is bound to (a loopback one answers loopback Host names only); None checks no Host."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -91,8 +110,10 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
         yield
         service.stop()
 
-    # /docs (Swagger UI) and /openapi.json are on, behind the key like every route but /healthz and /readyz.
-    app = FastAPI(title="tpugen", version=__version__, lifespan=lifespan, redoc_url=None)
+    # /docs and /openapi.json are on, behind the key like every route but /healthz and /readyz. /docs is tpugen's
+    # own page, made from the schema: Swagger UI would load its scripts from a CDN, which a TPU VM without
+    # internet cannot reach.
+    app = FastAPI(title="tpugen", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
     secured = [Depends(require_key(api_key))]
     app.include_router(ops.router)
@@ -103,6 +124,10 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
     app.include_router(runs_api.router, dependencies=secured)
     app.include_router(page.router)
     app.include_router(page.api_router, dependencies=secured)
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return HTMLResponse(docs_page(app.openapi()))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -139,6 +164,11 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
         return problem_response(exc.status_code, [line], exc.headers)
 
     def unforeseen(exc: Exception):
+        # Raised in a task group (a middleware's): an exception group of one (Python 3.11's; anyio's before).
+        while len(getattr(exc, "exceptions", ())) == 1 and isinstance(exc.exceptions[0], BaseException):
+            exc = exc.exceptions[0]
+        if isinstance(exc, TpugenError):  # a chunked body past its limit, found while a middleware read it
+            return problem_response(_status_of(exc), exc.lines or [one_line(exc)])
         if isinstance(exc, RecursionError):  # json or YAML nested thousands deep
             return problem_response(422, ["body: nested too deeply to read"])
         return problem_response(500, [one_line(exc)])
@@ -170,6 +200,59 @@ def build_app(service: Service, api_key: str | None) -> FastAPI:
         service.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
         return response
 
+    serve = service.serve
+    app.add_middleware(
+        Guarded,
+        loopback_only=host is not None and is_loopback(host),
+        allowed_hosts=list(serve.allowed_hosts),
+        allowed_origins=list(serve.allowed_origins),
+    )
     # Added last, so outermost: every response, the guard's and the error handlers' included, carries the id.
     app.add_middleware(RequestIds)
     return app
+
+
+class Guarded:
+    """The outermost layer: a request's Host and Origin checked before anything reads it, its body counted as it
+    arrives (over its route's limit: 413, whatever the framing), and the security headers on every reply."""
+
+    def __init__(self, app, *, loopback_only: bool, allowed_hosts: list[str], allowed_origins: list[str]) -> None:
+        self.app = app
+        self.loopback_only = loopback_only
+        self.allowed_hosts = allowed_hosts
+        self.allowed_origins = allowed_origins
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def with_headers(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                present = {name.lower() for name, _ in headers}
+                headers += [(name, value) for name, value in SECURITY_HEADERS if name not in present]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        headers = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope.get("headers", [])}
+        host = headers.get("host")
+        problem = host_problem(host, loopback_only=self.loopback_only, allowed=self.allowed_hosts)
+        status = 400
+        if problem is None:
+            problem = origin_problem(headers.get("origin"), host, scope.get("scheme", "http"), self.allowed_origins)
+            status = 403
+        if problem is not None:
+            return await problem_response(status, [problem])(scope, receive, with_headers)
+
+        limit, seen = body_limit(scope["path"]), 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise TooLarge(too_large(limit))
+            return message
+
+        await self.app(scope, counted, with_headers)

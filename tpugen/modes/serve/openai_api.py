@@ -84,6 +84,7 @@ def generations_reply(service: Service, body: Generation):
 
 
 # Form fields of images.edit that tpugen reads (the rest, such as quality or user, are accepted and ignored).
+EDIT_FILES = ("image", "mask")  # the parts of an edit that are files; every other is a text field
 EDIT_STRENGTH = 0.75  # an edit without a mask or transparency: img2img at the web UI's default strength
 
 
@@ -97,11 +98,20 @@ async def edits(request: Request):
 
     form = await request.form(max_files=2, max_fields=16, max_part_size=MAX_INPUT_BYTES)
     fields: dict = {}
+    problems = []
     for name, value in form.multi_items():
-        if hasattr(value, "read"):
-            fields[name.removesuffix("[]")] = await value.read()
+        name = name.removesuffix("[]")
+        is_file = hasattr(value, "read")
+        if name in fields:
+            problems.append(f"{name}: sent twice; an edit takes one")
+        elif is_file and name not in EDIT_FILES:
+            problems.append(f"{name}: must be a form field, not a file")
+        elif not is_file and name in EDIT_FILES:
+            problems.append(f"{name}: must be a file (a PNG or JPEG)")
         else:
-            fields[name] = value
+            fields[name] = await value.read() if is_file else value
+    if problems:
+        raise InputError(*problems)
     return await anyio.to_thread.run_sync(edits_reply, service, fields)
 
 

@@ -43,6 +43,10 @@ class TooLarge(InputError):
     """A body over its route's body_limit (413)."""
 
 
+class WrongType(InputError):
+    """A body sent as a type its route does not read (415): what a page on another site could send unasked."""
+
+
 def image_b64(pixels, record: dict) -> str:
     """An image as base64 PNG bytes, carrying the same chunks `tpugen generate` writes."""
     from PIL import Image
@@ -101,6 +105,9 @@ async def parse(request: Request, model: type[BaseModel], extra_problems=None):
     from tpugen.config.messages import format_error
 
     body = await read_body(request)
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if (media or body) and media != "application/json" and not media.endswith("+json"):
+        raise WrongType(f"Content-Type: {media[:100] or 'none'}; this endpoint reads application/json")
     try:
         raw = json.loads(body or b"{}")
     except ValueError:

@@ -50,12 +50,13 @@ def client_of(authorization: str | None, client_id: str | None, peer: str | None
     when sane, else its peer address. A server has one key, so among its keyed clients X-Client-Id or the
     address tells them apart."""
     who = f"client {client_id}" if client_id is not None and SAFE_ID.fullmatch(client_id) else f"peer {peer or '-'}"
-    key = _offered_key(authorization or "")
+    key = offered_key(authorization or "")
     return f"key {hashlib.sha256(key.encode()).hexdigest()[:12]} {who}" if key else who
 
 
-def _offered_key(header: str) -> str:
-    """The key in `Authorization: Bearer KEY`, or the password of basic auth; "" if neither."""
+def offered_key(header: str) -> str:
+    """The key in `Authorization: Bearer KEY` (OpenAI clients), or the password of basic auth (A1111 clients'
+    --api-auth); "" if neither. The one reading of the header: the key check and the client's identity."""
     scheme, _, value = header.partition(" ")
     if scheme.lower() == "bearer":
         return value.strip()

@@ -16,7 +16,7 @@ from tpugen.config.yamlio import yaml_load, yaml_problem
 from tpugen.engine.session import RUN_RECORD
 from tpugen.errors import InputError
 from tpugen.modes.serve.progress import Event, Job
-from tpugen.modes.serve.replies import json_response, problem_response, read_body
+from tpugen.modes.serve.replies import WrongType, json_response, problem_response, read_body
 from tpugen.modes.serve.service import RunHandle, Service
 from tpugen.outputs.files import inside
 from tpugen.outputs.manifest import read_manifest
@@ -45,15 +45,25 @@ async def submit(request: Request):
     """A run config, as YAML or JSON (the schema `tpugen generate` reads), run on the warm engine. A prompt's
     init_image and mask_image are the images themselves, as base64 data: URIs: the server reads no paths."""
     service: Service = request.app.state.service
-    text = (await read_body(request)).decode("utf-8", errors="replace")
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media in PAGE_TYPES:
+        raise WrongType(f"Content-Type: {media}; a run is sent as application/json or application/yaml")
+    body = await read_body(request)
+    as_json = "json" in media
+    # Parsed in a worker thread, as the run is checked and started: a large body never holds up the event loop.
+    handle = await anyio.to_thread.run_sync(lambda: service.start_run(run_config(body, as_json)))
+    return json_response(status_of(handle), 201, {"Location": f"/v1/runs/{handle.id}"})
+
+
+def run_config(body: bytes, as_json: bool):
+    """A run body as data: JSON when its Content-Type says so, else YAML (a superset of JSON)."""
+    text = body.decode("utf-8", errors="replace")
     try:
-        data = json.loads(text) if "json" in request.headers.get("content-type", "") else yaml_load(text)
+        return json.loads(text) if as_json else yaml_load(text)
     except ValueError as exc:
         raise InputError(f"body: not a JSON run config ({exc})") from None
     except yaml.YAMLError as exc:
         raise InputError(f"body: {yaml_problem(exc)}") from None
-    handle = await anyio.to_thread.run_sync(service.start_run, data)
-    return json_response(status_of(handle), 201, {"Location": f"/v1/runs/{handle.id}"})
 
 
 @router.get("")
@@ -63,6 +73,11 @@ def list_runs(request: Request, limit: int = Query(20, ge=1, le=100), after: str
     directory, so runs of earlier server processes are listed too."""
     handles, after_this = request.app.state.service.list_runs(limit, after)
     return {"runs": [status_of(handle, report=False) for handle in handles], "next": after_this}
+
+
+# The types any web page may POST without asking the server first (a CORS "simple" request): never a run's.
+PAGE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+MAX_NAME = 255  # a file name's longest on Linux file systems
 
 
 def _handle(service: Service, run_id: str) -> RunHandle | None:
@@ -96,12 +111,15 @@ def get_file(run_id: str, name: str, request: Request):
     handle = _handle(request.app.state.service, run_id)
     if handle is None:
         return problem_response(404, [f"no run {run_id!r} on this server"])
+    missing = problem_response(404, [f"no file {name[:MAX_NAME]!r} in run {run_id!r}"])
+    if name.startswith(".") or len(name.encode()) > MAX_NAME:  # no file of a run has such a name
+        return missing
     try:
         path = inside(handle.run_dir, name)
-    except ValueError:
-        return problem_response(404, [f"no file {name!r} in run {run_id!r}"])
-    if name.startswith(".") or not path.is_file():
-        return problem_response(404, [f"no file {name!r} in run {run_id!r}"])
+        if not path.is_file():
+            return missing
+    except (ValueError, OSError):
+        return missing
     return FileResponse(path)
 
 

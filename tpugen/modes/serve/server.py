@@ -4,7 +4,6 @@ up, then a clean stop on a signal, or exit 1 once its model or device has failed
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import os
 import signal
@@ -17,22 +16,13 @@ from tpugen.config import ResolvedRun
 from tpugen.engine import Display, Engine, EngineSpec
 from tpugen.errors import InputError, RunError
 from tpugen.logs import logger, to_console
+from tpugen.modes.serve.browsers import is_loopback
 
 log = logger("serve")
 
-LOOPBACK_NAMES = ("localhost",)
 BACKLOG = 2048  # uvicorn's own: connections made while the model loads wait here for the event loop
 # How long a server whose device broke waits for its runs to stop after their batch before it exits anyway.
 BROKEN_GRACE_S = 120.0
-
-
-def is_loopback(host: str) -> bool:
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_start(run: ResolvedRun, host: str, api_key: str | None) -> None:
@@ -167,7 +157,9 @@ def _serve_on(sock: socket.socket, run: ResolvedRun, *, where, api_key: str | No
         service.broken.wait()
         server.stop_after(service.wait_drained, BROKEN_GRACE_S)
 
-    server = DrainingServer(uvicorn.Config(build_app(service, api_key), log_level="warning", access_log=False))
+    server = DrainingServer(
+        uvicorn.Config(build_app(service, api_key, host=where[0]), log_level="warning", access_log=False)
+    )
     threading.Thread(target=stop_when_broken, name="tpugen-watchdog", daemon=True).start()
     host, port = where[0], where[1]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

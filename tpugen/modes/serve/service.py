@@ -19,7 +19,13 @@ from tpugen.config.images import ImageSource, image_problem
 from tpugen.config.loras import Lora, is_hub_lora, loras_key, resolve_lora
 from tpugen.config.prompts import planned_images
 from tpugen.config.request import ImageRequest, RequestLimits
-from tpugen.config.schema import LORA_SCALE_MAX, LoraConfig, StepCacheConfig, step_cache_options_text
+from tpugen.config.schema import (
+    LORA_SCALE_MAX,
+    LoraConfig,
+    StepCacheConfig,
+    is_safe_run_id,
+    step_cache_options_text,
+)
 from tpugen.engine import Display, Engine, StopSignals, Topology
 from tpugen.engine.session import RUN_RECORD, read_run_record, recorded_prompts, run_id_for
 from tpugen.engine.step_cache import warm_steps
@@ -36,6 +42,7 @@ from tpugen.schedulers import find_scheduler
 
 log = logger("serve")
 
+COMPILED_MAX_SIDE = 2048  # serve.max_side's default under new_shapes: compile
 LORA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._ -]{0,127}")  # a file stem in serve.lora_dir, no path
 
 
@@ -118,6 +125,9 @@ class Service:
         self.sizes = [tuple(s) for s in self.serve.sizes] if self.serve.sizes else list(run_sizes(config))
         self.cfg = self.family.uses_cfg(config.guidance_scale)
         self.schedulers = [None, *(find_scheduler(name).name for name in self.serve.schedulers)]
+        # Under new_shapes: reject the warm sizes bound a request already (a 422 naming them).
+        default_side = COMPILED_MAX_SIDE if self.serve.new_shapes == "compile" else None
+        self.max_side = self.serve.max_side or default_side
         self.queue = BatchQueue(self.batch_size, self.serve.batch_window_ms / 1000, self.serve.max_queue)
         self.metrics = Metrics()
         self.progress = Jobs()  # every request's and run's progress (tpugen.modes.serve.progress)
@@ -424,14 +434,43 @@ class Service:
         if images and images[0].source is not None and self.family.img2img_refusal:
             problems.append(f"image: {self.family.title} models: {self.family.img2img_refusal}")
         if images:  # a request's images differ in their seed alone
-            limits = RequestLimits.of_server(self.sizes, self.run.config.guidance_scale)
+            limits = RequestLimits.of_server(self.sizes, self.run.config.guidance_scale, self.max_side)
             problems.extend(images[0].problems(self.family, limits, seeds=(image.seed for image in images)))
+        if images and not problems:
+            problems.extend(self.steps_problems(images[0].steps, images[0].hires, images[0].scheduler))
         if problems:
             raise InputError(*problems)
+        keys = list(dict.fromkeys(self.key_for(image) for image in images))
         if self.serve.new_shapes == "reject":
-            cold = [self._not_warm(key) for key in dict.fromkeys(self.key_for(image) for image in images)]
+            cold = [self._not_warm(key) for key in keys]
             if any(cold):
                 raise NotWarm(*(problem for problem in cold if problem))
+        elif self.engines:
+            cap = self.serve.max_warm_shapes
+            warm = {shape for shape, _ in self.engines[0].warm}
+            new = {str(key.shape(self.batch_size)) for key in keys} - warm
+            if new and len(warm) + len(new) > cap:
+                raise NotWarm(
+                    f"{', '.join(sorted(new))} would be compiled, and this server keeps at most {cap} shapes warm "
+                    f"(serve.max_warm_shapes); warm: {self.warm_summary()}"
+                )
+
+    def steps_problems(self, steps: int, hires: HiresFix | None, scheduler: str | None, where: str = "") -> list[str]:
+        """What the sampler cannot run of `steps` (and a hires fix's schedule), on this model: found before any
+        work, so that no request's steps fail in its batch (diffusers' DDIM raises IndexError at 1000)."""
+        if not self.engines:
+            return []
+        loaded = self.engines[0].loaded
+        name, most = scheduler or loaded.default_scheduler, loaded.max_steps(scheduler)
+        problems = []
+        if steps > most:
+            problems.append(f"{where}steps: {steps}; sampler {name} runs at most {most} on this model")
+        if hires is not None and hires.schedule_steps > most:
+            problems.append(
+                f"{where}hires fix: {hires.steps} steps at denoising strength {hires.strength:g} take a schedule of "
+                f"{hires.schedule_steps} steps; sampler {name} runs at most {most} on this model"
+            )
+        return problems
 
     def _not_warm(self, key: BatchKey) -> str | None:
         engine = self.engines[0]
@@ -651,6 +690,10 @@ class Service:
                 f"the run plans {count} images; this server runs at most {limit} per run (serve.max_images_per_run)"
             )
         plan = plan_run(run)
+        for batch in plan.batches:  # the checks a request's images meet, for each batch of the run (whose
+            # model section is the server's: its scheduler is the one the engine loaded)
+            if problems := self.steps_problems(batch.steps, batch.hires, None, f"batch {batch.number}: "):
+                raise InputError(*problems)
         if self.serve.new_shapes == "reject":
             engine = self.engines[0]
             most_steps: dict = {}
@@ -662,9 +705,14 @@ class Service:
                     f"the run needs {', '.join(cold)}, not warm (serve.new_shapes: reject); warm: {self.warm_summary()}"
                 )
         run_id = run_id_for(run)
-        run_dir = self.output_root / run_id
         with self._runs_lock:
-            if run_id in self.runs or (run_dir.exists() and any(run_dir.iterdir())):
+            if not run.config.output.run_id:  # made here (a second's time and the config's hash): made unique
+                made, number = run_id, 1
+                while self._taken(run_id):
+                    number += 1
+                    run_id = f"{made}-{number}"
+            run_dir = self.output_root / run_id
+            if self._taken(run_id):
                 raise Conflict(f"output.run_id: {run_id} exists on this server; choose another run_id")
             limit = self.serve.max_runs
             if len(self.runs) >= limit:
@@ -683,8 +731,16 @@ class Service:
         log.info(f"run {run_id}: {handle.planned} images on engine {engine} of {len(self.engines)}")
         return handle
 
+    def _taken(self, run_id: str) -> bool:
+        """Whether a run of the server has `run_id` (queued, running, or on disk); under _runs_lock."""
+        run_dir = self.output_root / run_id
+        return run_id in self.runs or run_id in self._ended_unwritten or (run_dir.exists() and any(run_dir.iterdir()))
+
     def find_run(self, run_id: str) -> RunHandle | None:
-        """A run of this server: queued or running, else ended, read back from its run directory."""
+        """A run of this server: queued or running, else ended, read back from its run directory. None for an id
+        no run can have (too long for a folder name, a path)."""
+        if not is_safe_run_id(run_id):
+            return None
         with self._runs_lock:
             handle = self.runs.get(run_id)
             unwritten = self._ended_unwritten.get(run_id)
@@ -794,7 +850,15 @@ class Service:
             if not isinstance(lora_id, str):
                 problems.append(f"{where}: a LoRA's name in serve.lora_dir, or a hub repo org/name")
             elif is_hub_lora(lora_id):
-                converted.append(lora)
+                if not self.serve.hub_loras:
+                    problems.append(
+                        f"{where}: {lora_id!r} is a hub repo; this server takes the LoRAs of serve.lora_dir only "
+                        "(serve.hub_loras: true lets runs download hub LoRAs with the server's token)"
+                    )
+                elif problem := weight_name_problem(lora.get("weight_name")):
+                    problems.append(f"model.loras[{number}].weight_name: {problem}")
+                else:
+                    converted.append(lora)
             elif not LORA_NAME.fullmatch(lora_id.removesuffix(".safetensors")):
                 problems.append(
                     f"{where}: {lora_id!r}: a run sent to the server names a LoRA of serve.lora_dir by its file stem"
@@ -900,6 +964,18 @@ def data_uri_bytes(value, where: str) -> bytes:
         return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError):
         raise InputError(f"{where}: the data: URI's base64 does not decode") from None
+
+
+def weight_name_problem(name) -> str | None:
+    """Why a hub LoRA's weight_name cannot be a file of its repo (a path that leaves it), or None."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name.strip():
+        return "a file name in the LoRA's repo"
+    parts = name.replace("\\", "/").split("/")
+    if name.startswith(("/", "\\", "~")) or ":" in name or ".." in parts:
+        return f"{name[:100]!r}: a file of the LoRA's repo, not a path out of it"
+    return None
 
 
 def _count(n: int, word: str) -> str:

@@ -1,0 +1,214 @@
+"""The server's hardening rules that need no device: the strength that runs one step, the steps a sampler runs,
+the Host and Origin rules, and an engine that keeps its warm shapes through a flash-attention failure."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tpugen.config.request import strength_to_run
+from tpugen.modes.serve.browsers import host_name, host_problem, is_loopback, origin_problem
+
+
+@pytest.mark.parametrize(
+    "steps,strength,runs",
+    [(2, 0.4, 1), (10, 0.05, 1), (49, 0.001, 1), (3, 0.01, 1), (20, 0.75, 15), (2, 1.0, 2), (1000, 1e-9, 1)],
+)
+def test_an_img2img_strength_runs_at_least_one_step_as_the_web_ui_does(steps, strength, runs):
+    given = strength_to_run(steps, strength)
+    assert int(steps * given) == runs  # diffusers' Stable Diffusion rule: int(steps x strength) steps
+    assert given == strength or given <= 1.0 / steps + 1e-15  # raised no further than one step needs
+    # A flow-matching pipeline runs steps - int(steps - steps x strength): one step from the same clamp.
+    assert steps - int(max(steps - steps * given, 0)) == runs
+
+
+def test_the_most_steps_a_sampler_runs_is_what_indexes_its_tables():
+    from diffusers import DDIMScheduler, EulerAncestralDiscreteScheduler, FlowMatchEulerDiscreteScheduler
+
+    from tpugen.engine.pipeline import _most_steps
+
+    ddim = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012, "steps_offset": 1}
+    # DDIM's 1000 steps of 1000, offset by 1, ask for timestep 1000 (its step's IndexError).
+    assert _most_steps(lambda: DDIMScheduler(**ddim)) == 999
+    assert _most_steps(lambda: DDIMScheduler(**{**ddim, "steps_offset": 0})) == 1000
+    assert _most_steps(lambda: EulerAncestralDiscreteScheduler(**ddim)) == 1000
+    assert _most_steps(lambda: FlowMatchEulerDiscreteScheduler(shift=3.0)) == 1000  # no tables to index
+
+
+@pytest.mark.parametrize(
+    "header,name",
+    [("127.0.0.1:7860", "127.0.0.1"), ("[::1]:80", "::1"), ("LocalHost", "localhost"), ("a:b:c", ""), ("[::1", "")],
+)
+def test_a_host_header_s_name(header, name):
+    assert host_name(header) == name
+
+
+def test_a_loopback_server_answers_loopback_names_and_the_allowed_ones_only():
+    for host in ("127.0.0.1:7860", "localhost:7860", "[::1]:7860", "127.8.9.10", "tpugen.internal:80"):
+        assert host_problem(host, loopback_only=True, allowed=["TPUGEN.internal"]) is None, host
+    for host in ("attacker.example:7860", "", None, "127.0.0.1.attacker.example", "0.0.0.0:7860"):
+        problem = host_problem(host, loopback_only=True, allowed=[])
+        assert problem is not None and problem.startswith("Host: ") and "serve.allowed_hosts" in problem, host
+    assert host_problem("attacker.example", loopback_only=False, allowed=[]) is None  # bound elsewhere: key needed
+    assert is_loopback("::1") and is_loopback("[::1]") and not is_loopback("10.0.0.1")
+
+
+def test_only_the_server_s_own_page_and_the_allowed_origins_may_call_it():
+    own = "127.0.0.1:7860"
+    assert origin_problem(None, own, "http", []) is None  # curl, the openai client: no Origin
+    assert origin_problem("http://127.0.0.1:7860", own, "http", []) is None  # the server's own page
+    assert origin_problem("https://studio.example", own, "http", ["https://studio.example"]) is None
+    for origin in ("https://attacker.example", "null", "http://127.0.0.1:7861", "http://localhost:7860"):
+        problem = origin_problem(origin, own, "http", [])
+        assert (
+            problem == f"Origin: {origin!r} may not call this server (serve.allowed_origins lists the pages that may)"
+        )
+
+
+def test_a_call_that_fails_with_flash_attention_keeps_the_warm_shapes_warm():
+    """A failure with the kernel on: its processors come off and the call is made again, and every shape warmed
+    before stays warm (a server keeps serving it, compiling it once more), warmed again by the next warmup."""
+    from conftest import Recording
+
+    from tpugen.backends.base import FlashAttention
+    from tpugen.engine.engine import Engine
+
+    calls, removed = [], []
+
+    class Loaded:
+        hooks = SimpleNamespace(remove=removed.append)
+
+        def generate(self, batch, census=False):
+            calls.append(batch)
+            if len(calls) == 1:
+                raise RuntimeError("Mosaic: the kernel does not fit this shape")
+            return "pixels"
+
+    engine = object.__new__(Engine)
+    engine.loaded, engine.backend = Loaded(), SimpleNamespace(counters=lambda: None)
+    engine.flash_attention = FlashAttention(True, ("unet",))
+    warm = {("64x64 b2 cfg", "DDIM"): {"shape_key": "64x64 b2 cfg"}, ("96x96 b2 cfg", "DDIM"): {}}
+    engine.warm, engine._warmed_stale = dict(warm), set()
+    display = Recording()
+    assert engine._call_with_flash(SimpleNamespace(shape="96x96 b2 cfg"), display) == "pixels"
+    assert len(calls) == 2 and removed == ["flash attention"] and not engine.flash_attention.on
+    assert engine.warm == warm and engine._warmed_stale == set(warm)
+    assert display.warnings == ["flash attention: off -- RuntimeError: Mosaic: the kernel does not fit this shape"]
+
+
+def _compile_service(tmp_path, **serve):
+    from conftest import tiny_config, write_config
+
+    from tpugen.config import load_config
+    from tpugen.engine import Display
+    from tpugen.modes.serve.service import Service
+
+    config = tiny_config(tmp_path, serve={"new_shapes": "compile", **serve})
+    del config["prompts"]
+    run = load_config(write_config(tmp_path / "serve.yaml", config), prompts_required=False)
+    return Service(run, [], output_root=tmp_path / "runs", display=Display())
+
+
+def test_under_new_shapes_compile_a_side_past_serve_max_side_is_refused(tmp_path):
+    from tpugen.errors import InputError
+    from tpugen.modes.serve.service import ImageSpec
+
+    service = _compile_service(tmp_path)
+    service.check([ImageSpec("a fox", "", 1, 3, 7.5, 2048, 64)])  # the default bound, 2048, is fine
+    with pytest.raises(InputError) as refused:
+        service.check([ImageSpec("a fox", "", 1, 3, 7.5, 64, 8192)])
+    assert refused.value.lines == ["size: 8192x64: width and height must be at most 2048 (serve.max_side)"]
+    assert _compile_service(tmp_path, max_side=512).max_side == 512
+
+
+def test_under_new_shapes_compile_the_warm_shapes_are_capped(tmp_path):
+    from tpugen.modes.serve.service import ImageSpec, NotWarm
+
+    service = _compile_service(tmp_path, max_warm_shapes=2)
+
+    class Warm:  # what check() reads of an engine: the (shape key, sampler) pairs it keeps warm
+        warm = {("64x64 b2 cfg", "DDIM"): {}, ("64x64 b2 cfg", "Euler a"): {}, ("96x64 b2 cfg", "DDIM"): {}}
+        loaded = SimpleNamespace(max_steps=lambda scheduler: 999, default_scheduler="DDIM")
+
+    service.engines = [Warm()]
+    service.check([ImageSpec("a fox", "", 1, 3, 7.5, 96, 64)])  # warm (height x width): compiles no new shape
+    with pytest.raises(NotWarm) as refused:
+        service.check([ImageSpec("a fox", "", 1, 3, 7.5, 128, 64)])
+    assert refused.value.lines[0].startswith(
+        "128x64 b2 cfg would be compiled, and this server keeps at most 2 shapes warm (serve.max_warm_shapes)"
+    )
+    with pytest.raises(Exception) as steps:
+        service.check([ImageSpec("a fox", "", 1, 1000, 7.5, 64, 64)])
+    assert steps.value.lines == ["steps: 1000; sampler DDIM runs at most 999 on this model"]
+
+
+@pytest.mark.parametrize(
+    "name,problem",
+    [
+        (None, None),
+        ("pytorch_lora_weights.safetensors", None),
+        ("sdxl/style.safetensors", None),
+        ("/etc/passwd", "'/etc/passwd': a file of the LoRA's repo, not a path out of it"),
+        ("../../secret.safetensors", "'../../secret.safetensors': a file of the LoRA's repo, not a path out of it"),
+        ("a\\..\\..\\b", "'a\\\\..\\\\..\\\\b': a file of the LoRA's repo, not a path out of it"),
+        ("~/x.safetensors", "'~/x.safetensors': a file of the LoRA's repo, not a path out of it"),
+        ("C:/x.safetensors", "'C:/x.safetensors': a file of the LoRA's repo, not a path out of it"),
+        (7, "a file name in the LoRA's repo"),
+    ],
+)
+def test_a_hub_lora_s_weight_name_cannot_leave_its_repo(name, problem):
+    from tpugen.modes.serve.service import weight_name_problem
+
+    assert weight_name_problem(name) == problem
+
+
+def test_a_run_may_name_a_hub_lora_only_where_the_operator_allows_downloads(tmp_path):
+    from tpugen.errors import InputError
+
+    service = _compile_service(tmp_path)
+    with pytest.raises(InputError) as refused:
+        service._run_loras([{"id": "someone/style-lora", "scale": 0.8}])
+    assert refused.value.lines == [
+        "model.loras[0].id: 'someone/style-lora' is a hub repo; this server takes the LoRAs of serve.lora_dir only "
+        "(serve.hub_loras: true lets runs download hub LoRAs with the server's token)"
+    ]
+    allowing = _compile_service(tmp_path, hub_loras=True)
+    assert allowing._run_loras([{"id": "someone/style-lora"}]) == [{"id": "someone/style-lora"}]
+    with pytest.raises(InputError) as outside:
+        allowing._run_loras([{"id": "someone/style-lora", "weight_name": "/root/.cache/token"}])
+    assert outside.value.lines == [
+        "model.loras[0].weight_name: '/root/.cache/token': a file of the LoRA's repo, not a path out of it"
+    ]
+
+
+def test_at_most_two_images_decode_at_once(monkeypatch):
+    import io
+    import threading
+    import time
+
+    from PIL import Image
+
+    from tpugen.engine import images
+
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    opened, inside, most = Image.open, [0], [0]
+    lock = threading.Lock()
+
+    def slow_open(*args, **kwargs):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        with lock:
+            inside[0] -= 1
+        return opened(*args, **kwargs)
+
+    monkeypatch.setattr(Image, "open", slow_open)
+    threads = [threading.Thread(target=images.open_bytes, args=(png.getvalue(), "image")) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert images.DECODES_AT_ONCE == 2 and 1 <= most[0] <= 2  # six threads at once: without the bound, 6
