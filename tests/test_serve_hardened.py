@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import SAME_SETUP
 from PIL import Image
-from serve_support import AUTH, BASE, metric, run_body
+from serve_support import AUTH, BASE, metric, run_body, wait_run
 
 pytestmark = pytest.mark.xla
 
@@ -128,17 +128,7 @@ def test_names_too_long_for_a_folder_are_404s_that_show_no_path(server, client):
     response = client.get(f"/v1/runs/hardened-names/files/{'b' * 300}")
     _no_server_path(server, response)
     assert response.status_code == 404 and response.json()["detail"][0].startswith("no file 'bbbb")
-    _wait_ended(client, "hardened-names")
-
-
-def _wait_ended(client, run_id: str, seconds: float = 240) -> dict:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        status = client.get(f"/v1/runs/{run_id}").json()
-        if status["status"] not in ("queued", "running"):
-            return status
-        time.sleep(0.2)
-    raise AssertionError(f"run {run_id} did not end within {seconds} s")
+    wait_run(client, "hardened-names")
 
 
 def test_a_run_is_refused_at_the_door_for_what_its_batches_cannot_run_and_a_tiny_strength_runs(server, client):
@@ -151,7 +141,7 @@ def test_a_run_is_refused_at_the_door_for_what_its_batches_cannot_run_and_a_tiny
     prompts = [{"prompt": "a cat", "init_image": init, "strength": 0.01}]
     created = client.post("/v1/runs", content=run_body("hardened-strength", prompts=prompts, steps=3))
     assert created.status_code == 201, created.text
-    status = _wait_ended(client, "hardened-strength")
+    status = wait_run(client, "hardened-strength")
     assert status["status"] == "complete", status
 
 
@@ -171,7 +161,7 @@ def test_the_same_run_sent_twice_at_once_gets_two_run_ids(server, client):
     ids = [a.json()["id"] for a in answers]
     assert len(set(ids)) == 2 and ids[1] in (f"{ids[0]}-2", ids[0].removesuffix("-2"))
     for run_id in ids:
-        assert _wait_ended(client, run_id)["status"] == "complete"
+        assert wait_run(client, run_id)["status"] == "complete"
 
 
 def test_a_page_on_another_origin_and_a_rebound_host_are_refused(server, client):
