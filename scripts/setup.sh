@@ -14,10 +14,11 @@ stamp=.venv/.tpugen-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing tpugen[xla,dev,docs] into .venv (torch 2.9.0 + torch_xla 2.9.0, the server, Ray, peft and mkdocs: several GB the first time)"
-  # --no-compile: Python compiles what is imported when it is first imported; compiling every file of torch, Ray
-  # and the rest at install took 52 s of a fresh install's 3 min 9 s here (2 min 17 s without).
+  # pip compiles every file to bytecode here, and that is the only time it is written where PYTHONDONTWRITEBYTECODE
+  # is set (as on the team's machines): installed with --no-compile (52 s less), every process the tests start
+  # compiled torch's imports again, and the suite took 25 min 57 s instead of 19 min 40 s.
   # Some machines' pip configs point at local index folders that do not exist; those warnings are noise.
-  .venv/bin/python -m pip install -q --no-compile -e '.[xla,dev,docs]' 2>&1 | grep -v "^WARNING: Location 'file:" || true
+  .venv/bin/python -m pip install -q -e '.[xla,dev,docs]' 2>&1 | grep -v "^WARNING: Location 'file:" || true
   PJRT_DEVICE=CPU .venv/bin/python -c "import torch, torch_xla, torchvision, diffusers, transformers, peft, fastapi, uvicorn, multipart, ray, httpx, selenium, webuiapi, mkdocs, material, tpugen" \
     || { echo "setup: the install failed (see above)" >&2; exit 1; }
   echo "$want" > "$stamp"

@@ -411,14 +411,14 @@ def _most_steps(make) -> int:
         tables = getattr(scheduler, "alphas_cumprod", None)
         try:
             scheduler.set_timesteps(steps)
-        except (ValueError, IndexError):
+        except (ValueError, IndexError, TypeError):
             return False
         timesteps = scheduler.timesteps
         if len(timesteps) == 0:
             return False
         return tables is None or 0 <= float(timesteps.min()) and float(timesteps.max()) < len(tables)
 
-    if runs(MAX_STEPS):
+    if runs(MAX_STEPS) or not runs(1):  # not even one step: it needs its pipeline's own arguments (Flux's mu)
         return MAX_STEPS
     runs_at, fails_at = 1, MAX_STEPS
     while runs_at + 1 < fails_at:
