@@ -296,6 +296,40 @@ def test_a_merged_key_may_be_overridden_and_an_alias_shared():
     }
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "prompts:\n"
+        + "".join(f"  - 'a cat {i}'\n" for i in range(500))
+        + "seed: 0042\nsteps: 0x10\nscale: 1.5\nx: 1e3\n",
+        'a: &x [1, 2]\nb: {<<: {c: 1}, c: 2}\nd: *x\ne: "\\N\\u00e9"\n',
+        "a: [1, 2\n",  # refused: the same words as the pure-Python reader's, whichever parser read it first
+        "a: 1\na: 2\n",
+        "a: \x07\n",
+        "a: '\ud800'\n",  # a lone surrogate, which libyaml cannot take
+        "[" * 2000 + "]" * 2000,  # past libyaml's nesting limit
+    ],
+)
+def test_yaml_is_read_by_libyaml_as_tpugens_own_reader_reads_it(text):
+    from tpugen.config import yamlio
+
+    assert yamlio._FastYamlLoader is not yamlio._YamlLoader or not yaml.__with_libyaml__
+
+    def read(loader):
+        try:
+            return ("read", yaml.load(text, Loader=loader))  # noqa: S506 -- SafeLoader subclasses
+        except yaml.YAMLError as exc:
+            return ("refused", yamlio.yaml_problem(exc))
+        except RecursionError:
+            return ("refused", "too deep")
+
+    try:
+        got = ("read", yamlio.yaml_load(text))
+    except yaml.YAMLError as exc:
+        got = ("refused", "too deep" if isinstance(exc, yamlio._TooDeep) else yamlio.yaml_problem(exc))
+    assert got == read(yamlio._YamlLoader)
+
+
 @pytest.mark.parametrize("text", ["a\x85b", "line\u2028separator", "para\u2029graph", "0042", "yes", "two\nlines"])
 def test_tpugens_yaml_reads_back_the_same_in_yaml_1_1_too(text):
     # YAML 1.1 readers (PyYAML, and tpugen's own loader) fold an unescaped NEL, LS or PS into a space: a

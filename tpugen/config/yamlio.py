@@ -55,6 +55,24 @@ _YamlLoader.add_implicit_resolver(
 )
 
 
+if getattr(yaml, "__with_libyaml__", False):
+    from yaml.constructor import SafeConstructor
+    from yaml.cyaml import CParser
+    from yaml.resolver import Resolver
+
+    class _FastYamlLoader(CParser, _YamlLoader):
+        """The same reading with libyaml's C parser underneath: tens of times faster on a big document (a 2 MB
+        prompt list: 0.09 s against 1.5 s), the construction and the YAML 1.2 numbers tpugen's own."""
+
+        def __init__(self, stream) -> None:
+            CParser.__init__(self, stream)
+            SafeConstructor.__init__(self)
+            Resolver.__init__(self)
+
+else:  # a PyYAML built without libyaml
+    _FastYamlLoader = _YamlLoader
+
+
 class _YamlDumper(yaml.SafeDumper):
     """Quotes every string that either YAML 1.1 or tpugen's loader would read as something else ("1e3",
     "0042"), so a config written by tpugen reads back the same anywhere."""
@@ -123,9 +141,16 @@ def _check_aliases(data: Any) -> None:
 
 
 def yaml_load(text: str) -> Any:
-    """A YAML document read safely (no tags, no objects), numbers as YAML 1.2 reads them."""
+    """A YAML document read safely (no tags, no objects), numbers as YAML 1.2 reads them: by libyaml where
+    PyYAML has it; a document it refuses (or cannot take: text with lone surrogates) is read again by the
+    pure-Python parser, whose words (and marks) the error then carries, the same wherever PyYAML came from."""
     try:
-        data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 -- a SafeLoader subclass
+        try:
+            data = yaml.load(text, Loader=_FastYamlLoader)  # noqa: S506 -- a SafeLoader subclass
+        except (yaml.YAMLError, UnicodeEncodeError):
+            if _FastYamlLoader is _YamlLoader:
+                raise
+            data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 -- a SafeLoader subclass
     except RecursionError:
         raise _TooDeep(_TooDeep.problem) from None
     _check_aliases(data)
