@@ -262,7 +262,11 @@ def server(tmp_path_factory):
     make_lora(tmp / "loras" / "style.safetensors", "kohya", seed=1)
     make_lora(tmp / "loras" / "subject.safetensors", "peft", seed=2)
     tasks = ["txt2img", "img2img", "inpaint"]  # /sdapi/v1/img2img, with and without a mask
-    path = serve_config(tmp, max_images_per_request=8, lora_dir="loras", schedulers=["Euler a"], tasks=tasks)
+    # Connection deadlines short enough for tests/test_serve_hardened.py to see them pass.
+    deadlines = {"read_timeout_s": 3, "idle_timeout_s": 3}
+    path = serve_config(
+        tmp, max_images_per_request=8, lora_dir="loras", schedulers=["Euler a"], tasks=tasks, **deadlines
+    )
     with running_server(path, tmp / "runs", KEY) as (url, service):
         wait_ready(url, seconds=400)  # 5 shape keys to compile; on a loaded 2-core machine, minutes
         yield url, service

@@ -46,16 +46,15 @@ def running_server(config: Path, runs: Path, key: str | None):
     from tpugen.config import load_config
     from tpugen.engine import Display
     from tpugen.modes.serve.http import build_app
-    from tpugen.modes.serve.server import check_start, open_engines
+    from tpugen.modes.serve.server import check_start, open_engines, uvicorn_config
     from tpugen.modes.serve.service import Service
 
     run = load_config(config, prompts_required=False)
     check_start(run, "127.0.0.1", key)
     service = Service(run, open_engines(run, Display()), output_root=runs, display=Display())
     port = free_port()
-    uvicorn_server = uvicorn.Server(
-        uvicorn.Config(build_app(service, key, host="127.0.0.1"), host="127.0.0.1", port=port, log_level="warning")
-    )
+    app = build_app(service, key, host="127.0.0.1")
+    uvicorn_server = uvicorn.Server(uvicorn_config(app, run.config.serve, host="127.0.0.1", port=port))
     thread = threading.Thread(target=uvicorn_server.run, name="test-server")
     thread.start()
     try:

@@ -3,6 +3,8 @@ one, same-key images of several clients still share a batch, and each client's i
 
 from __future__ import annotations
 
+import base64
+
 from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, Request
 from tpugen.modes.serve.request_ids import client_of, request_id_for
 
@@ -85,14 +87,13 @@ def test_a_settled_request_leaves_its_clients_turn_and_starting_is_told_once():
 
 def test_whom_a_request_counts_for():
     bearer = "Bearer k3y"
-    keyed = client_of(bearer, None, "10.0.0.1")
+    keyed = client_of(bearer, "10.0.0.1")
     assert keyed.startswith("key ") and "k3y" not in keyed and keyed.endswith(" peer 10.0.0.1")
-    assert client_of(bearer, "alice", "10.0.0.1") != client_of(bearer, "bob", "10.0.0.1")  # one key, two clients
-    assert client_of(bearer, "alice", "10.0.0.1") == client_of(bearer, "alice", "10.0.0.2")  # named: any address
-    assert client_of(None, "alice", "10.0.0.1") == "client alice"
-    assert client_of(None, None, "10.0.0.1") == "peer 10.0.0.1"
-    # A name that is not a sane id is not taken: the address counts.
-    assert client_of(None, "x" * 200, "10.0.0.1") == client_of(None, "a b", "10.0.0.1") == "peer 10.0.0.1"
+    assert client_of(bearer, "10.0.0.1") != client_of(bearer, "10.0.0.2")  # one key, two machines: two clients
+    assert client_of(bearer, "10.0.0.1") != client_of("Bearer other", "10.0.0.1")
+    assert client_of("Basic " + base64.b64encode(b"u:k3y").decode(), "10.0.0.1") == keyed  # basic auth, same key
+    assert client_of(None, "10.0.0.1") == client_of("Bearer ", "10.0.0.1") == "peer 10.0.0.1"
+    assert client_of(None, None) == "peer -"
 
 
 def test_a_request_id_is_the_clients_when_sane_else_made():

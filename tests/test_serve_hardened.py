@@ -226,6 +226,62 @@ def test_a_chunked_body_past_the_limit_is_cut_off_while_it_arrives(server):
     assert sent < 8 * 1024 * 1024, sent  # cut off near the 1 MiB limit, not read whole
 
 
+def _until_closed(sock: socket.socket, seconds: float) -> tuple[bytes, float | None]:
+    """What the server sent before it closed `sock`, and when it closed it (None: still open after `seconds`)."""
+    got, deadline = b"", time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([sock], [], [], max(0.0, deadline - time.monotonic()))
+        if readable:
+            try:
+                data = sock.recv(65536)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                return got, time.monotonic()
+            got += data
+    return got, None
+
+
+def test_silent_half_sent_and_idle_connections_are_closed_after_their_deadlines(server, client):
+    """A connection that never speaks, a request head sent in part, a body that stops half-way (by length and
+    chunked), and a kept-alive connection left idle: none holds the server. The session's server has
+    read_timeout_s 3 and idle_timeout_s 3. Before: the first two stayed open for as long as the client liked."""
+    url, service = server
+    read_s, idle_s = service.serve.read_timeout_s, service.serve.idle_timeout_s
+    host, port = url.removeprefix("http://").split(":")
+    head = f"POST /sdapi/v1/txt2img HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: {AUTH['Authorization']}\r\n"
+    sends = {
+        "silent": b"",
+        "half head": head.encode(),
+        "half body": (head + 'Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{"pro').encode(),
+        "half chunked": (
+            head + 'Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{"pro'
+        ).encode(),
+        "idle": f"GET /healthz HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode(),
+    }
+    sockets = {name: socket.create_connection((host, int(port)), timeout=30) for name in sends}
+    started = time.monotonic()
+    for name, data in sends.items():
+        if data:
+            sockets[name].sendall(data)
+    results = {}
+    for name, sock in sockets.items():
+        with sock:
+            got, closed = _until_closed(sock, read_s + 15)
+            results[name] = (got, None if closed is None else closed - started)
+    for name in ("silent", "half head"):
+        assert results[name][0] == b"" and results[name][1] is not None, (name, results[name])
+        assert read_s - 0.5 <= results[name][1] <= read_s + 10, (name, results[name][1])
+    for name in ("half body", "half chunked"):
+        reply, closed = results[name]
+        assert reply.startswith(b"HTTP/1.1 408"), (name, reply[:200])
+        assert b"the body stopped arriving" in reply and b"connection: close" in reply.lower(), reply
+        assert closed is not None and read_s - 0.5 <= closed <= read_s + 10, (name, closed)
+    reply, closed = results["idle"]
+    assert reply.startswith(b"HTTP/1.1 200") and closed is not None and idle_s - 0.5 <= closed <= idle_s + 10
+    assert client.get("/readyz").status_code == 200
+
+
 def test_healthz_answers_at_once_while_a_large_run_body_is_parsed(server, client):
     """2 MB of YAML takes the pure-Python loader seconds: parsed in a worker thread, the event loop answers
     /healthz meanwhile. The run asks for another model, so once parsed it is refused without running."""

@@ -760,6 +760,21 @@ class ServeConfig(_Section):
         gt=0,
         description="A request still waiting after this long gets 504 and its images are dropped from the queue.",
     )
+    idle_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="A kept-alive connection that sends no new request for this long is closed.",
+    )
+    read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description=(
+            "A request's head must arrive within this long of its connection opening (or of its first byte after "
+            "an answer), else the connection is closed; a body that stops for this long between two parts gets 408."
+        ),
+    )
     lora_dir: str | None = Field(
         default=None,
         description=(

@@ -6,6 +6,7 @@ import hmac
 import html
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse
@@ -27,9 +28,19 @@ OPEN_PATHS = ("/healthz", "/readyz", *page.OPEN_PATHS)
 ENGINE_FREE_PATHS = ("/metrics", "/docs", "/openapi.json")
 
 
+class SlowBody(InputError):
+    """A body whose next part did not come within serve.read_timeout_s (408)."""
+
+
+def slow_body(seconds: float) -> str:
+    return f"the body stopped arriving: no part of it came for {seconds:g} s (serve.read_timeout_s)"
+
+
 def _status_of(exc: BaseException) -> int:
     if isinstance(exc, TooLarge):
         return 413
+    if isinstance(exc, SlowBody):
+        return 408
     if isinstance(exc, WrongType):
         return 415
     if isinstance(exc, (NotReady, QueueFull)):
@@ -167,7 +178,9 @@ def build_app(service: Service, api_key: str | None, host: str | None = None) ->
         # Raised in a task group (a middleware's): an exception group of one (Python 3.11's; anyio's before).
         while len(getattr(exc, "exceptions", ())) == 1 and isinstance(exc.exceptions[0], BaseException):
             exc = exc.exceptions[0]
-        if isinstance(exc, TpugenError):  # a chunked body past its limit, found while a middleware read it
+        if isinstance(exc, (TooLarge, SlowBody)):  # found while the body came: the rest of it is never read
+            return problem_response(_status_of(exc), exc.lines or [one_line(exc)], {"Connection": "close"})
+        if isinstance(exc, TpugenError):
             return problem_response(_status_of(exc), exc.lines or [one_line(exc)])
         if isinstance(exc, RecursionError):  # json or YAML nested thousands deep
             return problem_response(422, ["body: nested too deeply to read"])
@@ -189,7 +202,7 @@ def build_app(service: Service, api_key: str | None, host: str | None = None) ->
             line = service.failure or f"the server is loading {service.run.config.model.id}; GET /readyz says when"
             response = problem_response(503, [line], {"Retry-After": "5"})
         elif int(request.headers.get("content-length") or 0) > body_limit(path):
-            response = problem_response(413, [too_large(body_limit(path))])
+            response = problem_response(413, [too_large(body_limit(path))], {"Connection": "close"})
         else:
             try:
                 response = await call_next(request)
@@ -206,6 +219,7 @@ def build_app(service: Service, api_key: str | None, host: str | None = None) ->
         loopback_only=host is not None and is_loopback(host),
         allowed_hosts=list(serve.allowed_hosts),
         allowed_origins=list(serve.allowed_origins),
+        read_timeout_s=serve.read_timeout_s,
     )
     # Added last, so outermost: every response, the guard's and the error handlers' included, carries the id.
     app.add_middleware(RequestIds)
@@ -214,13 +228,23 @@ def build_app(service: Service, api_key: str | None, host: str | None = None) ->
 
 class Guarded:
     """The outermost layer: a request's Host and Origin checked before anything reads it, its body counted as it
-    arrives (over its route's limit: 413, whatever the framing), and the security headers on every reply."""
+    arrives (over its route's limit: 413, whatever the framing; a part late by read_timeout_s: 408), and the
+    security headers on every reply."""
 
-    def __init__(self, app, *, loopback_only: bool, allowed_hosts: list[str], allowed_origins: list[str]) -> None:
+    def __init__(
+        self,
+        app,
+        *,
+        loopback_only: bool,
+        allowed_hosts: list[str],
+        allowed_origins: list[str],
+        read_timeout_s: float = 30.0,
+    ) -> None:
         self.app = app
         self.loopback_only = loopback_only
         self.allowed_hosts = allowed_hosts
         self.allowed_origins = allowed_origins
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -244,15 +268,22 @@ class Guarded:
         if problem is not None:
             return await problem_response(status, [problem])(scope, receive, with_headers)
 
-        limit, seen = body_limit(scope["path"]), 0
+        limit, seen, whole = body_limit(scope["path"]), 0, False
 
         async def counted():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, whole
+            if whole:  # what follows a whole body is the client leaving: a stream's wait, not timed
+                return await receive()
+            try:
+                with anyio.fail_after(self.read_timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                raise SlowBody(slow_body(self.read_timeout_s)) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
                     raise TooLarge(too_large(limit))
+                whole = not message.get("more_body", False)
             return message
 
         await self.app(scope, counted, with_headers)

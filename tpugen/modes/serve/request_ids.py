@@ -45,12 +45,12 @@ def request_id_for(given: str | None) -> str:
     return given if given is not None and SAFE_ID.fullmatch(given) else new_id()
 
 
-def client_of(authorization: str | None, client_id: str | None, peer: str | None) -> str:
-    """Whom a request counts for: the API key it carries (by a digest, never the key), then its X-Client-Id
-    when sane, else its peer address. A server has one key, so among its keyed clients X-Client-Id or the
-    address tells them apart."""
-    who = f"client {client_id}" if client_id is not None and SAFE_ID.fullmatch(client_id) else f"peer {peer or '-'}"
+def client_of(authorization: str | None, peer: str | None) -> str:
+    """Whom a request counts for when clients take turns: its peer address, with the API key it carries (by a
+    digest, never the key) when it carries one. Nothing a client merely claims (a header of its choosing) makes
+    it another client: it would win itself as many turns as it likes."""
     key = offered_key(authorization or "")
+    who = f"peer {peer or '-'}"
     return f"key {hashlib.sha256(key.encode()).hexdigest()[:12]} {who}" if key else who
 
 
@@ -86,7 +86,7 @@ class RequestIds:
         peer = (scope.get("client") or (None,))[0]
         caller = Caller(
             request_id_for(headers.get("x-request-id")),
-            client_of(headers.get("authorization"), headers.get("x-client-id"), peer),
+            client_of(headers.get("authorization"), peer),
         )
         token = CALLER.set(caller)
 

@@ -157,9 +157,7 @@ def _serve_on(sock: socket.socket, run: ResolvedRun, *, where, api_key: str | No
         service.broken.wait()
         server.stop_after(service.wait_drained, BROKEN_GRACE_S)
 
-    server = DrainingServer(
-        uvicorn.Config(build_app(service, api_key, host=where[0]), log_level="warning", access_log=False)
-    )
+    server = DrainingServer(uvicorn_config(build_app(service, api_key, host=where[0]), run.config.serve))
     threading.Thread(target=stop_when_broken, name="tpugen-watchdog", daemon=True).start()
     host, port = where[0], where[1]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -179,6 +177,23 @@ def _serve_on(sock: socket.socket, run: ResolvedRun, *, where, api_key: str | No
         log.info("stopped while loading or compiling")
         _exit_now(0)
     log.info("stopped")
+
+
+def uvicorn_config(app, serve, **where):
+    """uvicorn's settings for a server's app (`where`: host and port, unless it is given a socket): connections
+    closed when idle for serve.idle_timeout_s, or when a request's head is late by serve.read_timeout_s."""
+    import uvicorn
+
+    from tpugen.modes.serve.connections import protocol_with_deadline
+
+    return uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        http=protocol_with_deadline(serve.read_timeout_s),
+        timeout_keep_alive=serve.idle_timeout_s,
+        **where,
+    )
 
 
 def _exit_now(code: int) -> None:
