@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tpugen.config.request import MAX_INPUT_BYTES, MAX_INPUT_SIDE
 
@@ -55,25 +58,39 @@ class InputImage:
     sha256: str
 
 
+# Images decoded at once, in the whole process: each may be 8192 x 8192 (MAX_INPUT_SIDE, 200 MB as RGB), so
+# concurrent requests wait their turn to decode rather than add their pixels up (four such requests at once
+# added 2 GB before).
+DECODES_AT_ONCE = 2
+_decoding = threading.BoundedSemaphore(DECODES_AT_ONCE)
+
+
 def image_problem(data: bytes) -> str | None:
     """Why these bytes are not an input image tpugen can use (not an image, too big), or None."""
+    return open_checked(data)[1]
+
+
+def open_checked(data: bytes, convert: Callable | None = None) -> tuple[Any, str | None]:
+    """(`convert` of the decoded image, None), or (None, why these bytes are no input image tpugen can use):
+    decoded whole (a truncated file is refused), at most DECODES_AT_ONCE at a time."""
     import io
 
     from PIL import Image, UnidentifiedImageError
 
     if len(data) > MAX_INPUT_BYTES:
-        return f"{len(data)} bytes; at most {MAX_INPUT_BYTES}"
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            width, height = image.size
-            if max(width, height) > MAX_INPUT_SIDE:
-                return f"{width}x{height}; at most {MAX_INPUT_SIDE} pixels a side"
-            image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        return f"not an image PIL can read ({type(exc).__name__})"
-    except Image.DecompressionBombError:
-        return f"over {MAX_INPUT_SIDE} pixels a side"
-    return None
+        return None, f"{len(data)} bytes; at most {MAX_INPUT_BYTES}"
+    with _decoding:
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+                if max(width, height) > MAX_INPUT_SIDE:
+                    return None, f"{width}x{height}; at most {MAX_INPUT_SIDE} pixels a side"
+                image.load()
+                return (convert(image) if convert else None), None
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            return None, f"not an image PIL can read ({type(exc).__name__})"
+        except Image.DecompressionBombError:
+            return None, f"over {MAX_INPUT_SIDE} pixels a side"
 
 
 def read_input_image(value: str, base_dir: Path, where: str, problems: list[str]) -> InputImage | None:

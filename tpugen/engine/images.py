@@ -3,7 +3,6 @@ graphs never see another size."""
 
 from __future__ import annotations
 
-import threading
 
 from tpugen.logs import logger
 
@@ -81,31 +80,14 @@ def size_of(path: str) -> tuple[int, int]:
 # ---------------------------------------------------------------- the web UI's inpainting, on the host
 
 
-# Images a server decodes at once: each may be 8192 x 8192 (MAX_INPUT_SIDE, 200 MB as RGB), so concurrent requests
-# wait their turn to decode rather than add their pixels up (four such requests at once added 2 GB before).
-DECODES_AT_ONCE = 2
-_decoding = threading.BoundedSemaphore(DECODES_AT_ONCE)
-
-
 def open_bytes(data: bytes, where: str, *, mask: bool = False, keep_alpha: bool = False):
     """An image a request sent, as PIL (RGB, or one channel for a mask; `keep_alpha`: RGBA where it has
-    transparency); InputError naming `where` if it is none. At most DECODES_AT_ONCE decode at a time."""
-    with _decoding:
-        return _open_bytes(data, where, mask=mask, keep_alpha=keep_alpha)
-
-
-def _open_bytes(data: bytes, where: str, *, mask: bool, keep_alpha: bool):
-    import io
-
-    from PIL import Image
-
-    from tpugen.config.images import image_problem
+    transparency); InputError naming `where` if it is none. Decoded once, at most DECODES_AT_ONCE at a time
+    (tpugen.config.images)."""
+    from tpugen.config.images import open_checked
     from tpugen.errors import InputError
 
-    problem = image_problem(data)
-    if problem:
-        raise InputError(f"{where}: is {problem}" if problem.startswith("not") else f"{where}: {problem}")
-    with Image.open(io.BytesIO(data)) as opened:
+    def converted(opened):
         if keep_alpha:
             has_alpha = opened.mode in ("RGBA", "LA", "PA") or "transparency" in opened.info
             return opened.convert("RGBA" if has_alpha else "RGB")
@@ -113,6 +95,11 @@ def _open_bytes(data: bytes, where: str, *, mask: bool, keep_alpha: bool):
             # A mask drawn on a transparent layer: what is drawn (opaque) is what to repaint.
             return opened.getchannel("A").convert("L")
         return opened.convert("L" if mask else "RGB")
+
+    image, problem = open_checked(data, converted)
+    if problem:
+        raise InputError(f"{where}: is {problem}" if problem.startswith("not") else f"{where}: {problem}")
+    return image
 
 
 def transparent_mask(image):
