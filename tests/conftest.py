@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -380,8 +381,7 @@ MAPS_BUDGET = int(os.environ.get("TPUGEN_TEST_MAPS_BUDGET", "55000"))
 # ends running a long file alone; the rest follow in collection order. Grouping every file's tests in one process
 # (--dist loadgroup, each module's fixtures built once) took 27 min 0 s the same day: the groups that start
 # processes of their own (Ray workers, pod workers, ranks, CLI runs) then ran side by side, and the machine did
-# 46 CPU-minutes of work against 33. A session or module fixture is built in each process that runs one of its
-# tests (the session's server and a Ray cluster, twice), which costs less than that.
+# 46 CPU-minutes of work against 33.
 SLOWEST_FILES = [
     "test_cluster.py",  # 330
     "test_step_cache.py",  # 217
@@ -397,12 +397,71 @@ SLOWEST_FILES = [
     "test_families.py",  # 76
 ]
 
+# The fixtures that cost a process minutes to build: the session's server (its warm shapes compiled), a Ray
+# cluster (its workers compile again), the reference runs. Handed out one at a time, their tests made each
+# process build them. The tests that use one go to one process together, as one unit of work, first (in this
+# order), so each is built once; every other test still goes alone. Found from the tests' own fixtures at
+# collection, so a new test joins its group by asking for the fixture.
+SHARED_FIXTURES = ("ray_cluster", "server", "xla_run", "cpu_run")
+GROUPS_FILE = "TPUGEN_TEST_GROUPS_FILE"  # where the test processes tell the scheduler which test is in which group
+
+
+def _shared_fixture(item) -> str | None:
+    names = getattr(item, "fixturenames", ())
+    return next((name for name in SHARED_FIXTURES if name in names), None)
+
+
+def pytest_configure(config) -> None:
+    if not hasattr(config, "workerinput") and GROUPS_FILE not in os.environ:  # the controller, before its workers
+        config._tpugen_groups = Path(tempfile.mkdtemp(prefix="tpugen-test-groups-"))
+        os.environ[GROUPS_FILE] = str(config._tpugen_groups / "groups.json")
+
+
+def pytest_unconfigure(config) -> None:
+    made = getattr(config, "_tpugen_groups", None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+        os.environ.pop(GROUPS_FILE, None)
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """The slowest files' tests first (SLOWEST_FILES), each file's in collection order."""
+    """The shared fixtures' groups first, then the slowest files' tests (SLOWEST_FILES), each file's in
+    collection order; a test process writes down each grouped test's group for the scheduler."""
     rank = {name: number for number, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: collection order otherwise
+    group_rank = {name: number for number, name in enumerate(SHARED_FIXTURES)}
+
+    def order(item):
+        group = _shared_fixture(item)
+        return (0, group_rank[group], 0) if group else (1, 0, rank.get(item.path.name, len(rank)))
+
+    items.sort(key=order)  # stable: collection order otherwise
+    where = os.environ.get(GROUPS_FILE)
+    if hasattr(config, "workerinput") and where:
+        groups = {item.nodeid: group for item in items if (group := _shared_fixture(item))}
+        part = Path(f"{where}.{os.getpid()}")
+        part.write_text(json.dumps(groups))
+        part.replace(where)  # whole or not there: both processes write the same map
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist load, with each shared fixture's tests as one unit of work (SHARED_FIXTURES)."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # read once the processes have collected, which is when this is asked
+                where = Path(os.environ.get(GROUPS_FILE, "-"))
+                self.groups = json.loads(where.read_text()) if where.is_file() else {}
+            group = self.groups.get(nodeid)
+            return f"shared fixture {group}" if group else nodeid
+
+    config.option.loadscopereorder = False  # the order the tests were collected in (above)
+    return SharedFixtureScheduling(config, log)
 
 
 # The test a child pytest process runs for a `cold_process` test (its node id), set in the child only.
