@@ -1,19 +1,21 @@
 """`tpugen generate CONFIG --server URL`: the run made by a warm server, its run directory copied here.
 
-This side imports no torch and no model code: only the config, HTTP (the standard library) and files."""
+This side imports no torch and no model code: only the config, HTTP (httpx, its events read by httpx-sse) and
+files: both are in the plain install, so this needs no `serve` extra."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import http.client
 import json
+import ssl
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+import httpx
+from httpx_sse import ServerSentEvent, connect_sse
 
 from tpugen.config import ResolvedRun, run_sizes
 from tpugen.config.loras import is_hub_lora
@@ -24,6 +26,8 @@ from tpugen.outputs.files import atomic_write_bytes
 POLL_SECONDS = 0.5  # between two looks at a run's status, when its event stream cannot be had
 STREAM_TRIES = 5  # event streams in a row that drop before an event arrives, before the client polls instead
 STREAM_READ_SECONDS = 60  # the server sends a comment every 15 s: this long without a byte, the stream is gone
+CALL_SECONDS = 60  # a request's longest wait for the next byte (sending or receiving) before the server is given up
+CONNECT_SECONDS = 10  # a server that has not taken the connection by then is not there
 
 
 class NoStream(Exception):
@@ -86,49 +90,57 @@ def data_uri(path: str, sha256: str, where: str) -> str:
 
 
 class Server:
-    """A tpugen server's runs API, over HTTP."""
+    """A tpugen server's runs API, over HTTP: one httpx client, its connections kept between calls; close it (or
+    use it in a `with`) when done."""
 
     def __init__(self, url: str, api_key: str | None) -> None:
         self.url = url.rstrip("/")
         self.api_key = api_key
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # The system's CA store, as the standard library's HTTP had it (httpx's own default is certifi's).
+        self.http = httpx.Client(
+            headers=headers,
+            timeout=httpx.Timeout(CALL_SECONDS, connect=CONNECT_SECONDS),
+            verify=ssl.create_default_context(),
+            follow_redirects=True,
+        )
 
-    def _request(self, method: str, path: str) -> urllib.request.Request:
-        request = urllib.request.Request(self.url + path, method=method)
-        if self.api_key:
-            request.add_header("Authorization", f"Bearer {self.api_key}")
-        return request
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
 
     def events(self, path: str, last_id: int | None) -> Iterator[tuple[int | None, str, dict]]:
         """(id, name, data) of each server-sent event of `path`, from after `last_id` (None: from the first)
-        until the server ends the stream. NoStream when the server has none there; OSError when it drops."""
-        request = self._request("GET", path)
-        request.add_header("Accept", "text/event-stream")
-        if last_id is not None:
-            request.add_header("Last-Event-ID", str(last_id))
-        try:
-            response = urllib.request.urlopen(request, timeout=STREAM_READ_SECONDS)
-        except urllib.error.HTTPError as exc:
-            exc.close()
-            raise NoStream(f"HTTP {exc.code}") from None
-        with response:
-            if "text/event-stream" not in response.headers.get("Content-Type", ""):
-                raise NoStream(response.headers.get("Content-Type", "no content type"))
-            yield from server_sent_events(response)
+        until the server ends the stream. NoStream when the server has none there; httpx.RequestError when it
+        drops or goes STREAM_READ_SECONDS without a byte."""
+        headers = {"Last-Event-ID": str(last_id)} if last_id is not None else {}
+        timeout = httpx.Timeout(STREAM_READ_SECONDS, connect=CONNECT_SECONDS)
+        with connect_sse(self.http, "GET", self.url + path, headers=headers, timeout=timeout) as source:
+            response = source.response
+            if response.status_code >= 400:
+                raise NoStream(f"HTTP {response.status_code}")
+            content_type = response.headers.get("Content-Type", "")
+            if "text/event-stream" not in content_type:
+                raise NoStream(content_type or "no content type")
+            yield from server_sent_events(source.iter_sse())
 
     def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
-        request = self._request(method, path)
-        data = None
+        """The status and body of one request; a RunError naming the server if it cannot be reached (refused,
+        unknown host, no answer within CALL_SECONDS)."""
+        content, headers = None, {}
         if body is not None:
-            data = json.dumps(body).encode("utf-8")
-            request.add_header("Content-Type", "application/json")
+            # Encoded here, as before: httpx's json= refuses NaN, which json.dumps writes.
+            content, headers = json.dumps(body).encode("utf-8"), {"Content-Type": "application/json"}
         try:
-            with urllib.request.urlopen(request, data=data, timeout=60) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise RunError(f"--server {self.url}: cannot reach it ({reason})") from None
+            response = self.http.request(method, self.url + path, content=content, headers=headers)
+        except httpx.RequestError as exc:
+            raise RunError(f"--server {self.url}: cannot reach it ({str(exc) or type(exc).__name__})") from None
+        return response.status_code, response.content
 
     def json(self, method: str, path: str, body: dict | None = None) -> dict:
         status, data = self.call(method, path, body)
@@ -146,26 +158,26 @@ class Server:
 
 def submit(run: ResolvedRun, url: str, *, api_key: str | None = None, display=None) -> dict:
     """Send the run, show its progress, and copy its run directory into the local output.dir when it ends."""
-    server = Server(url, api_key)
     run_id = run_id_for(run)
     local = Path(run.config.output.dir) / run_id
     if local.exists() and any(local.iterdir()):  # refused before anything is sent; nothing is made until files come
         raise InputError(f"output.run_id: {local} already exists and is not empty; choose another run_id")
-    started = server.json("POST", "/v1/runs", run_payload(run, run_id))
-    if display is not None:
-        display.phase(f"running on {server.url} as {started['id']}")
-        display.batches_started(started["images_planned"])
-    try:
-        status = follow(server, run_id, display)
-    except KeyboardInterrupt:
-        server.json("DELETE", f"/v1/runs/{urllib.parse.quote(run_id)}")
-        raise Interrupted(
-            2, f"interrupted: the server stops {run_id} after its batch in flight (resumable there)"
-        ) from None
-    finally:
+    with Server(url, api_key) as server:
+        started = server.json("POST", "/v1/runs", run_payload(run, run_id))
         if display is not None:
-            display.finished()
-    download(server, run_id, local)
+            display.phase(f"running on {server.url} as {started['id']}")
+            display.batches_started(started["images_planned"])
+        try:
+            status = follow(server, run_id, display)
+        except KeyboardInterrupt:
+            server.json("DELETE", f"/v1/runs/{urllib.parse.quote(run_id)}")
+            raise Interrupted(
+                2, f"interrupted: the server stops {run_id} after its batch in flight (resumable there)"
+            ) from None
+        finally:
+            if display is not None:
+                display.finished()
+        download(server, run_id, local)
     if status["status"] != "complete":
         lines = status.get("error") or [f"the run ended {status['status']} on the server"]
         raise RunError(*lines, f"what it made is in {local}")
@@ -189,8 +201,8 @@ def follow(server: Server, run_id: str, display=None) -> dict:
                     return server.json("GET", path)
         except NoStream:
             break
-        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
-            pass  # dropped, or a garbled event: again from the last event seen
+        except (httpx.RequestError, OSError, ValueError, KeyError, TypeError):
+            pass  # dropped, silent too long, or a garbled event: again from the last event seen
         dropped += 1
         time.sleep(POLL_SECONDS)
     while True:  # shown at each look, the last one included: a run that ended while the streams dropped is shown
@@ -202,24 +214,13 @@ def follow(server: Server, run_id: str, display=None) -> dict:
         time.sleep(POLL_SECONDS)
 
 
-def server_sent_events(lines: Iterable[bytes]) -> Iterator[tuple[int | None, str, dict]]:
-    """(id, name, JSON data) of each event in a text/event-stream; comments and retry lines are skipped."""
-    event_id, name, data = None, "message", []
-    for raw in lines:
-        line = raw.decode("utf-8").rstrip("\r\n")
-        if not line:
-            if data:
-                yield event_id, name, json.loads("\n".join(data))
-            name, data = "message", []
-            continue
-        field, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        if field == "id" and value.isdigit():
-            event_id = int(value)
-        elif field == "event":
-            name = value
-        elif field == "data":
-            data.append(value)
+def server_sent_events(events: Iterable[ServerSentEvent]) -> Iterator[tuple[int | None, str, dict]]:
+    """(id, name, JSON data) of each event httpx-sse read from a text/event-stream. Blocks without data are no
+    event of a run's: the stream's opening `retry:` line, and the blank line after a keep-alive comment (which
+    httpx-sse hands on with the last id). An id that is not a number is None."""
+    for event in events:
+        if event.data:
+            yield (int(event.id) if event.id.isdigit() else None), event.event, json.loads(event.data)
 
 
 def download(server: Server, run_id: str, local: Path) -> None:
