@@ -3,7 +3,6 @@ graphs never see another size."""
 
 from __future__ import annotations
 
-
 from tpugen.logs import logger
 
 _log = logger("images")
