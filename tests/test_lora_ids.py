@@ -195,7 +195,8 @@ def test_records_name_a_lora_by_its_id_or_its_file_name_never_a_machine_path(tmp
 
 
 def fake_service(lora_dir: Path):
-    """What Service.lora_named, lora_files, _run_loras, image_record and the /loras route read of a service."""
+    """What Service.lora_named, lora_files, run_configs.run_loras, image_record and the /loras route read of a
+    service."""
     from tpugen.config.schema import CompileConfig
     from tpugen.modes.serve.service import Service
 
@@ -212,6 +213,7 @@ def fake_service(lora_dir: Path):
 def test_the_servers_replies_name_a_lora_by_its_name_not_by_a_path_in_its_lora_dir(tmp_path):
     from tpugen.modes.serve import a1111
     from tpugen.modes.serve.replies import image_record
+    from tpugen.modes.serve.run_configs import run_loras
     from tpugen.modes.serve.service import Service
 
     lora_dir = tmp_path / "srv" / "loras"
@@ -227,9 +229,9 @@ def test_the_servers_replies_name_a_lora_by_its_name_not_by_a_path_in_its_lora_d
     listed = a1111.loras(SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(service=service))))
     assert [(entry["name"], entry["path"]) for entry in listed] == [("style", "style.safetensors")]
     # A run sent to /v1/runs names its LoRAs by name, and an unknown name is refused by name.
-    assert Service._run_loras(service, [{"id": "style", "scale": 0.7}]) == [{"scale": 0.7, "id": "style.safetensors"}]
+    assert run_loras([{"id": "style", "scale": 0.7}], service.serve) == [{"scale": 0.7, "id": "style.safetensors"}]
     with pytest.raises(InputError) as refused:
-        Service._run_loras(service, [{"id": "nope"}])
+        run_loras([{"id": "nope"}], service.serve)
     assert refused.value.lines == ["model.loras[0].id: no LoRA 'nope' in serve.lora_dir (it has: style)"]
 
 

@@ -293,7 +293,7 @@ def test_every_problem_of_a_web_ui_request_at_once(tmp_path):
 
 
 def test_a_valid_web_ui_request_makes_the_images_it_made_before(tmp_path):
-    from tpugen.modes.serve.service import ImageSpec
+    from tpugen.modes.serve.queue import ImageSpec
 
     service = _service(tmp_path)
     assert _web_ui_request(service, batch_size=2, cfg_scale=30, steps=1000, prompt="a cat\non a mat") == [

@@ -247,13 +247,13 @@ def test_interrupt_answers_the_web_uis_requests_with_what_they_have_and_no_other
     # The device waits after each batch until the test lets it go: what the web UI request has when it is
     # interrupted is then known exactly, whatever the machine's speed.
     gate = threading.Event()
-    run_batch = service._run_batch
+    run_batch = service.device_loops.run_batch
 
     def batch_then_wait(engine, key, jobs):
         run_batch(engine, key, jobs)
         gate.wait(120)
 
-    monkeypatch.setattr(service, "_run_batch", batch_then_wait)
+    monkeypatch.setattr(service.device_loops, "run_batch", batch_then_wait)
 
     def web_ui() -> None:
         body = {**BASE, "prompt": "a cat", "seed": 40, "batch_size": 4, "n_iter": 2, "steps": 8}

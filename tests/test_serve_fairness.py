@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import base64
 
-from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, Request
+from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, ImageSpec, Request
 from tpugen.modes.serve.request_ids import client_of, request_id_for
 
 KEY = BatchKey(64, 64, True, 3, 7.5, None)
 OTHER = BatchKey(64, 64, True, 5, 7.5, None)  # another step count: never batched with KEY
 
 
+def image(prompt: str, seed: int) -> ImageSpec:
+    """An image a request asks for: the queue reads none of it but what a test names it by (its prompt)."""
+    return ImageSpec(prompt, "", seed, 3, 7.5, 64, 64)
+
+
 def ask(queue: BatchQueue, client: str, images: int, key: BatchKey = KEY) -> Request:
     request = Request(images, client=client)
-    queue.submit(request, [ImageJob(request, i, f"{client}{i}", "", i, key) for i in range(images)])
+    queue.submit(request, [ImageJob(request, i, image(f"{client}{i}", i), key) for i in range(images)])
     return request
 
 
@@ -23,7 +28,7 @@ def order(queue: BatchQueue, batches: int) -> list[list[str]]:
     taken = []
     for _ in range(batches):
         _, jobs = queue.take(timeout=1)
-        taken.append([job.prompt for job in jobs])
+        taken.append([job.image.prompt for job in jobs])
     assert queue.take(timeout=0) is None
     return taken
 
@@ -33,7 +38,7 @@ def test_one_image_of_another_client_goes_next_not_after_a_thousand():
     ask(queue, "big", 1000)
     ask(queue, "small", 1)
     first, second = queue.take(timeout=1)[1], queue.take(timeout=1)[1]
-    assert [first[0].prompt, second[0].prompt] == ["big0", "small0"]  # (before: small0 after big999)
+    assert [first[0].image.prompt, second[0].image.prompt] == ["big0", "small0"]  # (before: small0 after big999)
     assert queue.depth() == 999
 
 
@@ -53,12 +58,12 @@ def test_images_of_one_key_from_several_clients_share_a_batch_one_client_at_a_ti
 def test_a_clients_requests_keep_their_order_and_other_keys_are_never_mixed():
     queue = BatchQueue(batch_size=2, window_seconds=0.0, max_requests=8)
     first = Request(2, client="a")
-    queue.submit(first, [ImageJob(first, i, f"first{i}", "", i, KEY) for i in range(2)])
+    queue.submit(first, [ImageJob(first, i, image(f"first{i}", i), KEY) for i in range(2)])
     ask(queue, "b", 1, OTHER)
     second = Request(1, client="a")
-    queue.submit(second, [ImageJob(second, 0, "second0", "", 0, KEY)])
+    queue.submit(second, [ImageJob(second, 0, image("second0", 0), KEY)])
     taken = [queue.take(timeout=1) for _ in range(3)]
-    assert [(key, [job.prompt for job in jobs]) for key, jobs in taken] == [
+    assert [(key, [job.image.prompt for job in jobs]) for key, jobs in taken] == [
         (KEY, ["first0", "first1"]),
         (OTHER, ["b0"]),
         (KEY, ["second0"]),
@@ -70,7 +75,7 @@ def test_a_client_whose_batch_is_not_ready_lets_a_ready_one_go_first():
     ask(queue, "a", 1)  # half a batch: it waits for the window
     ask(queue, "b", 2, OTHER)  # a full batch: ready now
     key, jobs = queue.take(timeout=0)
-    assert key == OTHER and [job.prompt for job in jobs] == ["b0", "b1"]
+    assert key == OTHER and [job.image.prompt for job in jobs] == ["b0", "b1"]
     assert queue.take(timeout=0) is None
 
 
@@ -80,7 +85,7 @@ def test_a_settled_request_leaves_its_clients_turn_and_starting_is_told_once():
     gone = ask(queue, "a", 3)
     gone.on_start = lambda: started.append("a")
     ask(queue, "b", 1)
-    assert queue.take(timeout=1)[1][0].prompt == "a0" and started == ["a"]
+    assert queue.take(timeout=1)[1][0].image.prompt == "a0" and started == ["a"]
     queue.settle(gone)  # answered (or timed out): a's other images leave, b is next
     assert order(queue, 1) == [["b0"]] and started == ["a"] and queue.depth() == 0
 

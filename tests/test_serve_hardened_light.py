@@ -114,18 +114,19 @@ def _compile_service(tmp_path, **serve):
 
 def test_under_new_shapes_compile_a_side_past_serve_max_side_is_refused(tmp_path):
     from tpugen.errors import InputError
-    from tpugen.modes.serve.service import ImageSpec
+    from tpugen.modes.serve.queue import ImageSpec
 
     service = _compile_service(tmp_path)
     service.check([ImageSpec("a fox", "", 1, 3, 7.5, 2048, 64)])  # the default bound, 2048, is fine
     with pytest.raises(InputError) as refused:
         service.check([ImageSpec("a fox", "", 1, 3, 7.5, 64, 8192)])
     assert refused.value.lines == ["size: 8192x64: width and height must be at most 2048 (serve.max_side)"]
-    assert _compile_service(tmp_path, max_side=512).max_side == 512
+    assert _compile_service(tmp_path, max_side=512).admission.max_side == 512
 
 
 def test_under_new_shapes_compile_the_warm_shapes_are_capped(tmp_path):
-    from tpugen.modes.serve.service import ImageSpec, NotWarm
+    from tpugen.modes.serve.queue import ImageSpec
+    from tpugen.modes.serve.service import NotWarm
 
     service = _compile_service(tmp_path, max_warm_shapes=2)
 
@@ -160,25 +161,26 @@ def test_under_new_shapes_compile_the_warm_shapes_are_capped(tmp_path):
     ],
 )
 def test_a_hub_lora_s_weight_name_cannot_leave_its_repo(name, problem):
-    from tpugen.modes.serve.service import weight_name_problem
+    from tpugen.modes.serve.run_configs import weight_name_problem
 
     assert weight_name_problem(name) == problem
 
 
 def test_a_run_may_name_a_hub_lora_only_where_the_operator_allows_downloads(tmp_path):
     from tpugen.errors import InputError
+    from tpugen.modes.serve.run_configs import run_loras
 
     service = _compile_service(tmp_path)
     with pytest.raises(InputError) as refused:
-        service._run_loras([{"id": "someone/style-lora", "scale": 0.8}])
+        run_loras([{"id": "someone/style-lora", "scale": 0.8}], service.serve)
     assert refused.value.lines == [
         "model.loras[0].id: 'someone/style-lora' is a hub repo; this server takes the LoRAs of serve.lora_dir only "
         "(serve.hub_loras: true lets runs download hub LoRAs with the server's token)"
     ]
     allowing = _compile_service(tmp_path, hub_loras=True)
-    assert allowing._run_loras([{"id": "someone/style-lora"}]) == [{"id": "someone/style-lora"}]
+    assert run_loras([{"id": "someone/style-lora"}], allowing.serve) == [{"id": "someone/style-lora"}]
     with pytest.raises(InputError) as outside:
-        allowing._run_loras([{"id": "someone/style-lora", "weight_name": "/root/.cache/token"}])
+        run_loras([{"id": "someone/style-lora", "weight_name": "/root/.cache/token"}], allowing.serve)
     assert outside.value.lines == [
         "model.loras[0].weight_name: '/root/.cache/token': a file of the LoRA's repo, not a path out of it"
     ]

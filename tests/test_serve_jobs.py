@@ -18,7 +18,7 @@ from tpugen.config import load_config
 from tpugen.modes.serve import client as run_client
 from tpugen.modes.serve import runs_api
 from tpugen.modes.serve.client import server_sent_events
-from tpugen.modes.serve.service import RunHandle
+from tpugen.modes.serve.run_handles import RunHandle
 
 pytestmark = pytest.mark.xla
 

@@ -50,7 +50,8 @@ def test_a_port_in_use_is_one_line_at_once_and_exit_1(tmp_path):
 
 def test_only_the_runtime_failing_a_warm_shape_counts_against_the_device():
     from tpugen.errors import InputError, RunError
-    from tpugen.modes.serve.service import NotWarm, counts_against_the_device
+    from tpugen.modes.serve.device_loops import counts_against_the_device
+    from tpugen.modes.serve.service import NotWarm
 
     assert counts_against_the_device(RuntimeError("INTERNAL: the device stopped answering"), cold_shape=False)
     assert counts_against_the_device(RunError("out of memory on the device"), cold_shape=False)
@@ -63,7 +64,7 @@ def test_only_the_runtime_failing_a_warm_shape_counts_against_the_device():
 
 
 def test_a_run_goes_to_the_engine_with_the_fewest_runs():
-    from tpugen.modes.serve.service import idlest
+    from tpugen.modes.serve.runs import idlest
 
     assert idlest([0]) == 0
     assert idlest([1, 0]) == 1  # not always the first engine
@@ -162,7 +163,8 @@ def test_a_device_loop_that_dies_turns_readyz_503_and_answers_the_requests_waiti
     from fastapi.testclient import TestClient
 
     from tpugen.modes.serve.http import build_app
-    from tpugen.modes.serve.service import ImageSpec, NotReady
+    from tpugen.modes.serve.queue import ImageSpec
+    from tpugen.modes.serve.service import NotReady
 
     engine = _FakeEngine()
     service = _service(tmp_path, [engine])

@@ -27,7 +27,8 @@ def test_a_request_past_its_timeout_says_how_many_of_its_images_were_made(tmp_pa
     import pytest
 
     from tpugen.engine import Display
-    from tpugen.modes.serve.service import ImageSpec, Service, TimedOut
+    from tpugen.modes.serve.queue import ImageSpec
+    from tpugen.modes.serve.service import Service, TimedOut
 
     config = tiny_config(tmp_path, serve={"new_shapes": "compile", "request_timeout_s": 0.5, "batch_window_ms": 0})
     del config["prompts"]
@@ -59,7 +60,8 @@ def test_a_flux_server_refuses_a_size_its_pipeline_would_round_down(tmp_path):
 
     from tpugen.engine import Display
     from tpugen.errors import InputError
-    from tpugen.modes.serve.service import ImageSpec, Service
+    from tpugen.modes.serve.queue import ImageSpec
+    from tpugen.modes.serve.service import Service
 
     config = tiny_config(tmp_path, model={"id": "tiny-flux"}, serve={"new_shapes": "compile"})
     del config["prompts"]

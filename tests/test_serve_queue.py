@@ -7,15 +7,20 @@ import time
 
 import pytest
 
-from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, QueueFull, Request
+from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, ImageSpec, QueueFull, Request
 
 KEY = BatchKey(64, 64, True, 3, 7.5, None)
 OTHER = BatchKey(64, 64, True, 5, 7.5, None)  # another step count: never batched with KEY
 
 
+def image(prompt: str, seed: int) -> ImageSpec:
+    """An image a request asks for: the queue reads none of it but what a test names it by (its prompt)."""
+    return ImageSpec(prompt, "", seed, 3, 7.5, 64, 64)
+
+
 def ask(queue: BatchQueue, images: int, key: BatchKey = KEY, interruptible: bool = False) -> Request:
     request = Request(images, interruptible)
-    queue.submit(request, [ImageJob(request, i, f"p{i}", "", i, key) for i in range(images)])
+    queue.submit(request, [ImageJob(request, i, image(f"p{i}", i), key) for i in range(images)])
     return request
 
 

@@ -75,7 +75,7 @@ def test_the_client_sends_each_input_image_as_its_own_bytes_and_the_server_store
     assert base64.b64decode(second["mask_image"].partition(",")[2]) == (folder / "mask.png").read_bytes()
     assert str(folder) not in json.dumps(data)  # no local path goes
 
-    resolved = service.resolve_run(json.loads(json.dumps(data)))
+    resolved = service.sent_runs.resolve(json.loads(json.dumps(data)))
     sources = [spec.source for spec in resolved.prompts]
     assert [s.init_image_sha256 for s in sources] == [sha["init.png"], sha["init.jpg"]]
     assert sources[1].mask_image_sha256 == sha["mask.png"] and sources[0].mask_image is None
@@ -109,7 +109,7 @@ def test_a_run_image_that_is_not_a_data_uri_of_an_image_is_refused_naming_its_ke
     service, _, _ = _server_side(tmp_path)
     prompts = ["a cat", {"prompt": "a", "init_image": PNG_URI, "mask_image": value}]
     with pytest.raises(InputError) as refused:
-        service.resolve_run({"prompts": prompts, "output": {"run_id": "r"}})
+        service.sent_runs.resolve({"prompts": prompts, "output": {"run_id": "r"}})
     assert refused.value.lines == [
         "prompts[1].init_image: is not an image PIL can read (UnidentifiedImageError)",  # an empty one
         f"prompts[1].mask_image: {line}",

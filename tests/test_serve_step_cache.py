@@ -55,7 +55,7 @@ def test_the_warm_plan_runs_the_steps_that_bring_every_kind_of_step(tmp_path):
 
     run = load_config(flux_serve_config(tmp_path), prompts_required=False)
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())
-    assert [batch.steps for batch in service.warm_plan().batches] == [6]
+    assert [batch.steps for batch in service.warm.plan().batches] == [6]
 
     # PAB: its warmup's stand-in timesteps (one step outside its range, skip-range steps inside) make every kind of
     # step any request makes, so a server of 2 steps warms at 3 and then covers any step count.
@@ -64,7 +64,7 @@ def test_the_warm_plan_runs_the_steps_that_bring_every_kind_of_step(tmp_path):
     config.update(steps=2, compile={"step_cache": {"method": "pyramid_attention_broadcast"}})
     run = load_config(write_config(path, config), prompts_required=False)
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())
-    assert [batch.steps for batch in service.warm_plan().batches] == [3]
+    assert [batch.steps for batch in service.warm.plan().batches] == [3]
     pab = run.config.compile.step_cache
     assert covers(pab, 3, 1000) and covers(pab, 3, 1) and not covers(pab, 2, 2)
 
@@ -79,10 +79,10 @@ def test_a_run_cannot_switch_the_servers_step_cache(tmp_path):
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())
     body = yaml.safe_load(run_body("r", model=FLUX))
     # Equal once diffusers' defaults are filled in: fine.
-    service.resolve_run({**body, "compile": {"step_cache": dict(TAYLORSEER)}})
+    service.sent_runs.resolve({**body, "compile": {"step_cache": dict(TAYLORSEER)}})
     for other in ({"method": "none"}, {**TAYLORSEER, "cache_interval": 4}, {"method": "magcache"}):
         with pytest.raises(InputError) as refused:
-            service.resolve_run({**body, "compile": {"step_cache": other}})
+            service.sent_runs.resolve({**body, "compile": {"step_cache": other}})
         (line,) = refused.value.lines
         assert line.startswith("compile.step_cache: the server runs step cache taylorseer with {'cache_interval': 3,")
         assert line.endswith("} for all its requests and runs; leave it out or equal")

@@ -100,37 +100,49 @@ def make_run_dir(output_dir: str | Path, run_id: str) -> Path:
     return run_dir
 
 
-def image_record(run: ResolvedRun, scheduler: str, model_label: str, item, batch_number: int, file: str) -> dict:
+def image_record(
+    run: ResolvedRun,
+    image,
+    *,
+    scheduler: str,
+    model_label: str,
+    loras=(),
+    file: str | None = None,
+    batch: int | None = None,
+) -> dict:
     """What made an image; stored in its PNG, so it holds nothing that varies between identical runs or
-    depends on how the run was executed (no rank, no worker, no timing)."""
+    depends on how the run was executed (no rank, no worker, no timing). `image`: a run's WorkItem or a
+    server's request for one (tpugen.modes.serve.queue.ImageSpec); `loras`: the ones fused for it. A run's image
+    (its `file` and `batch` given) records its index, file, batch and the run's config hash too; a server's reply
+    has no run file or batch."""
     model = run.config.model
+    in_run = file is not None
     # LoRAs change the images, so they are part of what made one; a run without them keeps the record it had.
-    loras = {"loras": [lora.record() for lora in run.loras]} if run.loras else {}
+    fused = {"loras": [lora.record() for lora in loras]} if loras else {}
     cache = run.config.compile.step_cache.record()  # cached images are not the uncached ones
     step_cache = {"step_cache": cache} if cache else {}
-    source = item.source.record() if item.source else {}  # by content: the path is where it was, not what it was
+    source, hires = getattr(image, "source", None), getattr(image, "hires", None)  # a request may have neither
+    source = source.record() if source else {}  # by content: the path is where it was, not what it was
     multiple = FAMILIES[run.family].size_multiple
-    hires = {"hires": item.hires.record(item.height, item.width, multiple)} if item.hires else {}
+    hires = {"hires": hires.record(image.height, image.width, multiple)} if hires else {}
     return {
-        "index": item.index,
-        "file": file,
-        "prompt": item.prompt,
-        "negative_prompt": item.negative_prompt,
-        "seed": item.seed,
-        "steps": item.steps,
-        "guidance_scale": item.guidance_scale,
-        "height": item.height,
-        "width": item.width,
+        **({"index": image.index, "file": file} if in_run else {}),
+        "prompt": image.prompt,
+        "negative_prompt": image.negative_prompt,
+        "seed": image.seed,
+        "steps": image.steps,
+        "guidance_scale": image.guidance_scale,
+        "height": image.height,
+        "width": image.width,
         "scheduler": scheduler,
         "model": model_label,
         "model_id": model.id,
         "dtype": model.dtype,
         **source,
         **hires,
-        **loras,
+        **fused,
         **step_cache,
-        "batch": batch_number,
-        "config_hash": run.config_hash,
+        **({"batch": batch, "config_hash": run.config_hash} if in_run else {}),
         "tpugen_version": __version__,
     }
 
@@ -153,7 +165,15 @@ class ImageWriter:
             if item.index in session.finished:  # resumed: this image is already on disk
                 continue
             name = image_filename(item.index, item.seed, item.prompt)
-            record = image_record(session.run, self.scheduler, self.model_label, item, batch.number, name)
+            record = image_record(
+                session.run,
+                item,
+                scheduler=self.scheduler,
+                model_label=self.model_label,
+                loras=session.run.loras,
+                file=name,
+                batch=batch.number,
+            )
             save_png(inside(run_dir, name), Image.fromarray(image), record)
             records.append({**record, "latency_seconds": share, **self.extra})
         return records

@@ -18,8 +18,9 @@ from tpugen.config.loras import safetensors_header
 from tpugen.config.request import DEFAULT_STRENGTH, MAX_STEPS, seed_for, strength_ok
 from tpugen.errors import InputError
 from tpugen.modes.serve.progress import Job
+from tpugen.modes.serve.queue import ImageSpec
 from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse
-from tpugen.modes.serve.service import ImageSpec, Service
+from tpugen.modes.serve.service import Service
 from tpugen.outputs.png import a1111_parameters
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
 

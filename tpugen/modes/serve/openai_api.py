@@ -14,8 +14,9 @@ from pydantic import BaseModel, ConfigDict
 from tpugen.config.request import RANDOM_SEEDS
 from tpugen.errors import InputError
 from tpugen.modes.serve.a1111 import collect, refuse
+from tpugen.modes.serve.queue import ImageSpec
 from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse, problem_response
-from tpugen.modes.serve.service import ImageSpec, Service
+from tpugen.modes.serve.service import Service
 
 router = APIRouter(prefix="/v1/images")
 

@@ -1,4 +1,5 @@
-"""The server's queue: images wait here until a device loop takes a batch of them (plain Python, no device).
+"""The server's queue: a request's images (ImageSpec) wait here until a device loop takes a batch of them (plain
+Python, no device).
 
 Images whose batch key is the same (shape, steps, guidance, scheduler) coalesce into one static batch of the
 compiled batch size within the batch window; a batch is padded to that size, never made a new shape. Clients
@@ -15,11 +16,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tpugen.config.hires import HiresFix
-from tpugen.plan import ShapeKey
+from tpugen.config.images import ImageSource
+from tpugen.config.request import ImageRequest
+from tpugen.plan import ShapeKey, WorkItem
 
 
 class QueueFull(Exception):
     """More requests than the server keeps waiting (serve.max_queue)."""
+
+
+@dataclass(frozen=True)
+class ImageSpec(ImageRequest):
+    """One image a request asks for, in tpugen's words: what ImageRequest's rules check, and how it is made."""
+
+    scheduler: str | None = None  # a name find_scheduler knows; None: the model's own
+    loras: tuple = ()  # tpugen.config.loras.Lora, fused for this image (a request's <lora:NAME:SCALE>)
+    source: ImageSource | None = None  # img2img and inpainting: the images it starts from
+    hires: HiresFix | None = None  # hires fix (the web UI's enable_hr): a second pass at a larger size
+
+    @property
+    def steps_in_all(self) -> int:
+        """The steps its batch runs: with a hires fix, its second pass's too."""
+        return self.steps + (self.hires.steps if self.hires else 0)
 
 
 @dataclass(frozen=True)
@@ -49,12 +67,27 @@ class ImageJob:
 
     request: Request
     position: int  # its place among the request's images
-    prompt: str
-    negative_prompt: str
-    seed: int
+    image: ImageSpec  # as the request asks for it: its prompts, seed, the LoRAs its key names, its input images
     key: BatchKey
-    loras: tuple = ()  # the Lora objects the key names
-    source: object = None  # img2img: the ImageSource (tpugen.config.images) it starts from
+
+    def work_item(self, index: int) -> WorkItem:
+        """The image as row `index` of its batch: its prompts, seed and input images its own, the rest its key's
+        (one for the whole batch). The one place a request's image becomes the engine's work."""
+        image, key = self.image, self.key
+        return WorkItem(
+            index,
+            0,
+            image.prompt,
+            image.negative_prompt,
+            image.seed,
+            key.steps,
+            key.guidance_scale,
+            key.height,
+            key.width,
+            key.cfg,
+            source=image.source,
+            hires=key.hires,
+        )
 
 
 @dataclass

@@ -9,8 +9,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from tpugen import __version__
 from tpugen.config.request import MAX_INPUT_BYTES
+from tpugen.engine import session
 from tpugen.errors import InputError
 from tpugen.modes.serve.service import Service
 from tpugen.outputs.png import png_bytes
@@ -57,29 +57,13 @@ def image_b64(pixels, record: dict) -> str:
 def image_record(service: Service, image) -> dict:
     """What made a server's image, as a run's PNG records it (there is no run file or batch here)."""
     engine = service.engines[0]
-    model = service.run.config.model
-    loras = {"loras": [lora.record() for lora in image.loras]} if getattr(image, "loras", ()) else {}
-    cache = service.run.config.compile.step_cache.record()  # cached images are not the uncached ones
-    step_cache = {"step_cache": cache} if cache else {}
-    hires = getattr(image, "hires", None)
-    return {
-        "prompt": image.prompt,
-        "negative_prompt": image.negative_prompt,
-        "seed": image.seed,
-        "steps": image.steps,
-        "guidance_scale": image.guidance_scale,
-        "height": image.height,
-        "width": image.width,
-        "scheduler": image.scheduler or engine.loaded.default_scheduler,
-        "model": engine.model_label,
-        "model_id": model.id,
-        "dtype": model.dtype,
-        **(image.source.record() if getattr(image, "source", None) else {}),
-        **({"hires": hires.record(image.height, image.width, service.family.size_multiple)} if hires else {}),
-        **loras,
-        **step_cache,
-        "tpugen_version": __version__,
-    }
+    return session.image_record(
+        service.run,
+        image,
+        scheduler=image.scheduler or engine.loaded.default_scheduler,
+        model_label=engine.model_label,
+        loras=getattr(image, "loras", ()),
+    )
 
 
 def json_response(data, status: int = 200, headers: dict | None = None) -> Response:

@@ -17,7 +17,8 @@ from tpugen.engine.session import RUN_RECORD
 from tpugen.errors import InputError
 from tpugen.modes.serve.progress import Event, Job
 from tpugen.modes.serve.replies import WrongType, json_response, problem_response
-from tpugen.modes.serve.service import RunHandle, Service
+from tpugen.modes.serve.run_handles import RunHandle
+from tpugen.modes.serve.service import Service
 from tpugen.outputs.files import inside
 from tpugen.outputs.manifest import read_manifest
 

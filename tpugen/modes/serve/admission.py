@@ -1,0 +1,157 @@
+"""A request's images at the door: checked (each request on its own), queued under their batch keys, and waited
+for until the device loops have made them."""
+
+from __future__ import annotations
+
+from tpugen.config.loras import loras_key
+from tpugen.config.request import RequestLimits
+from tpugen.errors import InputError, one_line
+from tpugen.modes.serve.progress import Jobs
+from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, ImageSpec, Request
+from tpugen.modes.serve.refusals import NotWarm, TimedOut
+from tpugen.modes.serve.request_ids import TASK_ID, current_caller
+from tpugen.modes.serve.warm import WarmEngines
+
+COMPILED_MAX_SIDE = 2048  # serve.max_side's default under new_shapes: compile
+
+
+class Admission:
+    """What a request's images meet before a device loop takes them: the server's rules, its warm shapes and
+    samplers, its bounds; then the one queue, where the request waits its client's turn."""
+
+    def __init__(self, warm: WarmEngines, queue: BatchQueue, progress: Jobs) -> None:
+        self.warm = warm
+        self.queue = queue
+        self.progress = progress  # every request's and run's progress (tpugen.modes.serve.progress)
+        serve = warm.serve
+        # Under new_shapes: reject the warm sizes bound a request already (a 422 naming them).
+        default_side = COMPILED_MAX_SIDE if serve.new_shapes == "compile" else None
+        self.max_side = serve.max_side or default_side
+
+    def key_for(self, image: ImageSpec) -> BatchKey:
+        cfg = self.warm.family.uses_cfg(image.guidance_scale)
+        source = image.source
+        return BatchKey(
+            image.height,
+            image.width,
+            cfg,
+            image.steps,
+            image.guidance_scale,
+            image.scheduler,
+            loras_key(image.loras),
+            source.task if source else "txt2img",
+            source.strength if source else None,
+            image.hires,
+        )
+
+    def image_specs(self, count: int, make) -> list[ImageSpec]:
+        """`make(i)` for each of a request's `count` images. Past serve.max_images_per_request only the first
+        and last are made, and refused with the count: a request for ten billion images costs two specs."""
+        if count <= self.warm.serve.max_images_per_request:
+            return [make(i) for i in range(count)]
+        images = [make(0), make(count - 1)]
+        self.check(images, count=count)  # refuses the count, with whatever else the two show
+        return images
+
+    def check(self, images: list[ImageSpec], *, count: int | None = None) -> None:
+        """Every problem with a request's images, one line each, in tpugen's words: InputError, or NotWarm when
+        the request is fine but asks for what is not warm (both 422). Each request is checked on its own, so a
+        bad one never fails the batch it would have shared. `count`: how many images the request asks for,
+        where `images` holds only the first and last of too many."""
+        warm, serve, family = self.warm, self.warm.serve, self.warm.family
+        problems = []
+        limit = serve.max_images_per_request
+        count = len(images) if count is None else count
+        if not count:
+            problems.append("the request asks for no images")
+        if count > limit:
+            problems.append(f"{count} images asked for; this server makes at most {limit} per request")
+        if images and images[0].source is not None and family.img2img_refusal:
+            problems.append(f"image: {family.title} models: {family.img2img_refusal}")
+        if images:  # a request's images differ in their seed alone
+            limits = RequestLimits.of_server(warm.sizes, warm.run.config.guidance_scale, self.max_side)
+            problems.extend(images[0].problems(family, limits, seeds=(image.seed for image in images)))
+        if images and not problems:
+            problems.extend(warm.steps_problems(images[0].steps, images[0].hires, images[0].scheduler))
+        if problems:
+            raise InputError(*problems)
+        keys = list(dict.fromkeys(self.key_for(image) for image in images))
+        if serve.new_shapes == "reject":
+            cold = [self._not_warm(key) for key in keys]
+            if any(cold):
+                raise NotWarm(*(problem for problem in cold if problem))
+        elif warm.engines:
+            cap = serve.max_warm_shapes
+            warmed = {shape for shape, _ in warm.engines[0].warm}
+            new = {str(key.shape(warm.batch_size)) for key in keys} - warmed
+            if new and len(warmed) + len(new) > cap:
+                raise NotWarm(
+                    f"{', '.join(sorted(new))} would be compiled, and this server keeps at most {cap} shapes warm "
+                    f"(serve.max_warm_shapes); warm: {warm.summary()}"
+                )
+
+    def _not_warm(self, key: BatchKey) -> str | None:
+        warm = self.warm
+        engine = warm.engines[0]
+        shape = key.shape(warm.batch_size)
+        if engine.is_warm(shape, key.scheduler, key.steps):
+            return None
+        scheduler = key.scheduler or engine.loaded.default_scheduler
+        if (key.height, key.width) not in warm.sizes:
+            what = f"size {key.width}x{key.height} is not warm"
+        elif key.hires is not None and not warm.hires_warm(key.hires):
+            what = f"hires fix {key.hires.shape_label.removeprefix('hires ')} is not warm ({warm.hires_summary()})"
+        elif key.task not in warm.serve.tasks:
+            what = f"{key.task} is not warm (serve.tasks: {', '.join(warm.serve.tasks)})"
+        elif key.cfg != warm.cfg:
+            what = f"{'CFG on' if key.cfg else 'CFG off (guidance 1 or less)'} at {key.width}x{key.height} is not warm"
+        elif engine.is_warm(shape, key.scheduler):
+            warmed = engine.warm_steps(shape, key.scheduler)
+            what = f"{key.steps} steps need step graphs (compile.step_cache) not compiled at {warmed} steps"
+        else:
+            what = f"sampler {scheduler!r} is not warm"
+        return f"{what} (serve.new_shapes: reject); warm: {warm.summary()}"
+
+    def generate(
+        self, images: list[ImageSpec], *, interruptible: bool = False, task: str | None = None
+    ) -> list[tuple[int, object]]:
+        """(position, pixels) of each image made, in order, once the device loops have made them (uint8 HxWx3);
+        blocks the caller. All of them, unless the request is `interruptible` (the web UI's) and a client
+        interrupts it: then the ones made by then. The request waits its client's turn in the queue (the
+        caller of this context, tpugen.modes.serve.request_ids); its progress is the job `task` (the web UI's
+        force_task_id), or else the request's id, in self.progress.
+
+        Raises QueueFull (503), NotWarm or InputError (422), TimedOut (504), or what the device raised (500)."""
+        if task is not None and not TASK_ID.fullmatch(task):
+            raise InputError("force_task_id: up to 128 letters, digits and . _ : - ( ), such as task(abc123)")
+        self.check(images)
+        caller = current_caller()
+        job = self.progress.open(
+            "request", task or caller.request_id, images_planned=len(images), steps=images[0].steps_in_all
+        )
+        request = Request(len(images), interruptible, client=caller.client, job=job)
+        request.on_start = lambda: self.progress.start(job)
+        jobs = [ImageJob(request, i, image, self.key_for(image)) for i, image in enumerate(images)]
+        outcome, error = "failed", None
+        timeout = self.warm.serve.request_timeout_s
+        try:
+            self.queue.submit(request, jobs)
+            if not request.wait(timeout):
+                limit = f"{timeout:g} s (serve.request_timeout_s)"
+                made = len(request.pixels)
+                raise TimedOut(
+                    f"the request waited {limit} for a device"
+                    if not made
+                    else f"the request was not done within {limit}: {made} of {request.images} images were made"
+                )
+            if request.error is not None:
+                raise request.error
+            made = sorted(request.pixels.items(), key=lambda made: made[0])
+            outcome = "complete" if len(made) == len(images) else "interrupted"
+            return made
+        except BaseException as exc:
+            error = one_line(exc)
+            raise
+        finally:
+            self.queue.settle(request)
+            self.progress.end(job, outcome, error=error)

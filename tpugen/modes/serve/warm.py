@@ -1,0 +1,156 @@
+"""What the server keeps warm: its engines, once opened, and the shape keys x samplers they compile before the
+first request (serve.sizes x serve.schedulers x serve.tasks, and the config's hires fix)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tpugen.config import ResolvedRun, run_sizes
+from tpugen.config.hires import HiresFix
+from tpugen.config.images import ImageSource
+from tpugen.config.schema import step_cache_options_text
+from tpugen.engine import Display, Engine
+from tpugen.engine.step_cache import warm_steps
+from tpugen.families import FAMILIES
+from tpugen.modes.serve.input_images import store_input_image
+from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, hires_fix
+from tpugen.schedulers import find_scheduler
+
+
+class WarmEngines:
+    """The server's engines (one per device under execution.mode: multi; none until they are opened) and what
+    they keep warm: serve.sizes x serve.schedulers, at the config's batch size, guidance and steps."""
+
+    def __init__(self, run: ResolvedRun, engines: list[Engine], *, output_root: Path) -> None:
+        config = run.config
+        self.run = run
+        self.engines = engines
+        self.output_root = output_root  # where the warmup's input images are stored
+        self.family = FAMILIES[run.family]
+        self.batch_size = config.batch_size
+        self.serve = config.serve
+        self.sizes = [tuple(s) for s in self.serve.sizes] if self.serve.sizes else list(run_sizes(config))
+        self.cfg = self.family.uses_cfg(config.guidance_scale)
+        self.schedulers = [None, *(find_scheduler(name).name for name in self.serve.schedulers)]
+        # Each (shape key, scheduler) warmup compiles, one at a time so /readyz can count them.
+        plan = self.plan()
+        self.keys = [(batch, scheduler) for scheduler in self.schedulers for batch in plan.batches]
+
+    def warm_up(self, display: Display, warming: Callable[[], bool]) -> None:
+        """Warm every engine for every key, while `warming()` says the server still is (a signal stops it between
+        shape keys)."""
+        # One engine at a time: the first compiles, the others find its graphs in the process's cache.
+        for engine in self.engines:
+            engine.backend.bind_thread()
+            # A flash attention fallback (once per engine) forgets every key warmed before it: a second
+            # pass compiles those again without the kernel.
+            for _ in range(2):
+                for batch, scheduler in self.keys:
+                    if not warming():
+                        return
+                    if not engine.is_warm(batch.shape, scheduler, batch.steps):
+                        engine.warmup(RunPlan(batch.items, (batch,)), display, scheduler=scheduler)
+                if all(engine.is_warm(batch.shape, scheduler, batch.steps) for batch, scheduler in self.keys):
+                    break
+
+    def plan(self) -> RunPlan:
+        """One batch per warm size, at the config's guidance and steps, or under a step cache at the steps
+        that compile every kind of step a request of any step count runs (`warm_steps`)."""
+        config = self.run.config
+        steps = warm_steps(config.compile.step_cache, config.steps)
+        batches = []
+        kinds = [(task, None) for task in self.serve.tasks]
+        if config.hires is not None and "txt2img" in self.serve.tasks:  # the config's hires fix, for enable_hr
+            kinds.append(("txt2img", hires_fix(config.hires, steps)))
+        for task, hires in kinds:
+            source = self._source(task)
+            for height, width in self.sizes:
+                item = WorkItem(
+                    0,
+                    0,
+                    "warmup",
+                    "",
+                    0,
+                    steps,
+                    config.guidance_scale,
+                    height,
+                    width,
+                    self.cfg,
+                    source=source,
+                    hires=hires,
+                )
+                shape = ShapeKey(height, width, self.batch_size, self.cfg, task, hires.shape_label if hires else "")
+                batches.append(Batch(len(batches), shape, (item,), self.batch_size - 1))
+        return RunPlan(tuple(b.items[0] for b in batches), tuple(batches))
+
+    def _source(self, task: str) -> ImageSource | None:
+        """The input images an img2img or inpaint warmup call starts from: mid grey, the mask's right half white
+        (the graphs depend on the sizes alone, and each call fits its images to its size)."""
+        if task == "txt2img":
+            return None
+        import io
+
+        from PIL import Image
+
+        def png(image) -> bytes:
+            out = io.BytesIO()
+            image.save(out, format="PNG")
+            return out.getvalue()
+
+        init = store_input_image(self.output_root, png(Image.new("RGB", (64, 64), (128, 128, 128))), "warmup")
+        mask = None
+        if task == "inpaint":
+            half = Image.new("L", (64, 64), 0)
+            half.paste(255, (32, 0, 64, 64))
+            mask = store_input_image(self.output_root, png(half), "warmup")
+        return ImageSource(init[0], init[1], 0.75, 0, *(mask or (None, None)))
+
+    def hires_warm(self, hires: HiresFix) -> bool:
+        """Whether the server's config warms hires fix at this scale and upscaler (its steps are data)."""
+        own = self.run.config.hires
+        return own is not None and hires_fix(own, 1).shape_label == hires.shape_label
+
+    def hires_summary(self) -> str:
+        own = self.run.config.hires
+        if own is None:
+            return "the server's config has no hires section"
+        return f"the server's config warms hires x{own.scale:g} {own.upscaler}"
+
+    def summary(self) -> str:
+        sizes = ", ".join(f"{w}x{h}" for h, w in self.sizes)
+        names = ", ".join(s or self.engines[0].loaded.default_scheduler for s in self.schedulers)
+        summary = f"sizes {sizes} (width x height; {'cfg' if self.cfg else 'no cfg'}, batch {self.batch_size}); samplers {names}"
+        if self.serve.tasks != ["txt2img"]:
+            summary += f"; tasks {', '.join(self.serve.tasks)}"
+        if self.run.config.hires is not None and "txt2img" in self.serve.tasks:
+            summary += f"; hires fix x{self.run.config.hires.scale:g} {self.run.config.hires.upscaler}"
+        cache = self.run.config.compile.step_cache
+        if cache.method != "none":
+            # One per server: the hooks are on the loaded denoiser, so no request or run can switch it.
+            options = step_cache_options_text(cache.options())
+            summary += f"; step cache {cache.method} ({options}), the server's only one, warm for any steps"
+        return summary
+
+    def progress(self) -> tuple[int, int]:
+        """(shape keys x schedulers x engines compiled so far, how many there are to compile)."""
+        engines = list(self.engines)
+        done = sum(engine.is_warm(batch.shape, s, batch.steps) for engine in engines for batch, s in self.keys)
+        return done, len(self.keys) * max(len(engines), 1)
+
+    def steps_problems(self, steps: int, hires: HiresFix | None, scheduler: str | None, where: str = "") -> list[str]:
+        """What the sampler cannot run of `steps` (and a hires fix's schedule), on this model: found before any
+        work, so that no request's steps fail in its batch (diffusers' DDIM raises IndexError at 1000)."""
+        if not self.engines:
+            return []
+        loaded = self.engines[0].loaded
+        name, most = scheduler or loaded.default_scheduler, loaded.max_steps(scheduler)
+        problems = []
+        if steps > most:
+            problems.append(f"{where}steps: {steps}; sampler {name} runs at most {most} on this model")
+        if hires is not None and hires.schedule_steps > most:
+            problems.append(
+                f"{where}hires fix: {hires.steps} steps at denoising strength {hires.strength:g} take a schedule of "
+                f"{hires.schedule_steps} steps; sampler {name} runs at most {most} on this model"
+            )
+        return problems
