@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from tpugen.config.request import strength_to_run
+from tpugen.errors import InputError
 from tpugen.modes.serve.browsers import host_name, host_problem, is_loopback, origin_problem
 
 
@@ -219,3 +221,40 @@ def test_at_most_two_images_decode_at_once(monkeypatch):
     for thread in threads:
         thread.join(10)
     assert checks.DECODES_AT_ONCE == 2 and 1 <= most[0] <= 2  # six threads at once: without the bound, 6
+
+
+def test_input_images_past_their_cap_go_least_recently_used_first_save_those_in_use(tmp_path):
+    """Before, every image a request or run sent stayed under .inputs for good. Now past serve.max_input_mb the
+    least recently used go, save those a live run holds and those used within keep_s."""
+    import io
+    import os
+    import time
+
+    from PIL import Image
+
+    from tpugen.modes.serve.input_images import InputImages
+
+    def png(seed: int) -> bytes:
+        pixels = (np.random.default_rng(seed).random((32, 32, 3)) * 255).astype(np.uint8)
+        out = io.BytesIO()
+        Image.fromarray(pixels).save(out, format="PNG")
+        return out.getvalue()
+
+    images = [png(seed) for seed in range(6)]
+    size = max(len(data) for data in images)
+    held: set[str] = set()
+    store = InputImages(tmp_path, max_bytes=3 * size, keep_s=0, held=lambda: set(held))
+    paths = []
+    for number, data in enumerate(images[:3]):
+        paths.append(store.store(data, "image")[0])
+        os.utime(paths[-1], (time.time() - 100 + number,) * 2)  # used in this order, a second apart
+    held.add(paths[0])  # a run reads the oldest
+    assert store.store(images[1], "image")[0] == paths[1]  # stored again: used now, not written twice
+    paths.append(store.store(images[3], "image")[0])  # over the cap: the least recently used not held goes
+    assert [os.path.exists(path) for path in paths] == [True, True, False, True]
+    assert sum(os.path.getsize(path) for path in paths if os.path.exists(path)) <= 3 * size
+    recent = InputImages(tmp_path, max_bytes=size, keep_s=3600)  # all used within keep_s: none may go
+    recent.store(images[4], "image")
+    assert len(list((tmp_path / ".inputs").glob("*.img"))) == 4
+    with pytest.raises(InputError, match="^image: is not an image"):
+        store.store(b"<svg/>", "image")

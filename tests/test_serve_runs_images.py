@@ -82,6 +82,12 @@ def test_the_client_sends_each_input_image_as_its_own_bytes_and_the_server_store
     for source in sources:
         for _, path, digest in source.files():
             assert Path(path) == tmp_path / "runs" / ".inputs" / f"{digest}.img"
+    # While the run is queued or running, its images are held: never evicted from .inputs.
+    from tpugen.modes.serve.run_handles import RunHandle
+
+    assert service.sent_runs.input_paths() == set()
+    service.sent_runs.live["r1"] = RunHandle("r1", resolved, tmp_path / "runs" / "r1", 2)
+    assert service.sent_runs.input_paths() == {path for s in sources for _, path, _ in s.files()}
 
 
 def test_a_file_changed_after_the_config_was_read_is_not_sent(tmp_path):

@@ -760,6 +760,15 @@ class ServeConfig(_Section):
         gt=0,
         description="A request still waiting after this long gets 504 and its images are dropped from the queue.",
     )
+    max_input_mb: int = Field(
+        default=2048,
+        ge=1,
+        description=(
+            "The images requests and runs send, kept under the output root's .inputs folder by content, up to this "
+            "many MiB: past it the least recently used go, save those a queued or running run reads and those a "
+            "request used within serve.request_timeout_s."
+        ),
+    )
     idle_timeout_s: float = Field(
         default=5.0,
         gt=0,

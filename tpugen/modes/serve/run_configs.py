@@ -3,19 +3,23 @@ running and its output root."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from tpugen.config import ResolvedRun, resolve
 from tpugen.config.loras import is_hub_lora
 from tpugen.config.schema import ServeConfig, StepCacheConfig
 from tpugen.errors import InputError
-from tpugen.modes.serve.input_images import data_uri_bytes, store_input_image
+from tpugen.modes.serve.input_images import data_uri_bytes
 from tpugen.modes.serve.lora_dir import LORA_NAME, lora_files
 
+ImageStore = Callable[[bytes, str], tuple[str, str]]  # an image sent and where: (its path, its sha256)
 
-def resolve_run(data: dict, server_run: ResolvedRun, output_root: Path) -> ResolvedRun:
+
+def resolve_run(data: dict, server_run: ResolvedRun, output_root: Path, store: ImageStore) -> ResolvedRun:
     """A client's run config under the server's model and way of running (absent or equal is fine): `server_run`
-    is the server's own, and the run writes under `output_root`, by run id."""
+    is the server's own, the run writes under `output_root`, by run id, and its input images go to `store`
+    (InputImages.store)."""
     if not isinstance(data, dict):
         raise InputError("the run config must be a mapping of keys")
     served = server_run.config
@@ -43,7 +47,7 @@ def resolve_run(data: dict, server_run: ResolvedRun, output_root: Path) -> Resol
         problems.append("prompts_file: send the prompts themselves (prompts: [...]); the server reads no files")
     if not isinstance(data.get("output") or {}, dict):
         problems.append("output: must be a mapping (the server reads output.run_id from it), or left out")
-    prompts = run_prompts(data.get("prompts"), problems, output_root)
+    prompts = run_prompts(data.get("prompts"), problems, store)
     if problems:
         raise InputError(*problems)
     merged = {key: value for key, value in data.items() if key not in ("output", "serve")}
@@ -58,9 +62,9 @@ def resolve_run(data: dict, server_run: ResolvedRun, output_root: Path) -> Resol
     return resolve(merged, base_dir=Path(served.serve.lora_dir or output_root))
 
 
-def run_prompts(prompts, problems: list[str], output_root: Path) -> list | None:
-    """A run's prompts with each input image sent (a base64 data: URI) stored by its content under the
-    output root and named by that path; a path is refused, since the server reads none a client names.
+def run_prompts(prompts, problems: list[str], store: ImageStore) -> list | None:
+    """A run's prompts with each input image sent (a base64 data: URI) stored by its content (`store`) and
+    named by its path; a path is refused, since the server reads none a client names.
     None: no list of prompts (resolve says what is wrong with it)."""
     if not isinstance(prompts, list):
         return None
@@ -72,7 +76,7 @@ def run_prompts(prompts, problems: list[str], output_root: Path) -> list | None:
                 if key in entry:
                     where = f"prompts[{number}].{key}"
                     try:
-                        entry[key] = store_input_image(output_root, data_uri_bytes(entry[key], where), where)[0]
+                        entry[key] = store(data_uri_bytes(entry[key], where), where)[0]
                     except InputError as exc:
                         problems.extend(exc.lines)
         stored.append(entry)

@@ -14,6 +14,7 @@ from tpugen.engine import Display, Topology
 from tpugen.engine.session import RUN_RECORD, run_id_for
 from tpugen.errors import InputError, Interrupted, TpugenError, one_line
 from tpugen.logs import logger
+from tpugen.modes.serve.input_images import InputImages
 from tpugen.modes.serve.refusals import Conflict, NotWarm, TooManyRuns
 from tpugen.modes.serve.run_configs import resolve_run
 from tpugen.modes.serve.run_handles import RunHandle, run_on_disk, runs_on_disk
@@ -26,9 +27,10 @@ log = logger("serve")
 class SentRuns:
     """The server's runs: those queued or running in memory (`live`), the ended ones in its output root."""
 
-    def __init__(self, warm: WarmEngines, *, output_root: Path, display: Display) -> None:
+    def __init__(self, warm: WarmEngines, *, output_root: Path, display: Display, inputs: InputImages) -> None:
         self.warm = warm
         self.output_root = output_root
+        self.inputs = inputs  # where the input images runs send are stored
         self.display = display
         self.live: dict[str, RunHandle] = {}  # queued or running only: an ended run is read from its directory
         self._ended_unwritten: OrderedDict[str, RunHandle] = OrderedDict()  # ended before their directory existed
@@ -36,7 +38,13 @@ class SentRuns:
 
     def resolve(self, data: dict) -> ResolvedRun:
         """A client's run config under the server's model and way of running (run_configs.resolve_run)."""
-        return resolve_run(data, self.warm.run, self.output_root)
+        return resolve_run(data, self.warm.run, self.output_root, self.inputs.store)
+
+    def input_paths(self) -> set[str]:
+        """The input images the runs queued or running read: kept while they may (InputImages)."""
+        with self._lock:
+            runs = [handle.run for handle in self.live.values() if handle.run is not None]
+        return {path for run in runs for prompt in run.prompts if prompt.source for _, path, _ in prompt.source.files()}
 
     def start(self, data: dict) -> RunHandle:
         """A run config sent by a client, checked, then run in a thread on the engine with the fewest runs;

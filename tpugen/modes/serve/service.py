@@ -17,7 +17,7 @@ from tpugen.families import FAMILIES
 from tpugen.logs import logger
 from tpugen.modes.serve.admission import Admission
 from tpugen.modes.serve.device_loops import DeviceLoops
-from tpugen.modes.serve.input_images import store_input_image
+from tpugen.modes.serve.input_images import MIB, InputImages
 from tpugen.modes.serve.lora_dir import lora_files, lora_named
 from tpugen.modes.serve.metrics import Metrics
 from tpugen.modes.serve.progress import Jobs
@@ -57,7 +57,14 @@ class Service:
         self.batch_size = config.batch_size
         self.serve = config.serve
         # The engines and what they keep warm; the sizes, CFG and samplers are the warm set's (the routes read them).
-        self.warm = WarmEngines(run, engines, output_root=output_root)
+        # The images requests and runs send, kept while a run or a request may read them.
+        self.inputs = InputImages(
+            output_root,
+            max_bytes=self.serve.max_input_mb * MIB,
+            keep_s=self.serve.request_timeout_s + 60,
+            held=lambda: self.sent_runs.input_paths(),
+        )
+        self.warm = WarmEngines(run, engines, inputs=self.inputs)
         self.sizes, self.cfg, self.schedulers = self.warm.sizes, self.warm.cfg, self.warm.schedulers
         self.queue = BatchQueue(self.batch_size, self.serve.batch_window_ms / 1000, self.serve.max_queue)
         self.metrics = Metrics()
@@ -82,7 +89,7 @@ class Service:
             max_failed_batches=self.serve.max_failed_batches,
             break_down=self.break_down,
         )
-        self.sent_runs = SentRuns(self.warm, output_root=output_root, display=display)
+        self.sent_runs = SentRuns(self.warm, output_root=output_root, display=display, inputs=self.inputs)
 
     @property
     def engines(self) -> list[Engine]:
@@ -226,7 +233,7 @@ class Service:
     def input_image(self, data: bytes, where: str) -> tuple[str, str]:
         """(path, sha256) of an image a request sent, written once under the output root by its content; an
         InputError naming `where` if it is no image tpugen can use."""
-        return store_input_image(self.output_root, data, where)
+        return self.inputs.store(data, where)
 
     def image_specs(self, count: int, make) -> list[ImageSpec]:
         """`make(i)` for each of a request's `count` images, bounded by serve.max_images_per_request

@@ -4,7 +4,6 @@ first request (serve.sizes x serve.schedulers x serve.tasks, and the config's hi
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from tpugen.config import ResolvedRun, run_sizes
 from tpugen.config.hires import HiresFix
@@ -13,7 +12,7 @@ from tpugen.config.schema import step_cache_options_text
 from tpugen.engine import Display, Engine
 from tpugen.engine.step_cache import warm_steps
 from tpugen.families import FAMILIES
-from tpugen.modes.serve.input_images import store_input_image
+from tpugen.modes.serve.input_images import InputImages
 from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, hires_fix
 from tpugen.schedulers import find_scheduler
 
@@ -22,11 +21,11 @@ class WarmEngines:
     """The server's engines (one per device under execution.mode: multi; none until they are opened) and what
     they keep warm: serve.sizes x serve.schedulers, at the config's batch size, guidance and steps."""
 
-    def __init__(self, run: ResolvedRun, engines: list[Engine], *, output_root: Path) -> None:
+    def __init__(self, run: ResolvedRun, engines: list[Engine], *, inputs: InputImages) -> None:
         config = run.config
         self.run = run
         self.engines = engines
-        self.output_root = output_root  # where the warmup's input images are stored
+        self.inputs = inputs  # where the warmup's input images are stored
         self.family = FAMILIES[run.family]
         self.batch_size = config.batch_size
         self.serve = config.serve
@@ -98,12 +97,12 @@ class WarmEngines:
             image.save(out, format="PNG")
             return out.getvalue()
 
-        init = store_input_image(self.output_root, png(Image.new("RGB", (64, 64), (128, 128, 128))), "warmup")
+        init = self.inputs.store(png(Image.new("RGB", (64, 64), (128, 128, 128))), "warmup")
         mask = None
         if task == "inpaint":
             half = Image.new("L", (64, 64), 0)
             half.paste(255, (32, 0, 64, 64))
-            mask = store_input_image(self.output_root, png(half), "warmup")
+            mask = self.inputs.store(png(half), "warmup")
         return ImageSource(init[0], init[1], 0.75, 0, *(mask or (None, None)))
 
     def hires_warm(self, hires: HiresFix) -> bool:
