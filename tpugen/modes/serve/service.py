@@ -247,14 +247,8 @@ class Service:
     def generate(
         self, images: list[ImageSpec], *, interruptible: bool = False, task: str | None = None
     ) -> list[tuple[int, object]]:
-        """(position, pixels) of each image made, in order, once the device loops have made them (uint8 HxWx3);
-        blocks the caller. All of them, unless the request is `interruptible` (the web UI's) and a client
-        interrupts it: then the ones made by then. The request waits its client's turn in the queue (the
-        caller of this context, tpugen.modes.serve.request_ids); its progress is the job `task` (the web UI's
-        force_task_id), or else the request's id, in self.progress.
-
-        Raises NotReady (503), QueueFull (503), NotWarm or InputError (422), TimedOut (504), or what the
-        device raised (500)."""
+        """The images made for a request, once the server is ready (Admission.generate, which says the rest);
+        NotReady (503) while it is not."""
         self._refuse_unless_ready()
         return self.admission.generate(images, interruptible=interruptible, task=task)
 
