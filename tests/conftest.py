@@ -265,8 +265,18 @@ def server(tmp_path_factory):
     tasks = ["txt2img", "img2img", "inpaint"]  # /sdapi/v1/img2img, with and without a mask
     # Connection deadlines short enough for tests/test_serve_hardened.py to see them pass.
     deadlines = {"read_timeout_s": 3, "idle_timeout_s": 3}
+    styles = [  # the web UI's saved styles (tests/test_serve_a1111.py)
+        {"name": "oil", "prompt": "{prompt}, oil painting", "negative_prompt": "blurry"},
+        {"name": "moody", "prompt": "dark, moody"},
+    ]
     path = serve_config(
-        tmp, max_images_per_request=8, lora_dir="loras", schedulers=["Euler a"], tasks=tasks, **deadlines
+        tmp,
+        max_images_per_request=8,
+        lora_dir="loras",
+        schedulers=["Euler a"],
+        tasks=tasks,
+        prompt_styles=styles,
+        **deadlines,
     )
     with running_server(path, tmp / "runs", KEY) as (url, service):
         wait_ready(url, seconds=400)  # 5 shape keys to compile; on a loaded 2-core machine, minutes

@@ -229,16 +229,72 @@ def test_web_ui_clients_may_set_the_served_checkpoint_and_list_schedules(client)
     same = client.post("/sdapi/v1/options", json={"sd_model_checkpoint": "tiny-sd", "samples_format": "png"})
     assert (same.status_code, same.json()) == (200, None)
     other = client.post(
-        "/sdapi/v1/options", json={"sd_model_checkpoint": "sdxl-base", "sd_vae": "x", "samples_format": "jpg"}
+        "/sdapi/v1/options",
+        json={"sd_model_checkpoint": "sdxl-base", "sd_vae": "x", "samples_format": "jpg", "send_seed": "yes"},
     )
     assert (other.status_code, other.json()["detail"]) == (
         422,
         [
             "samples_format: this server keeps 'png'; got 'jpg'",
             "sd_model_checkpoint: this server serves 'tiny-sd' and does not switch models; got 'sdxl-base'",
-            "sd_vae: not an option this server has (it has samples_format, sd_model_checkpoint)",
+            "sd_vae: this server keeps 'Automatic'; got 'x'",
+            "send_seed: must be true or false",
         ],
     )
+
+
+def test_the_web_uis_own_api_tests_of_its_utility_routes_pass(client):
+    """The web UI's test/test_utils.py, sent as it sends them: an options write that round-trips, and every
+    listing route 200 in the web UI's shape. Before: send_seed missing, seven routes 404."""
+    before = client.get("/sdapi/v1/options").json()["send_seed"]
+    assert client.post("/sdapi/v1/options", json={"send_seed": not before}).status_code == 200
+    assert client.get("/sdapi/v1/options").json()["send_seed"] is (not before)
+    # A key the server does not know is ignored, as the web UI ignores it; a refused write changes nothing.
+    assert client.post("/sdapi/v1/options", json={"send_seed": before, "some_extension_key": 3}).status_code == 200
+    assert client.post("/sdapi/v1/options", json={"send_seed": not before, "samples_format": "jpg"}).status_code == 422
+    assert client.get("/sdapi/v1/options").json()["send_seed"] is before
+    listed = {}
+    for route in (
+        "cmd-flags",
+        "samplers",
+        "upscalers",
+        "sd-models",
+        "hypernetworks",
+        "face-restorers",
+        "realesrgan-models",
+        "prompt-styles",
+        "embeddings",
+        "latent-upscale-modes",
+    ):
+        answer = client.get(f"/sdapi/v1/{route}")
+        assert answer.status_code == 200, (route, answer.text[:200])
+        listed[route] = answer.json()
+    assert listed["cmd-flags"]["api"] is True and "/tmp" not in json.dumps(listed)  # no server path
+    assert [u["name"] for u in listed["upscalers"]] == ["Lanczos"]
+    assert listed["latent-upscale-modes"] == [{"name": "Latent"}]
+    assert listed["hypernetworks"] == listed["face-restorers"] == listed["realesrgan-models"] == []
+    assert listed["embeddings"] == {"loaded": {}, "skipped": {}}
+    assert listed["prompt-styles"] == [
+        {"name": "oil", "prompt": "{prompt}, oil painting", "negative_prompt": "blurry"},
+        {"name": "moody", "prompt": "dark, moody", "negative_prompt": ""},
+    ]
+
+
+def test_saved_prompt_styles_are_applied_as_the_web_ui_applies_them(client):
+    """Before: `styles` was a 422. The server's serve.prompt_styles now apply in order: `{prompt}` stands for
+    the prompt, else the style follows after a comma; the image's parameters hold the styled prompt."""
+    body = {**BASE, "prompt": "a cat", "negative_prompt": "", "styles": ["oil", "moody"], "seed": 21}
+    answer = client.post("/sdapi/v1/txt2img", json=body)
+    assert answer.status_code == 200, answer.text[:300]
+    info = json.loads(answer.json()["info"])
+    assert info["prompt"] == "a cat, oil painting, dark, moody" and info["negative_prompt"] == "blurry"
+    plain = client.post(
+        "/sdapi/v1/txt2img", json={**body, "styles": [], "prompt": info["prompt"], "negative_prompt": "blurry"}
+    )
+    assert plain.json()["images"] == answer.json()["images"]  # the same as writing the styled prompt out
+    unknown = client.post("/sdapi/v1/txt2img", json={**body, "styles": ["oil", "neon"]})
+    assert unknown.status_code == 422
+    assert unknown.json()["detail"] == ["styles: no style 'neon' on this server; it has 'oil', 'moody'"]
 
 
 def test_interrupt_answers_the_web_uis_requests_with_what_they_have_and_no_others(client, server, monkeypatch):

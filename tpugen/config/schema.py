@@ -712,6 +712,18 @@ def _check_size(pair: list[int]) -> list[int]:
 Size = Annotated[list[int], AfterValidator(_check_size)]
 
 
+class PromptStyle(_Section):
+    name: str = Field(min_length=1, max_length=200, description="The style's name, as requests' `styles` name it.")
+    prompt: str = Field(
+        default="",
+        max_length=10_000,
+        description="Added to a request's prompt: `{prompt}` in it stands for the prompt, else it is appended after a comma.",
+    )
+    negative_prompt: str = Field(
+        default="", max_length=10_000, description="Added to the negative prompt by the same rule."
+    )
+
+
 class ServeConfig(_Section):
     sizes: list[Size] | None = Field(
         default=None,
@@ -848,6 +860,23 @@ class ServeConfig(_Section):
             "[::1]): any other Host gets 400, so a DNS name rebound to 127.0.0.1 cannot reach it."
         ),
     )
+
+    prompt_styles: list[PromptStyle] = Field(
+        default_factory=list,
+        description=(
+            "The web UI's saved prompt styles this server has: a request's `styles` names them (GET "
+            "/sdapi/v1/prompt-styles lists them); none by default."
+        ),
+    )
+
+    @field_validator("prompt_styles")
+    @classmethod
+    def _unique_styles(cls, value: list[PromptStyle]) -> list[PromptStyle]:
+        names = [style.name for style in value]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"style {twice[0]!r} is named twice")
+        return value
 
     @field_validator("schedulers")
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -98,7 +99,6 @@ MISSING_FEATURES = {
     "tiling": "tiling is not built",
     "script_name": "scripts are not built",
     "alwayson_scripts": "scripts are not built",
-    "styles": "saved prompt styles are not kept on this server; put the text in the prompt",
     "subseed_strength": "variation seeds are not built",
     "refiner_checkpoint": "a refiner is not built",
     "firstpass_image": "a hires fix from a given first-pass image is not built; send the image to img2img",
@@ -221,12 +221,44 @@ def take_loras(service: Service, prompt: str) -> tuple[str, tuple]:
     return text, tuple(loras)
 
 
+MAX_STYLES = 16
+
+
+def styled(text: str, style: str) -> str:
+    """`text` with a saved style's text, as the web UI applies it: `{prompt}` in the style stands for the text,
+    else the style follows it after a comma."""
+    if "{prompt}" in style:
+        return style.replace("{prompt}", text)
+    return ", ".join(part for part in (text.strip(), style.strip()) if part)
+
+
+def with_styles(service: Service, body: Txt2Img) -> tuple[str, str | None]:
+    """(prompt, negative prompt) with the request's `styles` applied in order (serve.prompt_styles); the negative
+    prompt stays None (the server's) when the request and its styles give none."""
+    if len(body.styles) > MAX_STYLES:
+        raise InputError(f"styles: {len(body.styles)} named; at most {MAX_STYLES}")
+    have = {style.name: style for style in service.serve.prompt_styles}
+    unknown = [name for name in body.styles if name not in have]
+    if unknown:
+        named = ", ".join(repr(name) for name in have) or "none (serve.prompt_styles)"
+        raise InputError(f"styles: no style {str(unknown[0])[:100]!r} on this server; it has {named}")
+    prompt, negative = body.prompt, body.negative_prompt
+    for name in body.styles:
+        style = have[name]
+        prompt = styled(prompt, style.prompt)
+        if style.negative_prompt:
+            negative = styled(negative or "", style.negative_prompt)
+    return prompt, negative
+
+
 def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
     """The request's images, or an InputError with every problem it has (one line each)."""
     config = service.run.config
     height, width = service.sizes[0]
     problems: list[str] = []
-    prompt, loras = collect(problems, take_loras, service, body.prompt) or (body.prompt, ())
+    styled = collect(problems, with_styles, service, body)
+    prompt, negative = styled or (body.prompt, body.negative_prompt)
+    prompt, loras = collect(problems, take_loras, service, prompt) or (prompt, ())
     scheduler = collect(problems, sampler_for, service, body.sampler_name, body.scheduler)
     if body.batch_size < 1 or body.n_iter < 1:
         problems.append(f"batch_size and n_iter: must be at least 1, got {body.batch_size} and {body.n_iter}")
@@ -238,7 +270,7 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
     def make(i: int) -> ImageSpec:
         return ImageSpec(
             prompt=prompt,
-            negative_prompt=body.negative_prompt if body.negative_prompt is not None else config.negative_prompt,
+            negative_prompt=negative if negative is not None else config.negative_prompt,
             seed=seed + i,  # the web UI's rule: image i of a request gets seed + i
             steps=steps,
             guidance_scale=body.cfg_scale if body.cfg_scale is not None else config.guidance_scale,
@@ -510,14 +542,70 @@ def schedulers(request: Request) -> list[dict]:
     return found
 
 
-def current_options(service: Service) -> dict:
-    return {"sd_model_checkpoint": service.engines[0].model_label, "samples_format": "png"}
+class WebUiOptions:
+    """The web UI's options as this server keeps them. Fixed ones say what it serves (the checkpoint, PNG files,
+    no clip skip, the model's own VAE): a write must leave them as they are (422 naming each). The web UI's own
+    that change nothing in an image (send_seed, send_size: what its page copies from one tab to another) are
+    written and read back. A key it does not know is ignored, as the web UI ignores one."""
+
+    WRITABLE = {"send_seed": True, "send_size": True}
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self._written = dict(self.WRITABLE)
+        self._lock = threading.Lock()
+
+    def fixed(self) -> dict:
+        return {
+            "sd_model_checkpoint": self.service.engines[0].model_label,
+            "samples_format": "png",
+            "CLIP_stop_at_last_layers": 1,
+            "sd_vae": "Automatic",
+        }
+
+    def current(self) -> dict:
+        with self._lock:
+            return {**self.fixed(), **self._written}
+
+    def write(self, values: dict) -> None:
+        """The writable options among `values` set, all or none: an InputError naming each that cannot be."""
+        fixed, problems, written = self.fixed(), [], {}
+        for key, value in sorted(values.items()):
+            if key == "sd_model_checkpoint":
+                if value not in (fixed[key], self.service.run.config.model.id):
+                    problems.append(
+                        f"sd_model_checkpoint: this server serves {fixed[key]!r} and does not switch models; "
+                        f"got {str(value)[:100]!r}"
+                    )
+            elif key in fixed:
+                if value != fixed[key]:
+                    problems.append(f"{key}: this server keeps {fixed[key]!r}; got {str(value)[:100]!r}")
+            elif key in self.WRITABLE:
+                if not isinstance(value, bool):
+                    problems.append(f"{key}: must be true or false")
+                written[key] = value
+        if problems:
+            raise InputError(*problems)
+        with self._lock:
+            self._written.update(written)
+
+
+def web_ui_options(request: Request) -> WebUiOptions:
+    """The server's options (made once per app: each server keeps its own)."""
+    state = request.app.state
+    with _options_made:
+        if getattr(state, "web_ui_options", None) is None:
+            state.web_ui_options = WebUiOptions(state.service)
+        return state.web_ui_options
+
+
+_options_made = threading.Lock()
 
 
 @router.get("/options")
 def options(request: Request) -> dict:
     """The options a web UI client reads before it generates (the served checkpoint among them)."""
-    return current_options(request.app.state.service)
+    return web_ui_options(request).current()
 
 
 class OptionsUpdate(BaseModel):
@@ -526,25 +614,71 @@ class OptionsUpdate(BaseModel):
 
 @router.post("/options")
 async def set_options(request: Request):
-    """Web UI clients set the checkpoint before they generate: the served model (by its title or model.id) and
-    the options GET gives, at their values, are accepted; anything else is a 422 naming it."""
-    service: Service = request.app.state.service
+    """Web UI clients set options before they generate: the fixed ones at their values (the served model by
+    its title or model.id), send_seed and send_size to either value; keys this server does not know are
+    ignored, as the web UI ignores them. Anything else is a 422 naming it."""
     body = await parse(request, OptionsUpdate)
-    have = current_options(service)
-    problems = []
-    for key, value in sorted((body.model_extra or {}).items()):
-        if key == "sd_model_checkpoint":
-            if value not in (have[key], service.run.config.model.id):
-                problems.append(
-                    f"sd_model_checkpoint: this server serves {have[key]!r} and does not switch models; got {value!r}"
-                )
-        elif key not in have:
-            problems.append(f"{key}: not an option this server has (it has {', '.join(sorted(have))})")
-        elif value != have[key]:
-            problems.append(f"{key}: this server keeps {have[key]!r}; got {value!r}")
-    if problems:
-        raise InputError(*problems)
+    web_ui_options(request).write(body.model_extra or {})
     return None
+
+
+# Lists the web UI's clients read when they connect, each in the web UI's shape, holding what this server has.
+@router.get("/cmd-flags")
+def cmd_flags(request: Request) -> dict:
+    """The web UI's command-line flags, those that say something true of this server (not its folders: no
+    reply shows a path of the server's)."""
+    service: Service = request.app.state.service
+    return {
+        "api": True,
+        "nowebui": True,
+        "no_half": service.run.config.model.dtype == "float32",
+        "xformers": False,
+        "medvram": False,
+        "lowvram": False,
+    }
+
+
+@router.get("/upscalers")
+def upscalers() -> list[dict]:
+    """The image upscalers (a hires fix's hr_upscaler besides the latent one): Lanczos."""
+    return [{"name": "Lanczos", "model_name": None, "model_path": None, "model_url": None, "scale": 4}]
+
+
+@router.get("/latent-upscale-modes")
+def latent_upscale_modes() -> list[dict]:
+    """The latent upscalers of a hires fix: Latent."""
+    return [{"name": "Latent"}]
+
+
+@router.get("/hypernetworks")
+def hypernetworks() -> list[dict]:
+    """None: hypernetworks are not built."""
+    return []
+
+
+@router.get("/face-restorers")
+def face_restorers() -> list[dict]:
+    """None: face restoration is not built (restore_faces is a 422)."""
+    return []
+
+
+@router.get("/realesrgan-models")
+def realesrgan_models() -> list[dict]:
+    """None: Real-ESRGAN upscalers are not built."""
+    return []
+
+
+@router.get("/prompt-styles")
+def prompt_styles(request: Request) -> list[dict]:
+    """serve.prompt_styles, which a request's `styles` names."""
+    styles = request.app.state.service.serve.prompt_styles
+    return [{"name": s.name, "prompt": s.prompt, "negative_prompt": s.negative_prompt} for s in styles]
+
+
+@router.get("/embeddings")
+def embeddings() -> dict:
+    """Textual-inversion embeddings loaded: none (they are not built yet)."""
+    return {"loaded": {}, "skipped": {}}
 
 
 @router.get("/progress")
