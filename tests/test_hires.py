@@ -55,9 +55,16 @@ def _reference(model: str, record: dict) -> np.ndarray:
                 latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
             size = (hires["height"] // pipe.vae_scale_factor, hires["width"] // pipe.vae_scale_factor)
             image = torch.nn.functional.interpolate(latents, size=size, mode="bilinear", antialias=False)
+            if hires["strength"] == 0:  # the upscale alone: the scaled latents decoded, as the pipeline decodes
+                config = pipe.vae.config
+                decoded = pipe.vae.decode(image / config.scaling_factor + (config.shift_factor or 0.0)).sample
+                out = (decoded / 2 + 0.5).clamp(0, 1)[0].permute(1, 2, 0).numpy()
+                return (out * 255).round().clip(0, 255).astype(np.uint8)
         else:
             made = pipe(**common, **first, generator=generator, output_type="pil").images[0]
             image = made.resize((hires["width"], hires["height"]), Image.Resampling.LANCZOS)
+            if hires["strength"] == 0:  # the upscale alone: the first pass's image resized
+                return np.asarray(image.convert("RGB"))
         second = AutoPipelineForImage2Image.from_pipe(pipe)
         second.set_progress_bar_config(disable=True)
         out = second(
@@ -145,7 +152,7 @@ def test_what_hires_fix_cannot_do_is_one_line_each(tmp_path):
     assert (
         validate(hires={"upscaler": "esrgan"}) == "error: hires.upscaler: must be 'latent' or 'lanczos', got 'esrgan'\n"
     )
-    assert validate(hires={"strength": 0}) == "error: hires.strength: must be greater than 0, got 0\n"
+    assert validate(hires={"strength": -0.1}) == "error: hires.strength: must be greater than or equal to 0, got -0.1\n"
     text = validate("tiny-flux", hires=hires, compile={"step_cache": {"method": "taylorseer"}})
     assert "hires: compile.step_cache.method: taylorseer runs for txt2img only" in text
     text = validate("tiny-qwen-image", hires=hires)
@@ -201,3 +208,30 @@ def test_a_family_without_img2img_refuses_init_images_and_img2img_tasks(tmp_path
         f"error: prompts[0].init_image: {why} from, with no strength)",
         f"error: serve.tasks: img2img for {why} from, with no strength)",
     ]
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize(
+    ("model", "upscaler"), [("tiny-sd", "latent"), ("tiny-sd", "lanczos"), ("tiny-flux", "latent")]
+)
+def test_hires_fix_at_denoising_strength_0_is_the_upscale_alone(model, upscaler, tmp_path):
+    """The web UI's hires fix with denoising_strength 0 runs no second pass: the first pass upscaled (latent: its
+    latents scaled up and decoded; lanczos: its image resized), which is diffusers' own first pass so treated.
+    Before: refused (strength must be above 0)."""
+    hires = {"scale": 2, "steps": 4, "strength": 0.0, "upscaler": upscaler}
+    config = tiny_config(
+        tmp_path, model={"id": model}, prompts=["a red fox in snow"], height=32, width=32, steps=3, hires=hires
+    )
+    result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
+    assert result.exit_code == 0, result.output
+    run_dir = tmp_path / "outputs" / "run"
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["compiles_after_warmup"] == 0
+    (warm,) = report["warmup"]
+    assert not [phase for phase in cold_graphs(warm) if phase.startswith("hires ")]  # no second pass ran
+    (record,) = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
+    png = Image.open(run_dir / record["file"])
+    assert png.size == (64, 64) and "Denoising strength: 0.0, Hires upscale: 2" in png.text["parameters"]
+    made = np.asarray(png.convert("RGB"), np.int16)
+    difference = int(np.abs(made - _reference(model, record).astype(np.int16)).max())
+    assert difference <= WITHIN, difference

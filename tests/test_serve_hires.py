@@ -54,9 +54,15 @@ def test_enable_hr_is_the_configs_hires_fix_warm_and_the_same_image_a_run_makes(
         with httpx.Client(base_url=url, headers=AUTH, timeout=120) as http:
             body = {**fields, "enable_hr": True, "hr_upscaler": "Lanczos"}
             answer = http.post("/sdapi/v1/txt2img", json=body)
+            # denoising_strength 0: the web UI's upscale alone (before: a 422 whatever the server warmed). With the
+            # latent upscaler its scaled latents are decoded by a graph of their own: not warm here, and said so.
+            alone = http.post("/sdapi/v1/txt2img", json={**fields, "enable_hr": True, "denoising_strength": 0})
         assert answer.status_code == 422
         assert answer.json()["detail"][0].startswith(
             "hires fix x2 lanczos is not warm (the server's config warms hires x2 latent) (serve.new_shapes: reject)"
+        )
+        assert alone.status_code == 422 and alone.json()["detail"][0].startswith(
+            "hires fix x2 latent alone is not warm"
         )
         served = np.asarray(result.image.convert("RGB"))
 

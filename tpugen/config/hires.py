@@ -32,13 +32,19 @@ class HiresFix:
     def schedule_steps(self) -> int:
         """The img2img call's num_inference_steps: diffusers runs `strength` of them (int(n x strength) in the
         Stable Diffusion pipelines), so ceil(steps / strength) runs `steps` (a flow-matching one may run one
-        more), as the web UI stretches its schedule to steps / strength. Never 0 steps run."""
+        more), as the web UI stretches its schedule to steps / strength. Never 0 steps run; at strength 0 there
+        is no second pass (the upscale alone), so no schedule."""
+        if self.strength == 0:
+            return 0
         return math.ceil(self.steps / self.strength - 1e-9)
 
     @property
     def shape_label(self) -> str:
-        """What the compiled graphs depend on (the scale and the upscaler; steps and strength are data)."""
-        return f"hires x{self.scale:.10g} {self.upscaler}"
+        """What the compiled graphs depend on (the scale and the upscaler; steps and strength are data, but for
+        strength 0 with the latent upscaler: no second pass, so its scaled latents are decoded in a graph of
+        their own, the key's "alone"; the lanczos upscale alone runs the first pass's graphs only)."""
+        alone = " alone" if self.strength == 0 and self.upscaler == "latent" else ""
+        return f"hires x{self.scale:.10g} {self.upscaler}{alone}"
 
     def record(self, height: int, width: int, multiple: int) -> dict:
         """What the record of an image whose first pass was height x width says of it: with the size it was made

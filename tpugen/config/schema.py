@@ -231,9 +231,12 @@ class HiresConfig(_Section):
     )
     strength: float = Field(
         default=DEFAULT_HIRES_STRENGTH,
-        gt=0,
+        ge=0,
         le=1,
-        description="How far the upscaled first pass is noised again (the web UI's denoising_strength).",
+        description=(
+            "How far the upscaled first pass is noised again (the web UI's denoising_strength); 0: no second pass, "
+            "the upscale alone, as in the web UI."
+        ),
     )
     upscaler: Literal["latent", "lanczos"] = Field(
         default="latent",

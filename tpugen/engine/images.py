@@ -69,6 +69,15 @@ def upscale(pixels, width: int, height: int):
     return Image.fromarray(array).resize((width, height), Image.Resampling.LANCZOS)
 
 
+def as_tensor(pictures):
+    """PIL images (RGB, one size) as an NCHW tensor in [0, 1] on the host: what a decode gives."""
+    import numpy as np
+    import torch
+
+    array = np.stack([np.asarray(picture.convert("RGB"), dtype=np.float32) for picture in pictures]) / 255.0
+    return torch.from_numpy(array).permute(0, 3, 1, 2)
+
+
 def size_of(path: str) -> tuple[int, int]:
     from PIL import Image
 

@@ -310,18 +310,30 @@ class LoadedPipeline:
         """Hires fix's second pass on the first pass's `latents`: scaled up (latent: bilinearly, on the device;
         lanczos: decoded, read back, resized by PIL on the host), then diffusers' img2img of the family at the
         larger size for the hires steps at its strength, each image's noise from a generator of its seed.
-        Returns its output and its size (height, width); its phases are counted as "hires ..." ones."""
+        Returns its output, its size (height, width) and whether the output is pixels already; its phases are
+        counted as "hires ..." ones. At denoising strength 0 there is no second pass, as in the web UI: the
+        output is the upscale alone (latent: the scaled latents decoded; lanczos: the resized pixels)."""
         from tpugen.engine import images
 
         hires, shape = batch.hires, batch.shape
         height, width = hires.size(shape.height, shape.width, self.family.size_multiple)
         if hires.upscaler == "latent":
             image = self.family.upscale_latents(self.pipe, latents, shape.height, shape.width, height, width)
+            if hires.strength == 0:
+                self.running = "vae"
+                return (
+                    self.family.decode_upscaled(self.pipe, image, height, width, self.backend.device_for("vae")),
+                    height,
+                    width,
+                    True,
+                )
         else:
             self.running = "vae"
             pixels = self._decode(latents, shape.height, shape.width).to("cpu").float()
             self._mark("first-pass decoding")
             image = [images.upscale(picture, width, height) for picture in pixels]
+            if hires.strength == 0:
+                return images.as_tensor(image), height, width, True
         pipe = self.task_pipe("img2img")
         arguments = self._img2img_arguments(pipe, batch, image, hires.strength, height, width, hires.schedule_steps)
         self._loop_started, self._pass, self._steps_before = False, "hires ", batch.steps
@@ -329,7 +341,7 @@ class LoadedPipeline:
         output = pipe(**arguments).images
         self._clock.loop_ended()
         self._mark("hires later denoising steps")
-        return output, height, width
+        return output, height, width, False
 
     def generate(self, batch: Batch, census: bool = False):
         """Run one batch; returns uint8 HxWx3 arrays for its real (unpadded) rows.
@@ -364,10 +376,11 @@ class LoadedPipeline:
                 output = pipe(**arguments).images
                 self._clock.loop_ended()
                 self._mark("later denoising steps")
+                ready = False  # pixels already: a hires fix's upscale alone (denoising strength 0)
                 if batch.hires is not None:
-                    output, height, width = self._hires_pass(batch, output)
+                    output, height, width, ready = self._hires_pass(batch, output)
                 self.running = "vae"
-                images = self._decode(output, height, width) if self.decodes_itself else output
+                images = self._decode(output, height, width) if self.decodes_itself and not ready else output
                 # The one read back to the host for the whole batch. Padding rows are dropped on the host:
                 # slicing on the device would be a new graph for every count of real rows.
                 host = images.to("cpu").float()[: len(batch.items)]

@@ -219,6 +219,10 @@ class Family:
         size = (to_height // scale, to_width // scale)
         return torch.nn.functional.interpolate(latents, size=size, mode="bilinear", antialias=False)
 
+    def decode_upscaled(self, pipe, latents, height: int, width: int, device):
+        """Latents as upscale_latents gives them, decoded: a hires fix's upscale alone (denoising strength 0)."""
+        return self.decode(pipe, latents, height, width, device)
+
     def decode(self, pipe, latents, height: int, width: int, device):
         """Latents to pixels in [0, 1], as the family's pipeline would (`device`: where the VAE is)."""
         vae = pipe.vae

@@ -144,5 +144,10 @@ class Flux(TransformerFamily):
         grid = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
         return super().upscale_latents(pipe, grid, height, width, to_height, to_width)
 
+    def decode_upscaled(self, pipe, latents, height: int, width: int, device):
+        # upscale_latents gives them unpacked: packed again, as decode takes the pipeline's own.
+        batch, channels, rows, columns = latents.shape
+        return self.decode(pipe, pipe._pack_latents(latents, batch, channels, rows, columns), height, width, device)
+
 
 FAMILY = Flux()

@@ -152,8 +152,8 @@ def hires_for(service: Service, body: Txt2Img, steps: int) -> HiresFix | None:
         problems.append(f"hr_scale: must be above 1 and at most {MAX_HIRES_SCALE:g}, got {body.hr_scale:g}")
     # Unset: the web UI's API default for txt2img (its slider's is 0.7, which its clients send).
     strength = body.denoising_strength if body.denoising_strength is not None else DEFAULT_STRENGTH
-    if not strength_ok(strength):
-        problems.append(f"denoising_strength: must be above 0 and at most 1, got {strength:g}")
+    if not (strength == 0 or strength_ok(strength)):  # 0: the upscale alone, as the web UI does
+        problems.append(f"denoising_strength: must be from 0 to 1, got {strength:g}")
     if not 0 <= body.hr_second_pass_steps <= MAX_STEPS:
         problems.append(f"hr_second_pass_steps: must be from 0 (as many as the first pass) to {MAX_STEPS}")
     keys = {"hires": "enable_hr", "upscaler": "hr_upscaler"}
