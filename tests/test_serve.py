@@ -33,10 +33,10 @@ def test_the_api_key_is_needed_as_bearer_or_as_a_basic_password(server):
 
 
 def test_other_endpoints_and_failures_are_one_line_and_counted(client, server, monkeypatch):
-    missing = client.get("/sdapi/v1/upscalers")
+    missing = client.get("/sdapi/v1/extra-single-image")
     assert (missing.status_code, missing.json()["detail"]) == (
         404,
-        ["/sdapi/v1/upscalers: no such endpoint here (tpugen serves the A1111, OpenAI images and runs APIs)"],
+        ["/sdapi/v1/extra-single-image: no such endpoint here (tpugen serves the A1111, OpenAI images and runs APIs)"],
     )
     wrong = client.put("/sdapi/v1/txt2img", json={})
     assert (wrong.status_code, wrong.json()["detail"]) == (

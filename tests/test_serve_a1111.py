@@ -354,3 +354,21 @@ def test_the_web_uis_other_endpoints(client):
     assert client.get("/sdapi/v1/progress").json()["progress"] == 0.0
     assert client.get("/sdapi/v1/scripts").json() == {"txt2img": [], "img2img": []}
     assert client.post("/sdapi/v1/interrupt").status_code == 200
+
+
+def test_override_settings_may_hold_what_the_server_keeps_and_any_other_setting_is_named(client):
+    """Before: any override_settings was a 422. The web UI's test requests send `override_settings: {}`; clients
+    send the checkpoint and clip skip 1 with every request."""
+    body = {**BASE, "prompt": "a cat", "seed": 3}
+    same = {"CLIP_stop_at_last_layers": 1, "sd_model_checkpoint": "tiny-sd", "send_seed": False}
+    for settings in ({}, same):
+        answer = client.post("/sdapi/v1/txt2img", json={**body, "override_settings": settings})
+        assert answer.status_code == 200, answer.text[:300]
+    other = {"CLIP_stop_at_last_layers": 2, "eta_noise_seed_delta": 31337, "sd_vae": "other.safetensors"}
+    refused = client.post("/sdapi/v1/txt2img", json={**body, "override_settings": other})
+    assert refused.status_code == 422
+    assert refused.json()["detail"] == [
+        "override_settings.CLIP_stop_at_last_layers: this server keeps 1; got '2'",
+        "override_settings.sd_vae: this server keeps 'Automatic'; got 'other.safetensors'",
+        "override_settings: eta_noise_seed_delta: not settings this server changes for a request",
+    ]

@@ -102,7 +102,6 @@ MISSING_FEATURES = {
     "subseed_strength": "variation seeds are not built",
     "refiner_checkpoint": "a refiner is not built",
     "firstpass_image": "a hires fix from a given first-pass image is not built; send the image to img2img",
-    "override_settings": "settings are the server's config; start it with others",
 }
 
 
@@ -256,6 +255,7 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
     config = service.run.config
     height, width = service.sizes[0]
     problems: list[str] = []
+    problems.extend(settings_problems(service, body.override_settings))
     styled = collect(problems, with_styles, service, body)
     prompt, negative = styled or (body.prompt, body.negative_prompt)
     prompt, loras = collect(problems, take_loras, service, prompt) or (prompt, ())
@@ -542,6 +542,34 @@ def schedulers(request: Request) -> list[dict]:
     return found
 
 
+def fixed_options(service: Service) -> dict:
+    """The web UI's options that say what this server serves, which no request or write changes."""
+    return {
+        "sd_model_checkpoint": service.engines[0].model_label,
+        "samples_format": "png",
+        "CLIP_stop_at_last_layers": 1,
+        "sd_vae": "Automatic",
+    }
+
+
+def settings_problems(service: Service, settings: dict | None) -> list[str]:
+    """What a request's override_settings asks that this server cannot do for it: a fixed option at another
+    value, or a setting it does not keep (all of those named in one line). The fixed options at their values,
+    and the web UI's own that change nothing in an image (send_seed, send_size), are fine."""
+    fixed, problems, other = fixed_options(service), [], []
+    for key, value in sorted((settings or {}).items()):
+        if key in fixed:
+            same = value == fixed[key] or (key == "sd_model_checkpoint" and value == service.run.config.model.id)
+            if not same:
+                problems.append(f"override_settings.{key}: this server keeps {fixed[key]!r}; got {str(value)[:100]!r}")
+        elif key not in WebUiOptions.WRITABLE:
+            other.append(str(key)[:100])
+    if other:
+        shown = ", ".join(other[:8]) + (f" and {len(other) - 8} more" if len(other) > 8 else "")
+        problems.append(f"override_settings: {shown}: not settings this server changes for a request")
+    return problems
+
+
 class WebUiOptions:
     """The web UI's options as this server keeps them. Fixed ones say what it serves (the checkpoint, PNG files,
     no clip skip, the model's own VAE): a write must leave them as they are (422 naming each). The web UI's own
@@ -556,12 +584,7 @@ class WebUiOptions:
         self._lock = threading.Lock()
 
     def fixed(self) -> dict:
-        return {
-            "sd_model_checkpoint": self.service.engines[0].model_label,
-            "samples_format": "png",
-            "CLIP_stop_at_last_layers": 1,
-            "sd_vae": "Automatic",
-        }
+        return fixed_options(self.service)
 
     def current(self) -> dict:
         with self._lock:
