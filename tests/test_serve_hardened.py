@@ -305,8 +305,12 @@ def test_healthz_answers_at_once_while_a_large_run_body_is_parsed(server, client
     sender.join(120)
     assert answer and answer[0].status_code == 422, answer
     assert answer[0].json()["detail"][0].startswith("body: malformed YAML at line 1054"), answer[0].json()
+    # Parsed on the event loop, the loop would stop for the whole parse (1 s here): one poll of a second, no
+    # others. On two busy cores a poll can still wait a scheduler's turn, so: nine in ten under 100 ms, none near
+    # the parse's length.
     assert len(times) >= 10, times  # the parse took long enough to be measured
-    assert max(times) < 0.1, sorted(times)[-5:]
+    ranked = sorted(times)
+    assert ranked[int(len(ranked) * 0.9)] < 0.1 and ranked[-1] < 0.5, ranked[-5:]
 
 
 def test_bodies_of_the_types_any_page_may_send_unasked_are_415(server, client):

@@ -556,8 +556,10 @@ def settings_problems(service: Service, settings: dict | None) -> list[str]:
     """What a request's override_settings asks that this server cannot do for it: a fixed option at another
     value, or a setting it does not keep (all of those named in one line). The fixed options at their values,
     and the web UI's own that change nothing in an image (send_seed, send_size), are fine."""
+    if not settings:
+        return []
     fixed, problems, other = fixed_options(service), [], []
-    for key, value in sorted((settings or {}).items()):
+    for key, value in sorted(settings.items()):
         if key in fixed:
             same = value == fixed[key] or (key == "sd_model_checkpoint" and value == service.run.config.model.id)
             if not same:
