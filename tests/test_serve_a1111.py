@@ -372,3 +372,27 @@ def test_override_settings_may_hold_what_the_server_keeps_and_any_other_setting_
         "override_settings.sd_vae: this server keeps 'Automatic'; got 'other.safetensors'",
         "override_settings: eta_noise_seed_delta: not settings this server changes for a request",
     ]
+
+
+def test_hostile_styles_and_settings_are_one_line_each_and_cost_nothing(client):
+    """The worst the new fields take: thousands of style names (one long), a style name that is no text,
+    thousands of settings, an options write of the same: each a 422 or ignored, in lines of bounded length."""
+    body = {**BASE, "prompt": "a cat", "seed": 3}
+    many = client.post("/sdapi/v1/txt2img", json={**body, "styles": ["oil"] * 5000})
+    assert many.status_code == 422 and many.json()["detail"] == ["styles: 5000 named; at most 16"]
+    long = client.post("/sdapi/v1/txt2img", json={**body, "styles": ["x" * 100_000]})
+    assert long.status_code == 422 and len(long.json()["detail"][0]) < 300
+    assert client.post("/sdapi/v1/txt2img", json={**body, "styles": [{"a": 1}]}).status_code == 422
+    settings = {f"k{i}": "v" * 100 for i in range(5000)}  # 0.6 MB, under the 1 MiB body limit
+    crowded = client.post("/sdapi/v1/txt2img", json={**body, "override_settings": settings})
+    (line,) = crowded.json()["detail"]
+    assert crowded.status_code == 422 and line.endswith("and 4992 more: not settings this server changes for a request")
+    assert client.post("/sdapi/v1/options", json=settings).status_code == 200  # unknown keys: ignored
+    assert set(client.get("/sdapi/v1/options").json()) == {
+        "sd_model_checkpoint",
+        "samples_format",
+        "CLIP_stop_at_last_layers",
+        "sd_vae",
+        "send_seed",
+        "send_size",
+    }

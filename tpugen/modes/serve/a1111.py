@@ -552,20 +552,40 @@ def fixed_options(service: Service) -> dict:
     }
 
 
+# The web UI's own options that change nothing in an image (what its page copies from one tab to another):
+# written and read back, and fine in a request's override_settings. Their defaults.
+WRITABLE_OPTIONS = {"send_seed": True, "send_size": True}
+
+
+def option_problems(service: Service, values: dict, prefix: str = "") -> tuple[list[str], list[str]]:
+    """(what is wrong with `values` as the web UI's options: a fixed one at another value, a writable one not
+    true or false; the keys this server does not keep). `prefix` goes before each key named."""
+    fixed, problems, unknown = fixed_options(service), [], []
+    for key, value in sorted(values.items()):
+        shown = str(value)[:100]
+        if key == "sd_model_checkpoint":
+            if value not in (fixed[key], service.run.config.model.id):
+                problems.append(
+                    f"{prefix}{key}: this server serves {fixed[key]!r} and does not switch models; got {shown!r}"
+                )
+        elif key in fixed:
+            if value != fixed[key]:
+                problems.append(f"{prefix}{key}: this server keeps {fixed[key]!r}; got {shown!r}")
+        elif key in WRITABLE_OPTIONS:
+            if not isinstance(value, bool):
+                problems.append(f"{prefix}{key}: must be true or false")
+        else:
+            unknown.append(str(key)[:100])
+    return problems, unknown
+
+
 def settings_problems(service: Service, settings: dict | None) -> list[str]:
-    """What a request's override_settings asks that this server cannot do for it: a fixed option at another
-    value, or a setting it does not keep (all of those named in one line). The fixed options at their values,
-    and the web UI's own that change nothing in an image (send_seed, send_size), are fine."""
+    """What a request's override_settings asks that this server cannot do for it (option_problems), and the
+    settings it does not keep, named in one line. The fixed options at their values and the writable ones are
+    fine."""
     if not settings:
         return []
-    fixed, problems, other = fixed_options(service), [], []
-    for key, value in sorted(settings.items()):
-        if key in fixed:
-            same = value == fixed[key] or (key == "sd_model_checkpoint" and value == service.run.config.model.id)
-            if not same:
-                problems.append(f"override_settings.{key}: this server keeps {fixed[key]!r}; got {str(value)[:100]!r}")
-        elif key not in WebUiOptions.WRITABLE:
-            other.append(str(key)[:100])
+    problems, other = option_problems(service, settings, "override_settings.")
     if other:
         shown = ", ".join(other[:8]) + (f" and {len(other) - 8} more" if len(other) > 8 else "")
         problems.append(f"override_settings: {shown}: not settings this server changes for a request")
@@ -578,41 +598,23 @@ class WebUiOptions:
     that change nothing in an image (send_seed, send_size: what its page copies from one tab to another) are
     written and read back. A key it does not know is ignored, as the web UI ignores one."""
 
-    WRITABLE = {"send_seed": True, "send_size": True}
-
     def __init__(self, service: Service) -> None:
         self.service = service
-        self._written = dict(self.WRITABLE)
+        self._written = dict(WRITABLE_OPTIONS)
         self._lock = threading.Lock()
-
-    def fixed(self) -> dict:
-        return fixed_options(self.service)
 
     def current(self) -> dict:
         with self._lock:
-            return {**self.fixed(), **self._written}
+            return {**fixed_options(self.service), **self._written}
 
     def write(self, values: dict) -> None:
-        """The writable options among `values` set, all or none: an InputError naming each that cannot be."""
-        fixed, problems, written = self.fixed(), [], {}
-        for key, value in sorted(values.items()):
-            if key == "sd_model_checkpoint":
-                if value not in (fixed[key], self.service.run.config.model.id):
-                    problems.append(
-                        f"sd_model_checkpoint: this server serves {fixed[key]!r} and does not switch models; "
-                        f"got {str(value)[:100]!r}"
-                    )
-            elif key in fixed:
-                if value != fixed[key]:
-                    problems.append(f"{key}: this server keeps {fixed[key]!r}; got {str(value)[:100]!r}")
-            elif key in self.WRITABLE:
-                if not isinstance(value, bool):
-                    problems.append(f"{key}: must be true or false")
-                written[key] = value
+        """The writable options among `values` set, all or none: an InputError naming each that cannot be
+        (option_problems); keys this server does not keep are ignored."""
+        problems, _ = option_problems(self.service, values)
         if problems:
             raise InputError(*problems)
         with self._lock:
-            self._written.update(written)
+            self._written.update({key: value for key, value in values.items() if key in WRITABLE_OPTIONS})
 
 
 def web_ui_options(request: Request) -> WebUiOptions:
