@@ -49,7 +49,11 @@ def single(tmp_path_factory):
 
 @pytest.mark.xla
 def test_four_devices_make_each_image_once_like_one_chip(single, tmp_path):
-    proc, run_dir = generate_in_new_process(tmp_path, prompts=PROMPTS, execution={"mode": "multi", "cores": 4})
+    """Each rank's UNet traced once (compile.trace_once, the default: tiny_config turns it off), the images those
+    of one device recording every step."""
+    proc, run_dir = generate_in_new_process(
+        tmp_path, prompts=PROMPTS, execution={"mode": "multi", "cores": 4}, compile={"trace_once": True}
+    )
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in run_dir.glob("[0-9]*.png")) == NAMES
     assert sorted(p.name for p in run_dir.iterdir() if not p.name[0].isdigit()) == [
@@ -74,8 +78,11 @@ def test_four_devices_make_each_image_once_like_one_chip(single, tmp_path):
         (2, 2, None),
         (3, 2, None),
     ]
-    # One rank compiled the 3 graphs; the other three found them in the process's cache.
-    assert sorted(r["warmup_compiles"] for r in report["ranks"]) == [0, 0, 0, 3]
+    # One rank compiled the 6 graphs of a call traced once (text encoding; the first step's three: before the
+    # UNet, the UNet as dynamo traced it, after it; the one the later steps add; decoding); the other three found
+    # them in the process's cache.
+    assert sorted(r["warmup_compiles"] for r in report["ranks"]) == [0, 0, 0, 6]
+    assert report["device"]["trace_once"]["state"] == "on"
     assert report["compiles_after_warmup"] == 0
     assert report["topology"]["world_size"] == 4
     assert report["images"] == 10

@@ -10,7 +10,6 @@ import subprocess
 import numpy as np
 import pytest
 from conftest import (
-    OTHER_DEVICE_COUNT,
     OTHER_GRAPH,
     SAME_SETUP,
     TPUGEN,
@@ -423,24 +422,3 @@ def test_img2img_inpainting_and_hires_fix_trace_once_with_the_pixels_of_recordin
     assert sorted(w["shape_key"] for w in traced["warmup"]) == sorted(w["shape_key"] for w in lazy["warmup"])
     assert len(list(traced_dir.glob("[0-9]*.png"))) == 3
     assert_same_images(traced_dir, lazy_dir, OTHER_GRAPH)
-
-
-@pytest.mark.xla
-def test_all_chips_of_a_vm_trace_once_in_each_rank(both_ways, tmp_path):
-    """execution.mode: multi (on XLA:CPU, two ranks as threads of one process; on a TPU VM a process per chip):
-    each rank's UNet traced once, the images those of one device recording every step."""
-    from conftest import generate_in_new_process
-
-    # A process of its own: torch_xla.launch must start before this process's XLA runtime did.
-    proc, run_dir = generate_in_new_process(
-        tmp_path,
-        compile={"trace_once": True},
-        execution={"backend": "xla", "mode": "multi", "cores": 2},
-        **SMALL,
-    )
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads((run_dir / "report.json").read_text())
-    assert report["device"]["trace_once"]["state"] == "on"
-    assert report["compiles_after_warmup"] == 0 and report["images"] == 2
-    (_, lazy_dir, _) = both_ways[1]
-    assert_same_images(run_dir, lazy_dir, OTHER_DEVICE_COUNT)
