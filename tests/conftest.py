@@ -271,7 +271,7 @@ def server(tmp_path_factory):
     ]
     path = serve_config(
         tmp,
-        max_images_per_request=8,
+        max_images_per_request=9,  # the web UI's SD upscale test: 3 x 3 tiles (tests/test_serve_sd_upscale.py)
         lora_dir="loras",
         schedulers=["Euler a"],
         tasks=tasks,
@@ -351,7 +351,7 @@ def plain_diffusers_images(model: str, run_dir, prepare=None) -> dict[str, objec
         generator = torch.Generator("cpu").manual_seed(record["seed"])
         (noise,) = family.noise(pipe, [generator], record["height"], record["width"])
         row = WorkItemRow(record["negative_prompt"])
-        arguments = {"guidance_scale": record["guidance_scale"]}
+        arguments = {"guidance_scale": record["guidance_scale"], **reference_negative(family, record)}
         for key, value in family.call_arguments(pipe, [row], record["guidance_scale"]).items():
             if key != "max_sequence_length":  # the pipeline's own text handling, not tpugen's fixed length
                 arguments[key] = value[0] if isinstance(value, list) else value
@@ -368,6 +368,15 @@ def plain_diffusers_images(model: str, run_dir, prepare=None) -> dict[str, objec
             ).images[0]
         images[record["file"]] = (image * 255).round().clip(0, 255).astype(np.uint8)
     return images
+
+
+def reference_negative(family, record: dict) -> dict:
+    """The negative prompt of a diffusers call made as a reference for a tpugen image: none for an empty one,
+    which diffusers' SDXL pipeline then makes zeros (force_zeros_for_empty_prompt), as the web UI's reading,
+    tpugen's default, does; an empty string to the others, as their default."""
+    if not family.negative_prompt:
+        return {}
+    return {"negative_prompt": record["negative_prompt"] or None}
 
 
 class WorkItemRow:

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import WorkItemRow, generate_in_new_process, run_cli, tiny_config, write_config
+from conftest import WorkItemRow, generate_in_new_process, reference_negative, run_cli, tiny_config, write_config
 from PIL import Image
 
 from tpugen.families import BUILTINS
@@ -63,6 +63,7 @@ def _reference(model: str, record: dict, tmp_path) -> np.ndarray:
     # The family's own call arguments (its negative prompt, Qwen-Image's true CFG), as plain_diffusers_images
     # passes them, less tpugen's fixed text length.
     arguments["guidance_scale"] = record["guidance_scale"]
+    arguments.update(reference_negative(BUILTINS[model][1], record))
     row = WorkItemRow(record["negative_prompt"])
     for key, value in BUILTINS[model][1].call_arguments(pipe, [row], record["guidance_scale"]).items():
         if key != "max_sequence_length":

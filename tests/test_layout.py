@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tpugen"
 LAYERS = [
     ["tpugen", "tpugen.errors", "tpugen.lines", "tpugen.logs", "tpugen.settings"],
     ["tpugen.families", "tpugen.sharding"],
-    ["tpugen.config", "tpugen.models", "tpugen.schedulers", "tpugen.plan", "tpugen.tiny"],
+    ["tpugen.config", "tpugen.models", "tpugen.schedulers", "tpugen.plan", "tpugen.prompt_reading", "tpugen.tiny"],
     ["tpugen.backends", "tpugen.outputs", "tpugen.memory", "tpugen.placement"],
     ["tpugen.engine"],
     ["tpugen.modes"],

@@ -157,7 +157,9 @@ def test_disk_full_keeps_finished_images_and_resume_completes(cpu_run, tmp_path,
 def test_hostile_prompts_give_safe_files_and_exact_metadata(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secret_token_value_123")
     prompts = ["../../etc/passwd", '"; rm -rf ~ #', "x" * 10_000, "a fox 🦊 in the snow ❄️", "قطة على سجادة"]
-    run_dir = generate(tmp_path, prompts=prompts, batch_size=3, execution={"backend": "cpu"})
+    # Read as written (prompt_syntax plain: the 10,000 x's cut at 77 tokens by the pipeline); the web UI's reading
+    # would refuse them as 134 chunks (tests/test_prompt_reading.py).
+    run_dir = generate(tmp_path, prompts=prompts, batch_size=3, execution={"backend": "cpu"}, prompt_syntax="plain")
     names = sorted(p.name for p in run_dir.glob("[0-9]*.png"))
     assert names == [
         "00000-7-etc-passwd.png",

@@ -110,7 +110,44 @@ def test_requests_coalesce_into_full_batches_and_their_images_do_not_depend_on_c
         ({"enable_hr": False, "restore_faces": False, "alwayson_scripts": {}, "prompt": "fine"}, 200, None),
         ({"script_name": "x/y/z plot"}, 422, ["script_name: scripts are not built"]),
         ({"prompt": "x" * 10_001}, 422, ["prompt: 10001 characters; at most 10000"]),
-        ({"batch_size": 3, "n_iter": 3}, 422, ["9 images asked for; this server makes at most 8 per request"]),
+        (  # 90 tokens of tiny-sd's tokenizer: two chunks (tests/test_prompt_reading.py)
+            {"prompt": " ".join(["ab"] * 45)},
+            422,
+            [
+                "a prompt of 2 chunks of 75 tokens is not warm (serve.prompt_chunks: 1) (serve.new_shapes: reject); "
+                "warm: sizes 64x64 (width x height; cfg, batch 2); samplers DDIM, Euler a; tasks txt2img, img2img, "
+                "inpaint"
+            ],
+        ),
+        (
+            {"negative_prompt": "a BREAK b BREAK c BREAK d"},
+            422,
+            [
+                "negative_prompt 'a BREAK b BREAK c BREAK d': a prompt needs 4 chunks of 75 tokens, more than max_chunks (3)"
+            ],
+        ),
+        (
+            {"override_settings": {"CLIP_stop_at_last_layers": 2}},
+            422,
+            [
+                "clip skip 2 is not warm (clip_skip: 1) (serve.new_shapes: reject); warm: sizes 64x64 (width x "
+                "height; cfg, batch 2); samplers DDIM, Euler a; tasks txt2img, img2img, inpaint"
+            ],
+        ),
+        (
+            {"override_settings": {"CLIP_stop_at_last_layers": "two", "sd_vae": "other"}},
+            422,
+            [
+                "override_settings.sd_vae: this server keeps 'Automatic'; got 'other'",
+                "override_settings.CLIP_stop_at_last_layers: must be a whole number from 1 to 12, got 'two'",
+            ],
+        ),
+        (  # the worst of the syntax at the most characters a prompt may have: 4,999 brackets left open
+            {"prompt": "(a" * 4_999},
+            422,
+            [f"prompt '{'(a' * 28}(...': a prompt needs 67 chunks of 75 tokens, more than max_chunks (3)"],
+        ),
+        ({"batch_size": 5, "n_iter": 2}, 422, ["10 images asked for; this server makes at most 9 per request"]),
         (
             {"sampler_name": "DPM++ 3M"},
             422,
@@ -164,7 +201,7 @@ def test_requests_coalesce_into_full_batches_and_their_images_do_not_depend_on_c
         (
             {"batch_size": 100_000, "n_iter": 100_000},  # refused without building ten billion images' specs
             422,
-            ["10000000000 images asked for; this server makes at most 8 per request"],
+            ["10000000000 images asked for; this server makes at most 9 per request"],
         ),
         (
             {"sampler_name": "Euler a", "scheduler": "Karras"},
@@ -193,6 +230,11 @@ def test_requests_coalesce_into_full_batches_and_their_images_do_not_depend_on_c
         "asking for nothing",
         "script",
         "long prompt",
+        "two chunks, not warm",
+        "more chunks than max_chunks",
+        "4,999 open brackets",
+        "a clip skip not warm",
+        "a clip skip that is no number",
         "too many",
         "sampler",
         "seed and guidance out of range",
@@ -270,7 +312,7 @@ def test_the_web_uis_own_api_tests_of_its_utility_routes_pass(client):
         assert answer.status_code == 200, (route, answer.text[:200])
         listed[route] = answer.json()
     assert listed["cmd-flags"]["api"] is True and "/tmp" not in json.dumps(listed)  # no server path
-    assert [u["name"] for u in listed["upscalers"]] == ["Lanczos"]
+    assert [u["name"] for u in listed["upscalers"]] == ["None", "Lanczos", "Nearest"]  # the web UI's order
     assert listed["latent-upscale-modes"] == [{"name": "Latent"}]
     assert listed["hypernetworks"] == listed["face-restorers"] == listed["realesrgan-models"] == []
     assert listed["embeddings"] == {"loaded": {}, "skipped": {}}
@@ -352,13 +394,13 @@ def test_the_web_uis_other_endpoints(client):
     assert client.get("/sdapi/v1/sd-models").json()[0]["title"] == "tiny-sd"
     assert client.get("/sdapi/v1/options").json()["sd_model_checkpoint"] == "tiny-sd"
     assert client.get("/sdapi/v1/progress").json()["progress"] == 0.0
-    assert client.get("/sdapi/v1/scripts").json() == {"txt2img": [], "img2img": []}
+    assert client.get("/sdapi/v1/scripts").json() == {"txt2img": [], "img2img": ["sd upscale"]}
     assert client.post("/sdapi/v1/interrupt").status_code == 200
 
 
 def test_override_settings_may_hold_what_the_server_keeps_and_any_other_setting_is_named(client):
     """Before: any override_settings was a 422. The web UI's test requests send `override_settings: {}`; clients
-    send the checkpoint and clip skip 1 with every request."""
+    send the checkpoint and clip skip 1 with every request; a clip skip is honoured where it is warm."""
     body = {**BASE, "prompt": "a cat", "seed": 3}
     same = {"CLIP_stop_at_last_layers": 1, "sd_model_checkpoint": "tiny-sd", "send_seed": False}
     for settings in ({}, same):
@@ -367,10 +409,12 @@ def test_override_settings_may_hold_what_the_server_keeps_and_any_other_setting_
     other = {"CLIP_stop_at_last_layers": 2, "eta_noise_seed_delta": 31337, "sd_vae": "other.safetensors"}
     refused = client.post("/sdapi/v1/txt2img", json={**body, "override_settings": other})
     assert refused.status_code == 422
+    # A clip skip is a request's to ask (tests/test_prompt_reading.py); this server keeps only its own warm.
     assert refused.json()["detail"] == [
-        "override_settings.CLIP_stop_at_last_layers: this server keeps 1; got '2'",
         "override_settings.sd_vae: this server keeps 'Automatic'; got 'other.safetensors'",
         "override_settings: eta_noise_seed_delta: not settings this server changes for a request",
+        "clip skip 2 is not warm (clip_skip: 1) (serve.new_shapes: reject); warm: sizes 64x64 (width x height; "
+        "cfg, batch 2); samplers DDIM, Euler a; tasks txt2img, img2img, inpaint",
     ]
 
 

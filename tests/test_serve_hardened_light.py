@@ -135,6 +135,7 @@ def test_under_new_shapes_compile_the_warm_shapes_are_capped(tmp_path):
     class Warm:  # what check() reads of an engine: the (shape key, sampler) pairs it keeps warm
         warm = {("64x64 b2 cfg", "DDIM"): {}, ("64x64 b2 cfg", "Euler a"): {}, ("96x64 b2 cfg", "DDIM"): {}}
         loaded = SimpleNamespace(max_steps=lambda scheduler: 999, default_scheduler="DDIM")
+        embeddings = ()  # the textual-inversion embeddings its text encoders hold
 
     service.engines = [Warm()]
     service.check([ImageSpec("a fox", "", 1, 3, 7.5, 96, 64)])  # warm (height x width): compiles no new shape

@@ -147,6 +147,7 @@ class _FakeEngine:
         self.backend = _LostBackend()
         self.loaded = type("Loaded", (), {"default_scheduler": "DDIM", "max_steps": lambda self, scheduler: 1000})()
         self.model_label = "tiny-sd"
+        self.embeddings = ()  # the textual-inversion embeddings its text encoders hold: none
         self.warm = set()
 
     def is_warm(self, shape, scheduler=None, steps=None) -> bool:  # no step cache: steps compile nothing

@@ -9,6 +9,7 @@ from tpugen.config.hires import HiresFix
 from tpugen.config.images import ImageSource
 from tpugen.config.prompts import planned_images
 from tpugen.families import FAMILIES
+from tpugen.prompt_reading import PromptReader
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,12 @@ class WorkItem:
     cfg: bool = True
     source: ImageSource | None = None  # img2img and inpainting: what the image starts from
     hires: HiresFix | None = None  # hires fix: a second, img2img pass at a larger size (steps resolved)
+    # 75-token chunks the text encoders take for this image's prompt and negative prompt, the longer of the two
+    # (tpugen.families.prompt_syntax): the denoiser's text length, so part of the compiled shape.
+    chunks: int = 1
+    tiling: bool = False  # seamless tiling: the convolutions pad circularly, another graph
+    prompt_syntax: str = "webui"  # how its prompts are read (RunConfig.prompt_syntax): a call has one
+    clip_skip: int = 1  # the text encoder layer its prompts are read from, counted from the last (RunConfig.clip_skip)
 
     @property
     def task(self) -> str:
@@ -53,10 +60,24 @@ class ShapeKey:
     # Hires fix's second pass (HiresFix.shape_label: its scale and upscaler), "" for none: the larger size's
     # graphs, and the upscale's, are this key's too.
     hires: str = ""
+    chunks: int = 1  # 75-token prompt chunks (WorkItem.chunks)
+    tiling: bool = False  # seamless tiling (WorkItem.tiling)
+    clip_skip: int = 1  # the text encoder's layer (WorkItem.clip_skip): another text-encoding graph
+
+    @classmethod
+    def of(cls, item: WorkItem, batch_size: int) -> ShapeKey:
+        """The shape a batch of `batch_size` rows like `item` runs at."""
+        label = item.hires.shape_label if item.hires else ""
+        return cls(
+            item.height, item.width, batch_size, item.cfg, item.task, label, item.chunks, item.tiling, item.clip_skip
+        )
 
     def __str__(self) -> str:
         text = f"{self.height}x{self.width} b{self.batch_size} {'cfg' if self.cfg else 'nocfg'}"
         text = text if self.task == "txt2img" else f"{text} {self.task}"
+        text = f"{text} {self.chunks} chunks" if self.chunks > 1 else text
+        text = f"{text} tiled" if self.tiling else text
+        text = f"{text} clip skip {self.clip_skip}" if self.clip_skip > 1 else text
         return f"{text} {self.hires}" if self.hires else text
 
 
@@ -119,8 +140,10 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
     cfg = run.config
     family = FAMILIES[run.family]
     hires = cfg.hires
+    reader = PromptReader.of(run)
     items: list[WorkItem] = []
     for p, spec in enumerate(run.prompts):
+        chunks = reader.chunks(spec.prompt, spec.negative_prompt)
         k = 0
         for height, width in spec.sizes:
             for _ in range(cfg.images_per_prompt):
@@ -141,6 +164,10 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
                         source=spec.source,
                         # A hires fix is txt2img's: a prompt with an init image is its own img2img pass.
                         hires=hires_fix(hires, spec.steps) if spec.source is None else None,
+                        chunks=chunks,
+                        prompt_syntax=cfg.prompt_syntax,
+                        tiling=cfg.tiling,
+                        clip_skip=cfg.clip_skip,
                     )
                 )
                 k += 1
@@ -164,11 +191,11 @@ def plan_batches(items: list[WorkItem], batch_size: int) -> list[Batch]:
     """
     groups: dict[tuple, list[WorkItem]] = {}
     for item in items:
-        key = (item.height, item.width, item.cfg, item.task, item.steps, item.guidance_scale, item.strength)
-        groups.setdefault((*key, item.hires), []).append(item)
+        key = (item.height, item.width, item.cfg, item.task, item.chunks, item.tiling, item.clip_skip, item.steps)
+        groups.setdefault((*key, item.guidance_scale, item.strength, item.prompt_syntax, item.hires), []).append(item)
     batches = []
-    for (height, width, cfg, task, *_, hires), members in groups.items():
-        shape = ShapeKey(height, width, batch_size, cfg, task, hires.shape_label if hires else "")
+    for members in groups.values():
+        shape = ShapeKey.of(members[0], batch_size)
         for start in range(0, len(members), batch_size):
             chunk = tuple(members[start : start + batch_size])
             batches.append(Batch(len(batches), shape, chunk, batch_size - len(chunk)))

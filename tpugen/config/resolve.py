@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from tpugen.config.embeddings import Embedding, embeddings_by_content, resolve_embeddings
 from tpugen.config.hires import hires_problems
 from tpugen.config.loras import Lora, loras_by_content, resolve_loras
 from tpugen.config.messages import format_error
@@ -35,6 +36,8 @@ class ResolvedRun:
     family: str = "sd"
     loras: tuple[Lora, ...] = ()  # model.loras, each file found and hashed
     base_dir: str | None = None  # the folder its relative paths (model.loras ids) are relative to, absolute
+    # model.embeddings, each file read and hashed; a run sent to a server: every embedding its engine loaded
+    embeddings: tuple[Embedding, ...] = ()
 
     def to_yaml(self) -> str:
         return dump_config(self.config)
@@ -97,6 +100,7 @@ def resolve(
         config.guidance_scale = defaults["guidance_scale"]
     problems.extend(run_problems(config, family))
     loras = resolve_loras(config.model.loras, base_dir, family.name, config.model.id, problems)
+    embeddings = resolve_embeddings(config.model.embeddings, base_dir, family, config.model.id, problems)
     if config.sizes is None and (config.height is None or config.width is None):
         config.height = config.height or defaults["height"]
         config.width = config.width or defaults["width"]
@@ -123,6 +127,12 @@ def resolve(
         if not folder.is_dir():
             problems.append(f"serve.lora_dir: {str(folder)!r} is not a folder")
         config.serve.lora_dir = str(folder.resolve())
+    if config.serve.embeddings_dir is not None:
+        folder = Path(config.serve.embeddings_dir).expanduser()
+        folder = folder if folder.is_absolute() else base_dir / folder
+        if not folder.is_dir():
+            problems.append(f"serve.embeddings_dir: {str(folder)!r} is not a folder")
+        config.serve.embeddings_dir = str(folder.resolve())
 
     _read_mag_ratios(config, base_dir, problems)
 
@@ -137,8 +147,9 @@ def resolve(
 
     if problems:
         raise InputError(*problems)
-    digest = config_hash(config, resolved_prompts)
-    return ResolvedRun(config, resolved_prompts, source, digest, family.name, loras, str(Path(base_dir).resolve()))
+    digest = config_hash(config, resolved_prompts, embeddings)
+    base = str(Path(base_dir).resolve())
+    return ResolvedRun(config, resolved_prompts, source, digest, family.name, loras, base, embeddings)
 
 
 MAX_IMAGES_PER_RUN = 1_000_000  # eleven days at one image a second
@@ -244,19 +255,24 @@ def _dir_problem(out_dir: Path) -> str | None:
     return None
 
 
-def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
+def config_hash(config: RunConfig, prompts: list[PromptSpec], embeddings: tuple[Embedding, ...] = ()) -> str:
     """8 hex digits naming everything that changes the images (not where they are written, nor the server's
     settings, nor where a ray run's workers are: configs without them hash as they did before they existed).
 
     LoRAs count by what is fused: each file's content (its sha256, filled in when the config is resolved) and
     scale, as a set (tpugen fuses them in an order of their own), not by where the file is: moving the folder
-    that holds the config and its LoRAs, or shipping them to a pod's workers, keeps the hash."""
+    that holds the config and its LoRAs, or shipping them to a pod's workers, keeps the hash. Embeddings count
+    so too: each one's name (the word prompts write) and content (`embeddings`, as resolved)."""
     payload = config.model_dump(exclude={"output": True, "cache": True, "serve": True, "execution": {"ray"}})
     # Keys added since the first release, at their defaults, leave the hash as it was before they existed.
     if payload["model"]["loras"]:
         payload["model"]["loras"] = loras_by_content(payload["model"]["loras"])
     else:
         del payload["model"]["loras"]
+    if payload["model"]["embeddings"]:
+        payload["model"]["embeddings"] = embeddings_by_content(embeddings)
+    else:
+        del payload["model"]["embeddings"]
     if payload["compile"]["flash_attention"] == "auto":
         del payload["compile"]["flash_attention"]
     if payload["compile"]["trace_once"] is True:
@@ -264,6 +280,14 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec]) -> str:
     cache = payload["compile"]["step_cache"]
     if payload["hires"] is None:
         del payload["hires"]
+    if payload["tiling"] is False:
+        del payload["tiling"]
+    if payload["prompt_syntax"] == "webui":  # the web UI's reading: a prompt without its syntax reads as before
+        del payload["prompt_syntax"]
+    if payload["max_chunks"] == 3:
+        del payload["max_chunks"]
+    if payload["clip_skip"] == 1:
+        del payload["clip_skip"]
     if cache["method"] == "none":  # its options are refused without a method
         del payload["compile"]["step_cache"]
     else:  # the method's own options: a method added later leaves the others' hashes as they were

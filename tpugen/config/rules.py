@@ -5,6 +5,9 @@ from __future__ import annotations
 from tpugen.config.schema import MeshConfig, RayConfig, RunConfig
 from tpugen.families import FAMILIES, Family
 
+# diffusers 0.42's own clip skip reads the encoder's text_model, which transformers 5's CLIP no longer has.
+CLIP_SKIP_NEEDS_WEBUI = "a clip skip needs prompt_syntax webui (tpugen's reading of the prompt)"
+
 
 def run_problems(config: RunConfig, family: Family) -> list[str]:
     """Every problem between the config's keys, one line each, for a model of `family`."""
@@ -13,6 +16,13 @@ def run_problems(config: RunConfig, family: Family) -> list[str]:
         problems.append(
             f"model.scheduler: {family.title} models keep their own flow-matching scheduler; leave it unset"
         )
+    if config.clip_skip > 1 and family.clip_skip_refusal:
+        problems.append(f"clip_skip: {family.title} models: {family.clip_skip_refusal}")
+    elif config.clip_skip > 1 and config.prompt_syntax != "webui":
+        problems.append(f"clip_skip: {CLIP_SKIP_NEEDS_WEBUI}")
+    for key, tiled in (("tiling", config.tiling), ("serve.tiling", config.serve.tiling)):
+        if tiled and family.tiling_refusal:
+            problems.append(f"{key}: {family.title} models: {family.tiling_refusal}")
     pod = config.execution.pod
     if pod.worker_index is not None and pod.num_workers is not None and pod.worker_index >= pod.num_workers:
         problems.append(f"execution.pod.worker_index: {pod.worker_index} is not below num_workers ({pod.num_workers})")

@@ -115,6 +115,14 @@ class ModelConfig(_Section):
             "them without compiling."
         ),
     )
+    embeddings: list[str] = Field(
+        default=[],
+        description=(
+            "Textual-inversion embedding files (.safetensors, .pt or .bin; relative to the config file), loaded "
+            "into the CLIP text encoders with diffusers' loader (SD 1.x/2.x; SDXL's hold clip_l and clip_g). A "
+            "prompt names each by its file's stem, as in the web UI; one of n vectors takes n tokens."
+        ),
+    )
 
     @field_validator("scheduler")
     @classmethod
@@ -744,6 +752,23 @@ class ServeConfig(_Section):
             "inpaint (img2img with a mask); each is graphs of its own (the image's encoding)."
         ),
     )
+    prompt_chunks: list[Annotated[int, Field(ge=1, le=8)]] = Field(
+        default=[1],
+        min_length=1,
+        max_length=8,
+        description=(
+            "prompt_syntax webui, SD and SDXL: the prompt lengths kept warm, in 75-token chunks (each count its "
+            "own graphs at every size; a prompt is as long as the longer of it and its negative prompt). [1, 2] "
+            "warms prompts of up to 150 tokens too."
+        ),
+    )
+    tiling: bool = Field(
+        default=False,
+        description=(
+            "Also keep tiled images warm (the web UI's tiling: true): every warm size, task and sampler once more "
+            "with circular padding, graphs of their own. Off: under new_shapes: reject a tiled request gets 422."
+        ),
+    )
     new_shapes: Literal["reject", "compile"] = Field(
         default="reject",
         description=(
@@ -804,6 +829,14 @@ class ServeConfig(_Section):
         description=(
             "A folder of LoRA .safetensors files that requests name by file stem (A1111's <lora:NAME:SCALE>, "
             "and model.loras of runs sent to /v1/runs); relative to the config file."
+        ),
+    )
+    embeddings_dir: str | None = Field(
+        default=None,
+        description=(
+            "A folder of textual-inversion embeddings (.safetensors, .pt, .bin) the server loads at start, besides "
+            "model.embeddings; prompts name each by its file's stem. A file that fails is listed as skipped by "
+            "/sdapi/v1/embeddings; relative to the config file."
         ),
     )
     max_runs: int = Field(
@@ -911,6 +944,36 @@ class RunConfig(_Section):
         ),
     )
     negative_prompt: str = Field(default="", description="The negative prompt of every prompt without its own.")
+    prompt_syntax: Literal["webui", "plain"] = Field(
+        default="webui",
+        description=(
+            "How prompts are read. webui: as the AUTOMATIC1111 web UI reads them, for the families with CLIP "
+            "text encoders (SD 1.x/2.x, SDXL): (word:1.2), (word) = 1.1, [word] = 1/1.1, \\( escapes and BREAK, "
+            "and prompts past 75 tokens encoded in 75-token chunks (each chunk count a shape key, compiled "
+            "once); other families get the text with the syntax taken out. plain: the text as it is, "
+            "encoded by the pipeline itself (a CLIP prompt cut at 77 tokens)."
+        ),
+    )
+    clip_skip: int = Field(
+        default=1,
+        ge=1,
+        le=12,
+        description=(
+            "The web UI's clip skip (CLIP_stop_at_last_layers), SD 1.x/2.x: prompts are read from this layer of the "
+            "text encoder counted from its last (1: the last; 2: the one before, as many SD 1.5 models were "
+            "trained), through its final layer norm. Another text-encoding graph per value; a server's requests "
+            "may ask for another in override_settings."
+        ),
+    )
+    max_chunks: int = Field(
+        default=3,
+        ge=1,
+        le=8,
+        description=(
+            "prompt_syntax webui: the most 75-token chunks a prompt (or negative prompt) may take; a longer "
+            "one is refused, naming it. Each count used is its own shape key."
+        ),
+    )
     height: int | None = Field(
         default=None,
         gt=0,
@@ -972,6 +1035,15 @@ class RunConfig(_Section):
             "hires warms it at each serve size. Unset: one pass."
         ),
     )
+    tiling: bool = Field(
+        default=False,
+        description=(
+            "Seamless tiling, as the web UI's Tiling: every padded convolution of the UNet and the VAE pads "
+            "circularly, so the image wraps round at its edges and tiles without a seam. A tiled image is a shape "
+            "key of its own (its graphs compile in warmup). UNet models only (SD 1.x/2.x, SDXL). A server's "
+            "requests ask for it themselves (the web UI's tiling; serve.tiling keeps it warm)."
+        ),
+    )
     execution: ExecutionConfig = Field(
         default=ExecutionConfig(), description="How the run is executed: backend, mode, devices, memory strategy."
     )
@@ -1014,6 +1086,13 @@ class RunConfig(_Section):
         if value is not None and not value:
             raise ValueError("the list is empty; give at least one prompt")
         return value
+
+    @model_validator(mode="after")
+    def _warm_chunks_allowed(self) -> RunConfig:
+        over = [count for count in self.serve.prompt_chunks if count > self.max_chunks]
+        if over:
+            raise ValueError(f"serve.prompt_chunks: {over[0]} is more than max_chunks ({self.max_chunks})")
+        return self
 
 
 # ---------------------------------------------------------------- walking the schema

@@ -13,8 +13,10 @@ from pathlib import Path
 from tpugen.backends import FLASH_ATTENTION_HOOK, make_backend
 from tpugen.backends.base import NOT_A_TPU, XLA_ONLY, flash_failure
 from tpugen.config import CacheConfig, CompileConfig, ExecutionConfig, ModelConfig, ResolvedRun
+from tpugen.config.embeddings import Embedding, SkippedEmbedding
 from tpugen.config.loras import Lora, loras_key
 from tpugen.config.schema import StepCacheConfig
+from tpugen.engine.embeddings import load_embeddings
 from tpugen.engine.loras import LoraWeights, check_fit, file_shapes, loadable_components, unet_config_of
 from tpugen.engine.pipeline import LoadedPipeline, quiet_libraries, read_shared
 from tpugen.engine.step_cache import (
@@ -73,11 +75,23 @@ class EngineSpec:
     family: str
     batch_size: int  # only for the out-of-memory advice
     loras: tuple[Lora, ...] = ()  # fused when the engine opens
+    embeddings: tuple[Embedding, ...] = ()  # model.embeddings, loaded when the engine opens
+    embeddings_dir: str | None = None  # a server's serve.embeddings_dir: its files load, or are skipped, at opening
 
     @classmethod
     def of(cls, run: ResolvedRun) -> EngineSpec:
         c = run.config
-        return cls(c.model, c.execution, c.compile, c.cache, run.model_source, run.family, c.batch_size, run.loras)
+        return cls(
+            c.model,
+            c.execution,
+            c.compile,
+            c.cache,
+            run.model_source,
+            run.family,
+            c.batch_size,
+            run.loras,
+            run.embeddings,
+        )
 
     def key(self) -> str:
         """Equal for two runs that can share this engine. LoRAs do not count: an engine switches them (use_loras)."""
@@ -116,6 +130,9 @@ class Engine:
         # One batch at a time on the device: a server's device loop and a run on the same engine take turns.
         self.lock = threading.RLock()
         self._weights = weights  # tpugen.engine.loras.LoraWeights; None for a pipeline without a LoRA loader
+        # The textual-inversion embeddings its text encoders hold, and the files of serve.embeddings_dir that failed.
+        self.embeddings: tuple[Embedding, ...] = ()
+        self.skipped_embeddings: tuple[SkippedEmbedding, ...] = ()
         self._loras: tuple[Lora, ...] = spec.loras if weights is not None else ()
         self._key = loras_key(self._loras)
         self.flash_attention = backend.flash_attention  # tpugen.backends.FlashAttention; off after a fallback
@@ -156,6 +173,10 @@ class Engine:
         pipe, label, scheduler_name = read_shared(spec.model, spec.source, family, ranks_in_process=ranks_in_process)
         pipe.set_progress_bar_config(disable=True)
         _check_class(spec, pipe, family)
+        # Before the LoRA twins are copied from the text encoders: their token tables grow here.
+        embeddings, skipped = load_embeddings(pipe, family, spec.embeddings, spec.embeddings_dir, spec.model.id)
+        for entry in skipped:
+            display.warning(f"serve.embeddings_dir: skipped {entry.name!r}: {entry.reason}")
         weights = LoraWeights(pipe) if loadable_components(type(pipe)) else None
         if spec.loras:
             if weights is None:
@@ -184,6 +205,7 @@ class Engine:
         backend.sync()
         backend.wait()
         engine = cls(spec, backend, loaded, time.perf_counter() - start, memory, weights)
+        engine.embeddings, engine.skipped_embeddings = embeddings, skipped
         engine._say_flash_attention(display)
         engine._say_trace_once(display)
         return engine

@@ -16,6 +16,7 @@ from tpugen.config.request import MAX_STEPS, strength_to_run
 from tpugen.engine.hooks import Hooks
 from tpugen.engine.step_cache import install_step_cache, prepare_call, reset_step_cache
 from tpugen.engine.step_clock import StepClock, StepTiming
+from tpugen.engine.tiling import circular_padding
 from tpugen.errors import RunError
 from tpugen.families import Family
 from tpugen.families.base import TIMESTEPS_ON_HOST
@@ -237,10 +238,19 @@ class LoadedPipeline:
         dtype = getattr(self.pipe, self.family.denoiser).dtype
         return self.backend.split_batch(torch.cat(noise).to(self.backend.device, dtype=dtype)), generators
 
+    def _text_arguments(self, pipe, batch: Batch) -> dict:
+        """The batch's prompts as `pipe` takes them: the family's reading (Family.text_arguments), in the batch's
+        chunk count (tpugen.plan.WorkItem.chunks)."""
+        shape = batch.shape
+        syntax = batch.items[0].prompt_syntax
+        return self.family.text_arguments(
+            pipe, batch.rows, chunks=shape.chunks, syntax=syntax, cfg=shape.cfg, clip_skip=shape.clip_skip
+        )
+
     def _call_arguments(self, batch: Batch, latents, generators) -> dict:
         rows = batch.rows
         arguments = {
-            "prompt": [row.prompt for row in rows],
+            **self._text_arguments(self.pipe, batch),
             "height": batch.shape.height,
             "width": batch.shape.width,
             "num_inference_steps": batch.steps,
@@ -286,7 +296,7 @@ class LoadedPipeline:
 
         rows = batch.rows
         arguments = {
-            "prompt": [row.prompt for row in rows],
+            **self._text_arguments(pipe, batch),
             "image": image,
             "strength": strength_to_run(steps, strength),
             "height": height,
@@ -372,7 +382,7 @@ class LoadedPipeline:
             if self.step_cache is not None:
                 prepare_call(pipe, self.family, self.step_cache, batch.steps, task=batch.shape.task)
             height, width = batch.shape.height, batch.shape.width
-            with torch.no_grad():  # inference_mode tensors break torch_xla (version counters)
+            with torch.no_grad(), self._padding(batch):  # inference_mode tensors break torch_xla (version counters)
                 output = pipe(**arguments).images
                 self._clock.loop_ended()
                 self._mark("later denoising steps")
@@ -397,6 +407,14 @@ class LoadedPipeline:
         counted = self._per_phase()
         self._census = None
         return (list(pixels), counted) if census else list(pixels)
+
+    def _padding(self, batch: Batch):
+        """The batch's convolution padding: a tiled batch's denoiser and VAE pad circularly for this call (both
+        passes of a hires fix, an img2img call's image encoding too), and as loaded again after it."""
+        if not batch.shape.tiling:
+            return contextlib.nullcontext()
+        components = (getattr(self.pipe, name, None) for name in (self.family.denoiser, "vae"))
+        return circular_padding(component for component in components if component is not None)
 
     def _per_phase(self) -> dict | None:
         if self._census is None:

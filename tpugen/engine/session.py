@@ -125,6 +125,9 @@ def image_record(
     source = source.record() if source else {}  # by content: the path is where it was, not what it was
     multiple = FAMILIES[run.family].size_multiple
     hires = {"hires": hires.record(image.height, image.width, multiple)} if hires else {}
+    tiling = {"tiling": True} if getattr(image, "tiling", False) else {}  # an untiled image keeps the record it had
+    skip = getattr(image, "clip_skip", 1)
+    clip_skip = {"clip_skip": skip} if skip > 1 else {}  # as tiling: the last layer's records stay as they were
     return {
         **({"index": image.index, "file": file} if in_run else {}),
         "prompt": image.prompt,
@@ -140,6 +143,8 @@ def image_record(
         "dtype": model.dtype,
         **source,
         **hires,
+        **tiling,
+        **clip_skip,
         **fused,
         **step_cache,
         **({"batch": batch, "config_hash": run.config_hash} if in_run else {}),

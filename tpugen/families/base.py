@@ -98,6 +98,10 @@ class Family:
     negative_prompt = True
     flow_matching = False  # keeps its own flow-matching scheduler
     max_sequence_length: int | None = None  # text tokens the pipeline is called with, for families that take it
+    # The pipeline's CLIP tokenizers (attribute names, in the order of its text encoders): under prompt_syntax webui
+    # their prompts are read as the web UI reads them (clip_embeddings). None: the encoders are not CLIP, and the
+    # prompt is given to the pipeline with the syntax taken out.
+    clip_tokenizers: tuple[str, ...] = ("tokenizer",)
     # Height and width must be multiples of this: the VAE's 8, times the 2x2 patches of a DiT's latents.
     size_multiple = 8
     builtins: tuple[Builtin, ...] = ()
@@ -133,6 +137,13 @@ class Family:
     # Why img2img and inpainting (init_image, serve.tasks) and so hires fix, whose second pass is img2img, cannot
     # run for this family (None: they can).
     img2img_refusal: str | None = None
+    # Why seamless tiling (tiling, the web UI's tiling) cannot run for this family (None: it can): it makes every
+    # padded Conv2d of the denoiser and the VAE pad circularly, so a denoiser without padded convolutions leaves
+    # the image's edges as they were.
+    tiling_refusal: str | None = None
+    # Why clip skip (clip_skip above 1, the web UI's CLIP_stop_at_last_layers) cannot run for this family (None:
+    # it can: its one CLIP encoder's hidden states of that layer, through the final layer norm).
+    clip_skip_refusal: str | None = None
 
     def covers(self, index: dict) -> bool:
         """Whether a pipeline of one of this family's classes, with this model_index.json, is this family's (two
@@ -189,11 +200,33 @@ class Family:
         limit = getattr(tokenizer, "model_max_length", None) or wanted
         return min(wanted, limit)
 
+    def text_arguments(self, pipe, rows, *, chunks: int, syntax: str, cfg: bool, clip_skip: int = 1) -> dict:
+        """The prompts of a call's rows as the pipeline takes them. prompt_syntax webui (`syntax`): a CLIP family's
+        embeddings in `chunks` chunks (clip_embeddings); another family's text without the syntax. plain: the
+        text as written, for the pipeline to encode. `clip_skip`: the web UI's (1: the last layer), read with its
+        syntax only (tpugen.config.rules.CLIP_SKIP_NEEDS_WEBUI)."""
+        prompts = [row.prompt for row in rows]
+        negatives = [row.negative_prompt for row in rows] if self.negative_prompt else None
+        if syntax == "webui" and self.clip_tokenizers:
+            return self.clip_embeddings(pipe, prompts, negatives if cfg else None, chunks, clip_skip)
+        if syntax == "webui":
+            from tpugen.families.prompt_syntax import strip_syntax
+
+            prompts = [strip_syntax(text) for text in prompts]
+            negatives = [strip_syntax(text) for text in negatives] if negatives is not None else None
+        return {"prompt": prompts} | ({"negative_prompt": negatives} if negatives is not None else {})
+
+    def clip_embeddings(
+        self, pipe, prompts: list[str], negatives: list[str] | None, chunks: int, clip_skip: int = 1
+    ) -> dict:
+        """The call's embedding arguments for prompts read as the web UI reads them (negatives: None without CFG)."""
+        from tpugen.families.clip_text import sd_embeddings
+
+        return sd_embeddings(pipe, prompts, negatives, chunks, clip_skip)
+
     def call_arguments(self, pipe, rows, guidance_scale: float) -> dict:
-        """Arguments this family's pipeline call takes beyond the common ones."""
+        """Arguments this family's pipeline call takes beyond the common ones and the prompts (text_arguments)."""
         arguments = {}
-        if self.negative_prompt:
-            arguments["negative_prompt"] = [row.negative_prompt for row in rows]
         length = self.text_length(pipe)
         if length:
             arguments["max_sequence_length"] = length
@@ -270,6 +303,7 @@ class TransformerFamily(Family):
     """A DiT family: a transformer over patches of a flow-matching latent, no scheduler choice."""
 
     denoiser = "transformer"
+    clip_tokenizers = ()  # SD3's and Flux.1's CLIP encoders share the prompt with a T5 one: plain text for all
     flow_matching = True
     size = 1024
     size_multiple = 16
@@ -278,6 +312,11 @@ class TransformerFamily(Family):
     patch: int | None = None  # latent pixels per token side (None: the denoiser config's patch_size, else 2)
     extra_text_tokens = 0  # text tokens joined to the latent tokens beyond text_tokens (SD3's CLIP tokens)
     step_cache_refusal = "is not checked against diffusers' own cached images on tpugen yet"
+    clip_skip_refusal = "its text encoders are not one CLIP encoder; clip skip is built for SD 1.x/2.x"
+    tiling_refusal = (
+        "the transformer has no padded convolution (its patch embedding pads nothing), so only the VAE would wrap "
+        "round and the image would not tile; tiling is built for UNet models (SD 1.x/2.x, SDXL)"
+    )
 
     def attention_geometry(
         self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int

@@ -125,6 +125,18 @@ def strip_syntax(text: str) -> str:
     return " ".join(part for part in parts if part)
 
 
+def surely_one_chunk(text: str) -> bool:
+    """Whether the prompt takes one chunk whatever the tokenizer, read without one: no BREAK, and at most 75
+    bytes of UTF-8 outside brackets and spaces (CLIP's byte-level BPE: a token spans at least one byte, and
+    spaces are none)."""
+    segments = parse_attention(text)
+    if any(segment.text == CHUNK_BREAK.text and segment.weight < 0 for segment in segments):
+        return False
+    return (
+        sum(len("".join(segment.text.split()).encode(errors="surrogatepass")) for segment in segments) <= CHUNK_TOKENS
+    )
+
+
 @dataclass(frozen=True)
 class PromptChunks:
     """One prompt as a CLIP text encoder takes it: chunks of 77 token ids (start, 75 tokens, end), each token's
@@ -154,6 +166,10 @@ def chunk_prompt(
     its first end token becomes the pad token where the tokenizer's differs (SD 2.x, SDXL's second encoder).
     `emphasis=False` reads the text literally (the web UI's emphasis "None": no brackets, no BREAK), still in
     chunks. More chunks than `max_chunks` is an InputError naming both.
+
+    A textual-inversion embedding the tokenizer holds (tpugen.config.embeddings) takes a token per vector, as
+    diffusers' maybe_convert_prompt expands its name, with the weight of the text around it; as in the web UI, an
+    embedding that does not fit in what is left of a chunk starts the next one.
     """
     segments = parse_attention(text) if emphasis else [Segment(text, 1.0)]
     tokens = tokenizer([s.text for s in segments], add_special_tokens=False, truncation=False, verbose=False)
@@ -161,6 +177,7 @@ def chunk_prompt(
     if tokenizer.convert_ids_to_tokens(comma) != ",</w>":  # not in the vocabulary: no comma rule
         comma = None
     special = _SpecialTokens.of(tokenizer)
+    vectors_of = embedding_vectors(tokenizer)
 
     chunks: list[tuple[list[int], list[float]]] = []
     ids: list[int] = []
@@ -186,8 +203,11 @@ def chunk_prompt(
                 ids, weights = moved
             if len(ids) == CHUNK_TOKENS:
                 close()
-            ids.append(token)
-            weights.append(segment.weight)
+            vectors = vectors_of.get(token, (token,))
+            if len(ids) + len(vectors) > CHUNK_TOKENS:
+                close()
+            ids.extend(vectors)
+            weights.extend([segment.weight] * len(vectors))
     if ids or not chunks:
         close()
 
@@ -196,6 +216,21 @@ def chunk_prompt(
             f"a prompt needs {len(chunks)} chunks of {CHUNK_TOKENS} tokens, more than max_chunks ({max_chunks})"
         )
     return PromptChunks(tuple(tuple(c[0]) for c in chunks), tuple(tuple(c[1]) for c in chunks))
+
+
+def embedding_vectors(tokenizer) -> dict[int, tuple[int, ...]]:
+    """The multi-vector textual-inversion embeddings a tokenizer holds, as diffusers' loader adds them (tokens NAME,
+    NAME_1, ... NAME_{n-1}): NAME's id -> the ids of all n, which a prompt's NAME stands for."""
+    added = getattr(tokenizer, "added_tokens_encoder", None) or {}
+    found = {}
+    for token, first in added.items():
+        ids, number = [first], 1
+        while f"{token}_{number}" in added:
+            ids.append(added[f"{token}_{number}"])
+            number += 1
+        if number > 1:
+            found[first] = tuple(ids)
+    return found
 
 
 @dataclass(frozen=True)
@@ -268,9 +303,15 @@ def weight_embeddings(
         hidden_states = torch.stack(list(hidden_states), dim=1)
     z = hidden_states.float()
     dims = (0, 2, 3) if mean_over == "batch" else (2, 3)
-    original_mean = z.mean(dim=dims, keepdim=True)
-    z = z * weights.to(device=z.device, dtype=z.dtype).unsqueeze(-1)
-    z = z * (original_mean / z.mean(dim=dims, keepdim=True))
+    weights = weights.to(device=z.device, dtype=z.dtype)
+    weighted = z * weights.unsqueeze(-1)
+    weighted = weighted * (z.mean(dim=dims, keepdim=True) / weighted.mean(dim=dims, keepdim=True))
+    # A chunk whose weights are all 1 is left as it is, exactly: the web UI's arithmetic gives it back unchanged
+    # too (its two means are one computation), but two reductions of a mean near 0 (a text encoder whose final
+    # layer norm has no bias) can differ in their last bits, and their ratio would then scale the whole chunk.
+    # A select on data, not a branch: the same graph for any weights.
+    plain = (weights == 1).all(dim=dims[:-1], keepdim=True).unsqueeze(-1)
+    z = torch.where(plain, z, weighted)
     batch, chunks, tokens, dim = z.shape
     return z.reshape(batch, chunks * tokens, dim).to(hidden_states.dtype)
 

@@ -56,6 +56,10 @@ def a1111_parameters(record: dict) -> str:
     }
     if record.get("strength") is not None:  # made from an init image (img2img, inpainting)
         fields["Denoising strength"] = record["strength"]
+    if record.get("clip_skip"):  # the web UI writes its clip skip where it is not the last layer
+        fields["Clip skip"] = record["clip_skip"]
+    if record.get("tiling"):  # seamless tiling: the web UI writes "Tiling: True" before its hires keys
+        fields["Tiling"] = True
     if record.get("hires"):  # hires fix: the web UI's own keys for its second pass
         fields.update(
             HiresFix(**{k: v for k, v in record["hires"].items() if k not in ("height", "width")}).parameters()

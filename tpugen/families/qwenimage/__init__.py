@@ -136,7 +136,6 @@ class QwenImage(TransformerFamily):
         # Qwen-Image's guidance is true CFG (a second pass with the negative prompt); guidance_scale is only for
         # guidance-distilled models, which it is not.
         return {
-            "negative_prompt": [row.negative_prompt for row in rows],
             "true_cfg_scale": guidance_scale,
             "guidance_scale": None,
             "max_sequence_length": self.max_sequence_length,

@@ -61,6 +61,17 @@ class StableDiffusionXL(Family):
         ),
     )
 
+    clip_tokenizers = ("tokenizer", "tokenizer_2")
+    # The web UI reads SDXL's prompts from both encoders' penultimate layers and leaves its clip skip setting out.
+    clip_skip_refusal = "SDXL reads both encoders' penultimate layers, as the web UI does; clip skip is for SD 1.x/2.x"
+
+    def clip_embeddings(
+        self, pipe, prompts: list[str], negatives: list[str] | None, chunks: int, clip_skip: int = 1
+    ) -> dict:
+        from tpugen.families.clip_text import sdxl_embeddings
+
+        return sdxl_embeddings(pipe, prompts, negatives, chunks)
+
     def load_options(self, model) -> dict:
         # The invisible watermark runs on the host and is not saved in model_index.json: off unless asked.
         return {"add_watermarker": model.watermark}

@@ -32,6 +32,7 @@ def run_pod(
 
     With `resume_id`, the workers continue that run's folders, each keeping the images it finished."""
     from tpugen.config import dump_config
+    from tpugen.config.embeddings import shipped_embeddings
     from tpugen.config.loras import shipped_loras
     from tpugen.engine.session import make_run_dir, read_run_record, run_id_for, write_run_record
     from tpugen.outputs.files import atomic_write_text
@@ -75,6 +76,7 @@ def run_pod(
     config.cache.dir = None  # a local path means nothing on the workers
     # Each local LoRA file goes beside the shipped config, which names it by its file name (its sha256 pin stays).
     lora_files = shipped_loras(config, run.loras)
+    lora_files += shipped_embeddings(config, run.embeddings, {path.name for path in lora_files})  # named so too
     plan = plan_pod(
         pod,
         workers=workers,

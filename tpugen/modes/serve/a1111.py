@@ -18,6 +18,7 @@ from tpugen.config.images import ImageSource
 from tpugen.config.loras import safetensors_header
 from tpugen.config.request import DEFAULT_STRENGTH, MAX_STEPS, seed_for, strength_ok
 from tpugen.errors import InputError
+from tpugen.modes.serve import sd_upscale
 from tpugen.modes.serve.progress import Job
 from tpugen.modes.serve.queue import ImageSpec
 from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse
@@ -96,7 +97,6 @@ class Txt2Img(BaseModel):
 # enable_hr: false or an empty alwayson_scripts) is refused, naming the field.
 MISSING_FEATURES = {
     "restore_faces": "face restoration is not built",
-    "tiling": "tiling is not built",
     "script_name": "scripts are not built",
     "alwayson_scripts": "scripts are not built",
     "subseed_strength": "variation seeds are not built",
@@ -256,6 +256,7 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
     height, width = service.sizes[0]
     problems: list[str] = []
     problems.extend(settings_problems(service, body.override_settings))
+    clip_skip = collect(problems, clip_skip_for, service, body.override_settings)
     styled = collect(problems, with_styles, service, body)
     prompt, negative = styled or (body.prompt, body.negative_prompt)
     prompt, loras = collect(problems, take_loras, service, prompt) or (prompt, ())
@@ -279,6 +280,8 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
             scheduler=scheduler,
             loras=loras,
             hires=hires,
+            tiling=bool(body.tiling),  # unset: off, as the web UI's own default
+            clip_skip=clip_skip or 1,
         )
 
     images = collect(problems, service.image_specs, count, make)
@@ -320,9 +323,12 @@ def txt2img_reply(service: Service, body: Txt2Img):
     return _reply(service, body, images_for(service, body))
 
 
-def _reply(service: Service, body: Txt2Img, images: list[ImageSpec], crop: dict | None = None):
-    """The web UI's reply for `images` once made; `crop`: inpaint_full_res's, each result pasted back there."""
+def _reply(service: Service, body: Txt2Img, images: list[ImageSpec], crop: dict | None = None, combine=None):
+    """The web UI's reply for `images` once made; `crop`: inpaint_full_res's, each result pasted back there;
+    `combine`: SD upscale's (sd_upscale_images), which turns the tiles made into the images the reply answers with."""
     made = service.generate(images, interruptible=True, task=body.force_task_id)
+    if combine is not None:
+        images, made = combine(made)
     # After an interrupt, the images made are not always the first ones: each keeps its own seed and record.
     answered = [images[position] for position, _ in made]
     pixels = [image for _, image in made]
@@ -393,7 +399,8 @@ INPAINTING_FILLS = {0: "fill", 1: "original"}
 
 def img2img_problems(raw: dict) -> list[str]:
     """What an img2img request asks for that tpugen does not have, beside txt2img's missing features."""
-    problems = [p for p in missing_features(raw) if not p.startswith(("enable_hr", "firstpass_image"))]
+    built = ("enable_hr", "firstpass_image") + (("script_name",) if sd_upscale.named(raw.get("script_name")) else ())
+    problems = [p for p in missing_features(raw) if not p.startswith(built)]
     fill = raw.get("inpainting_fill", 0)
     if fill not in INPAINTING_FILLS:
         built = ", ".join(f"{k} ({v})" for k, v in INPAINTING_FILLS.items())
@@ -418,22 +425,28 @@ def _decoded(text: str, where: str) -> bytes:
         raise InputError(f"{where}: not base64") from None
 
 
-def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageSpec], dict | None]:
-    """The request's images (each starting from the init image, fitted, and its mask prepared as the web UI does),
-    and for inpaint_full_res the crop each result is pasted back at (None otherwise)."""
-    from tpugen.config.request import RESIZE_MODES, strength_ok
-    from tpugen.engine import images as pictures
-
-    problems: list[str] = []
+def _init_problems(body: Img2Img) -> tuple[list[str], float]:
+    """(what is wrong with an img2img request's init_images and denoising_strength, the strength: unset 0.75)."""
+    problems = []
     if not body.init_images:
         problems.append("init_images: give one image (base64 PNG or JPEG)")
     if len(body.init_images) > 1:
         problems.append(f"init_images: {len(body.init_images)} images; tpugen takes one per request")
-    if body.resize_mode not in RESIZE_MODES:
-        problems.append(f"resize_mode: must be one of {', '.join(f'{k} ({v})' for k, v in RESIZE_MODES.items())}")
     strength = body.denoising_strength if body.denoising_strength is not None else 0.75
     if not strength_ok(strength):
         problems.append(f"denoising_strength: must be above 0 and at most 1, got {strength}")
+    return problems, strength
+
+
+def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageSpec], dict | None]:
+    """The request's images (each starting from the init image, fitted, and its mask prepared as the web UI does),
+    and for inpaint_full_res the crop each result is pasted back at (None otherwise)."""
+    from tpugen.config.request import RESIZE_MODES
+    from tpugen.engine import images as pictures
+
+    problems, strength = _init_problems(body)
+    if body.resize_mode not in RESIZE_MODES:
+        problems.append(f"resize_mode: must be one of {', '.join(f'{k} ({v})' for k, v in RESIZE_MODES.items())}")
     if not 0 <= body.mask_blur <= 64:
         problems.append(f"mask_blur: must be from 0 to 64, got {body.mask_blur}")
     if not 0 <= body.inpaint_full_res_padding <= MAX_INPAINT_PADDING:
@@ -499,8 +512,83 @@ def _echoed(body: Txt2Img) -> dict:
 
 
 def img2img_reply(service: Service, body: Img2Img):
+    if body.script_name:  # SD upscale: img2img_problems refused every other script
+        images, combine = sd_upscale_images(service, body)
+        return _reply(service, body, images, combine=combine)
     images, crop = img2img_images(service, body)
     return _reply(service, body, images, crop)
+
+
+def sd_upscale_images(service: Service, body: Img2Img):
+    """The web UI's SD upscale script (tpugen.modes.serve.sd_upscale): the init image upscaled as script_args
+    say, then cut into tiles of the request's size (a size the server keeps warm), each an img2img image of the
+    request's prompt, steps, sampler and strength. n_iter upscales; image n's tile k gets seed + n + k, as the
+    web UI seeds them a tile at a time. Returns (the tiles' images, how the tiles made become the upscaled
+    images the reply answers with: each blended across its seams; a tile an interrupt left unmade keeps the
+    upscaled image's own pixels)."""
+    import hashlib
+
+    import numpy as np
+    from PIL import Image
+
+    from tpugen.engine import images as pictures
+    from tpugen.modes.serve.admission import COMPILED_MAX_SIDE
+
+    problems, strength = _init_problems(body)
+    if body.mask:
+        problems.append("mask: SD upscale redraws the whole image; send no mask with script_name sd upscale")
+    if body.enable_hr:
+        problems.append("enable_hr: a hires fix is not built with script_name sd upscale")
+    # One image per n_iter: the web UI's batch_size is the tiles it draws at a time, and this server batches them.
+    one_each = body.model_copy(update={"batch_size": min(body.batch_size, 1)})
+    upscales = images_for(service, one_each) if not problems else None
+    if problems or not upscales:
+        refuse(problems or ["init_images: missing"], service, None)
+    first = upscales[0]
+    script = collect(problems, sd_upscale.read_args, body.script_args, first.width, first.height)
+    data = collect(problems, _decoded, body.init_images[0], "init_images[0]")
+    init = collect(problems, pictures.open_bytes, data, "init_images[0]") if data is not None else None
+    if problems:
+        raise InputError(*problems)
+    width, height = script.size(init.width, init.height)
+    most = service.admission.max_side or COMPILED_MAX_SIDE
+    if max(width, height) > most:
+        raise InputError(
+            f"script_args: {init.width}x{init.height} upscaled x{script.scale:g} is {width}x{height}; this server "
+            f"makes images of at most {most} pixels a side (serve.max_side)"
+        )
+    grid = sd_upscale.TileGrid.of(width, height, first.width, first.height, script.overlap)
+    per_image, limit = len(grid.xs) * len(grid.ys), service.serve.max_images_per_request
+    if per_image * len(upscales) > limit:
+        raise InputError(
+            f"script_args: {width}x{height} in {first.width}x{first.height} tiles overlapping by {script.overlap} "
+            f"pixels is {per_image} tiles an image, {per_image * len(upscales)} for n_iter {len(upscales)}; this "
+            f"server makes at most {limit} images per request (serve.max_images_per_request)"
+        )
+    tiles = grid.cut(np.asarray(script.upscaled(init)))
+    sources = [
+        ImageSource(
+            *service.input_image(pictures.png_bytes(Image.fromarray(np.ascontiguousarray(tile))), "init_images[0]"),
+            strength=strength,
+        )
+        for tile in tiles
+    ]
+    images = [replace(image, seed=image.seed + k, source=sources[k]) for image in upscales for k in range(per_image)]
+    # What each answered image's record says it was made from: the init image as sent (by its sha256), whole.
+    whole = ImageSource("", hashlib.sha256(data).hexdigest(), strength=strength)
+    answered = [replace(image, width=width, height=height, source=whole) for image in upscales]
+
+    def combine(made: list[tuple[int, object]]) -> tuple[list[ImageSpec], list[tuple[int, object]]]:
+        drawn: dict[int, dict[int, object]] = {}
+        for position, pixels in made:
+            drawn.setdefault(position // per_image, {})[position % per_image] = pixels
+        upscaled = []
+        for n, found in sorted(drawn.items()):
+            blended = grid.blend([found.get(k, tile) for k, tile in enumerate(tiles)])
+            upscaled.append((n, np.rint(blended).clip(0, 255).astype(np.uint8)))
+        return answered, upscaled
+
+    return images, combine
 
 
 @router.get("/samplers")
@@ -547,7 +635,7 @@ def fixed_options(service: Service) -> dict:
     return {
         "sd_model_checkpoint": service.engines[0].model_label,
         "samples_format": "png",
-        "CLIP_stop_at_last_layers": 1,
+        "CLIP_stop_at_last_layers": service.run.config.clip_skip,
         "sd_vae": "Automatic",
     }
 
@@ -579,13 +667,28 @@ def option_problems(service: Service, values: dict, prefix: str = "") -> tuple[l
     return problems, unknown
 
 
+CLIP_SKIP = "CLIP_stop_at_last_layers"
+
+
+def clip_skip_for(service: Service, settings: dict | None) -> int:
+    """The clip skip a request's override_settings asks for (CLIP_stop_at_last_layers), else the server's."""
+    value = (settings or {}).get(CLIP_SKIP, service.run.config.clip_skip)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 12:
+        raise InputError(
+            f"override_settings.{CLIP_SKIP}: must be a whole number from 1 to 12, got {str(value)[:100]!r}"
+        )
+    return value
+
+
 def settings_problems(service: Service, settings: dict | None) -> list[str]:
     """What a request's override_settings asks that this server cannot do for it (option_problems), and the
-    settings it does not keep, named in one line. The fixed options at their values and the writable ones are
-    fine."""
+    settings it does not keep, named in one line. The fixed options at their values, the writable ones and a
+    clip skip (clip_skip_for; the family's rule is the admission's) are fine."""
     if not settings:
         return []
-    problems, other = option_problems(service, settings, "override_settings.")
+    problems, other = option_problems(
+        service, {k: v for k, v in settings.items() if k != CLIP_SKIP}, "override_settings."
+    )
     if other:
         shown = ", ".join(other[:8]) + (f" and {len(other) - 8} more" if len(other) > 8 else "")
         problems.append(f"override_settings: {shown}: not settings this server changes for a request")
@@ -667,8 +770,12 @@ def cmd_flags(request: Request) -> dict:
 
 @router.get("/upscalers")
 def upscalers() -> list[dict]:
-    """The image upscalers (a hires fix's hr_upscaler besides the latent one): Lanczos."""
-    return [{"name": "Lanczos", "model_name": None, "model_path": None, "model_url": None, "scale": 4}]
+    """The image upscalers, in the web UI's order, so SD upscale's script_args may name one or give its index:
+    None, Lanczos, Nearest. A hires fix's hr_upscaler takes Lanczos (besides the latent one)."""
+    return [
+        {"name": name, "model_name": None, "model_path": None, "model_url": None, "scale": 4}
+        for name in sd_upscale.UPSCALERS
+    ]
 
 
 @router.get("/latent-upscale-modes")
@@ -703,9 +810,20 @@ def prompt_styles(request: Request) -> list[dict]:
 
 
 @router.get("/embeddings")
-def embeddings() -> dict:
-    """Textual-inversion embeddings loaded: none (they are not built yet)."""
-    return {"loaded": {}, "skipped": {}}
+def embeddings(request: Request) -> dict:
+    """The textual-inversion embeddings loaded (model.embeddings and serve.embeddings_dir's), by the names prompts
+    write, and the files of serve.embeddings_dir that did not load, in the web UI's shape: `shape` the values of a
+    vector, `vectors` the tokens it takes (none of either until the model has loaded)."""
+    service: Service = request.app.state.service
+    loaded, skipped = service.embeddings()
+
+    def entry(shape, vectors) -> dict:
+        return {"step": None, "sd_checkpoint": None, "sd_checkpoint_name": None, "shape": shape, "vectors": vectors}
+
+    return {
+        "loaded": {e.name: entry(e.shape, e.vectors) for e in loaded},
+        "skipped": {e.name: entry(e.shape, e.vectors) for e in skipped},
+    }
 
 
 @router.get("/progress")
@@ -815,8 +933,9 @@ def loras(request: Request) -> list[dict]:
 
 @router.get("/scripts")
 def scripts() -> dict:
-    """No scripts: the web UI's script lists, empty."""
-    return {"txt2img": [], "img2img": []}
+    """The web UI's script lists, by their names in script_name: img2img's SD upscale (script_args: info, tile
+    overlap, upscaler, scale factor)."""
+    return {"txt2img": [], "img2img": [sd_upscale.TITLE.lower()]}
 
 
 @router.post("/interrupt")

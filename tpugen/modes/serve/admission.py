@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tpugen.config.loras import loras_key
 from tpugen.config.request import RequestLimits
+from tpugen.config.rules import CLIP_SKIP_NEEDS_WEBUI
 from tpugen.errors import InputError, one_line
 from tpugen.modes.serve.progress import Jobs
 from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, ImageSpec, Request
@@ -42,6 +43,10 @@ class Admission:
             source.task if source else "txt2img",
             source.strength if source else None,
             image.hires,
+            chunks=self.warm.reader.chunks(image.prompt, image.negative_prompt),
+            tiling=image.tiling,
+            prompt_syntax=self.warm.reader.syntax,
+            clip_skip=image.clip_skip,
         )
 
     def image_specs(self, count: int, make) -> list[ImageSpec]:
@@ -68,6 +73,12 @@ class Admission:
             problems.append(f"{count} images asked for; this server makes at most {limit} per request")
         if images and images[0].source is not None and family.img2img_refusal:
             problems.append(f"image: {family.title} models: {family.img2img_refusal}")
+        if images and images[0].tiling and family.tiling_refusal:
+            problems.append(f"tiling: {family.title} models: {family.tiling_refusal}")
+        if images and images[0].clip_skip > 1 and family.clip_skip_refusal:
+            problems.append(f"clip skip {images[0].clip_skip}: {family.title} models: {family.clip_skip_refusal}")
+        elif images and images[0].clip_skip > 1 and warm.run.config.prompt_syntax != "webui":
+            problems.append(f"clip skip {images[0].clip_skip}: {CLIP_SKIP_NEEDS_WEBUI}")
         if images:  # a request's images differ in their seed alone
             limits = RequestLimits.of_server(warm.sizes, warm.run.config.guidance_scale, self.max_side)
             problems.extend(images[0].problems(family, limits, seeds=(image.seed for image in images)))
@@ -103,8 +114,15 @@ class Admission:
             what = f"hires fix {key.hires.shape_label.removeprefix('hires ')} is not warm ({warm.hires_summary()})"
         elif key.task not in warm.serve.tasks:
             what = f"{key.task} is not warm (serve.tasks: {', '.join(warm.serve.tasks)})"
+        elif key.chunks not in warm.chunk_counts:
+            counts = ", ".join(map(str, warm.chunk_counts))
+            what = f"a prompt of {key.chunks} chunks of 75 tokens is not warm (serve.prompt_chunks: {counts})"
         elif key.cfg != warm.cfg:
             what = f"{'CFG on' if key.cfg else 'CFG off (guidance 1 or less)'} at {key.width}x{key.height} is not warm"
+        elif key.tiling and not warm.serve.tiling:
+            what = "tiling is not warm (serve.tiling: false)"
+        elif key.clip_skip != warm.run.config.clip_skip:
+            what = f"clip skip {key.clip_skip} is not warm (clip_skip: {warm.run.config.clip_skip})"
         elif engine.is_warm(shape, key.scheduler):
             warmed = engine.warm_steps(shape, key.scheduler)
             what = f"{key.steps} steps need step graphs (compile.step_cache) not compiled at {warmed} steps"

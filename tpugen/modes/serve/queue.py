@@ -33,6 +33,8 @@ class ImageSpec(ImageRequest):
     loras: tuple = ()  # tpugen.config.loras.Lora, fused for this image (a request's <lora:NAME:SCALE>)
     source: ImageSource | None = None  # img2img and inpainting: the images it starts from
     hires: HiresFix | None = None  # hires fix (the web UI's enable_hr): a second pass at a larger size
+    tiling: bool = False  # seamless tiling (the web UI's tiling): tpugen.plan.WorkItem.tiling
+    clip_skip: int = 1  # the web UI's CLIP_stop_at_last_layers: tpugen.plan.WorkItem.clip_skip
 
     @property
     def steps_in_all(self) -> int:
@@ -54,11 +56,17 @@ class BatchKey:
     task: str = "txt2img"  # img2img and inpaint: tpugen.plan.WorkItem.task
     strength: float | None = None  # img2img's: a call has one
     hires: HiresFix | None = None  # hires fix's second pass: a call has one
+    chunks: int = 1  # the prompts' 75-token chunks (tpugen.plan.WorkItem.chunks)
+    tiling: bool = False  # seamless tiling (tpugen.plan.WorkItem.tiling)
+    prompt_syntax: str = "webui"  # the server's (RunConfig.prompt_syntax)
+    clip_skip: int = 1  # tpugen.plan.WorkItem.clip_skip
 
     def shape(self, batch_size: int) -> ShapeKey:
         """The compiled shape a batch of this key runs at."""
         label = self.hires.shape_label if self.hires else ""
-        return ShapeKey(self.height, self.width, batch_size, self.cfg, self.task, label)
+        return ShapeKey(
+            self.height, self.width, batch_size, self.cfg, self.task, label, self.chunks, self.tiling, self.clip_skip
+        )
 
 
 @dataclass
@@ -87,6 +95,10 @@ class ImageJob:
             key.cfg,
             source=image.source,
             hires=key.hires,
+            chunks=key.chunks,
+            tiling=key.tiling,
+            prompt_syntax=key.prompt_syntax,
+            clip_skip=key.clip_skip,
         )
 
 

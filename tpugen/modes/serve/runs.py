@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 
 from tpugen.config import ResolvedRun
@@ -37,8 +38,10 @@ class SentRuns:
         self._lock = threading.Lock()
 
     def resolve(self, data: dict) -> ResolvedRun:
-        """A client's run config under the server's model and way of running (run_configs.resolve_run)."""
-        return resolve_run(data, self.warm.run, self.output_root, self.inputs.store)
+        """A client's run config under the server's model and way of running (run_configs.resolve_run). Its prompts
+        are read with every embedding the engine holds (serve.embeddings_dir's too), as the engine encodes them."""
+        run = resolve_run(data, self.warm.run, self.output_root, self.inputs.store)
+        return replace(run, embeddings=self.warm.embeddings())
 
     def input_paths(self) -> set[str]:
         """The input images the runs queued or running read: kept while they may (InputImages)."""

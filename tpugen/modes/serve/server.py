@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from tpugen.config import ResolvedRun
@@ -53,8 +54,9 @@ def check_start(run: ResolvedRun, host: str, api_key: str | None) -> None:
 
 
 def open_engines(run: ResolvedRun, display: Display) -> list[Engine]:
-    """One engine, or under execution.mode: multi one per local device, in this process."""
-    spec = EngineSpec.of(run)
+    """One engine, or under execution.mode: multi one per local device, in this process; each loads the
+    embeddings of serve.embeddings_dir."""
+    spec = replace(EngineSpec.of(run), embeddings_dir=run.config.serve.embeddings_dir)
     execution = run.config.execution
     if execution.mode != "multi":
         return [Engine.open(spec, display=display)]

@@ -267,6 +267,13 @@ class Service:
     def lora_files(self) -> list[Path]:
         return lora_files(self.serve.lora_dir)
 
+    def embeddings(self) -> tuple[tuple, tuple]:
+        """(the textual-inversion embeddings loaded, the files of serve.embeddings_dir skipped): none of either
+        until the model has loaded."""
+        if not self.engines:
+            return (), ()
+        return self.warm.embeddings(), self.warm.skipped_embeddings()
+
     # ---------------------------------------------------------------- runs
 
     def start_run(self, data: dict) -> RunHandle:

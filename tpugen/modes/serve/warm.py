@@ -3,6 +3,7 @@ first request (serve.sizes x serve.schedulers x serve.tasks, and the config's hi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from tpugen.config import ResolvedRun, run_sizes
@@ -14,6 +15,7 @@ from tpugen.engine.step_cache import warm_steps
 from tpugen.families import FAMILIES
 from tpugen.modes.serve.input_images import InputImages
 from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, hires_fix
+from tpugen.prompt_reading import PromptReader
 from tpugen.schedulers import find_scheduler
 
 
@@ -32,9 +34,25 @@ class WarmEngines:
         self.sizes = [tuple(s) for s in self.serve.sizes] if self.serve.sizes else list(run_sizes(config))
         self.cfg = self.family.uses_cfg(config.guidance_scale)
         self.schedulers = [None, *(find_scheduler(name).name for name in self.serve.schedulers)]
+        # The prompt chunk counts warmed (serve.prompt_chunks), where prompts are read in chunks at all.
+        self.chunk_counts = list(self.serve.prompt_chunks) if self.reader.chunked else [1]
         # Each (shape key, scheduler) warmup compiles, one at a time so /readyz can count them.
         plan = self.plan()
         self.keys = [(batch, scheduler) for scheduler in self.schedulers for batch in plan.batches]
+
+    @property
+    def reader(self) -> PromptReader:
+        """How the server reads prompts: with the textual-inversion embeddings its engines hold (`embeddings`)."""
+        return PromptReader.of(self.run, self.embeddings())
+
+    def embeddings(self) -> tuple:
+        """The embeddings the engines loaded (model.embeddings and serve.embeddings_dir's); model.embeddings until
+        they are open."""
+        return self.engines[0].embeddings if self.engines else self.run.embeddings
+
+    def skipped_embeddings(self) -> tuple:
+        """The files of serve.embeddings_dir that did not load (none until the engines are open)."""
+        return self.engines[0].skipped_embeddings if self.engines else ()
 
     def warm_up(self, display: Display, warming: Callable[[], bool]) -> None:
         """Warm every engine for every key, while `warming()` says the server still is (a signal stops it between
@@ -54,15 +72,18 @@ class WarmEngines:
                     break
 
     def plan(self) -> RunPlan:
-        """One batch per warm size, at the config's guidance and steps, or under a step cache at the steps
-        that compile every kind of step a request of any step count runs (`warm_steps`)."""
+        """One batch per warm size (with serve.tiling each once more, tiled), at the config's guidance and steps,
+        or under a step cache at the steps that compile every kind of step a request of any step count runs
+        (`warm_steps`)."""
         config = self.run.config
         steps = warm_steps(config.compile.step_cache, config.steps)
         batches = []
         kinds = [(task, None) for task in self.serve.tasks]
         if config.hires is not None and "txt2img" in self.serve.tasks:  # the config's hires fix, for enable_hr
             kinds.append(("txt2img", hires_fix(config.hires, steps)))
-        for task, hires in kinds:
+        shapes = [(task, hires, chunks) for task, hires in kinds for chunks in self.chunk_counts]
+        tilings = (False, True) if self.serve.tiling else (False,)  # serve.tiling: every warm shape tiled too
+        for tiling, (task, hires, chunks) in itertools.product(tilings, shapes):
             source = self._source(task)
             for height, width in self.sizes:
                 item = WorkItem(
@@ -78,8 +99,12 @@ class WarmEngines:
                     self.cfg,
                     source=source,
                     hires=hires,
+                    chunks=chunks,
+                    prompt_syntax=config.prompt_syntax,
+                    tiling=tiling,
+                    clip_skip=config.clip_skip,
                 )
-                shape = ShapeKey(height, width, self.batch_size, self.cfg, task, hires.shape_label if hires else "")
+                shape = ShapeKey.of(item, self.batch_size)
                 batches.append(Batch(len(batches), shape, (item,), self.batch_size - 1))
         return RunPlan(tuple(b.items[0] for b in batches), tuple(batches))
 
@@ -122,6 +147,10 @@ class WarmEngines:
         summary = f"sizes {sizes} (width x height; {'cfg' if self.cfg else 'no cfg'}, batch {self.batch_size}); samplers {names}"
         if self.serve.tasks != ["txt2img"]:
             summary += f"; tasks {', '.join(self.serve.tasks)}"
+        if self.chunk_counts != [1]:
+            summary += f"; prompt chunks {', '.join(map(str, self.chunk_counts))}"
+        if self.serve.tiling:
+            summary += "; tiled and untiled"
         if self.run.config.hires is not None and "txt2img" in self.serve.tasks:
             summary += f"; hires fix x{self.run.config.hires.scale:g} {self.run.config.hires.upscaler}"
         cache = self.run.config.compile.step_cache
