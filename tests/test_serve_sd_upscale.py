@@ -14,6 +14,7 @@ import pytest
 from conftest import OTHER_GRAPH
 from PIL import Image
 from serve_support import batches, decode, pixels
+from test_webui_api_tests import webui_img2img_request
 
 pytestmark = pytest.mark.xla
 
@@ -29,43 +30,8 @@ def _init_png() -> bytes:
 
 def _web_ui_request(init: bytes) -> dict:
     """The web UI's test/test_img2img.py request, as test_img2img_sd_upscale_performed sends it."""
-    return {
-        "batch_size": 1,
-        "cfg_scale": 7,
-        "denoising_strength": 0.75,
-        "eta": 0,
-        "height": 64,
-        "include_init_images": False,
-        "init_images": [base64.b64encode(init).decode()],
-        "inpaint_full_res": False,
-        "inpaint_full_res_padding": 0,
-        "inpainting_fill": 0,
-        "inpainting_mask_invert": False,
-        "mask": None,
-        "mask_blur": 4,
-        "n_iter": 1,
-        "negative_prompt": "",
-        "override_settings": {},
-        "prompt": "example prompt",
-        "resize_mode": 0,
-        "restore_faces": False,
-        "s_churn": 0,
-        "s_noise": 1,
-        "s_tmax": 0,
-        "s_tmin": 0,
-        "sampler_index": "Euler a",
-        "seed": -1,
-        "seed_resize_from_h": -1,
-        "seed_resize_from_w": -1,
-        "steps": 3,
-        "styles": [],
-        "subseed": -1,
-        "subseed_strength": 0,
-        "tiling": False,
-        "width": 64,
-        "script_name": "sd upscale",
-        "script_args": ["", 8, "Lanczos", 2.0],
-    }
+    request = webui_img2img_request(base64.b64encode(init).decode())
+    return {**request, "script_name": "sd upscale", "script_args": ["", 8, "Lanczos", 2.0]}
 
 
 def _compiles(client) -> float:

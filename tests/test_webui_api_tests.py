@@ -12,15 +12,11 @@ import httpx
 import pytest
 from PIL import Image
 
-# Their txt2img request (simple_txt2img_request), field for field.
-TXT2IMG = {
+# What their txt2img and img2img requests (simple_txt2img_request, simple_img2img_request) both send.
+_BOTH = {
     "batch_size": 1,
     "cfg_scale": 7,
-    "denoising_strength": 0,
-    "enable_hr": False,
     "eta": 0,
-    "firstphase_height": 0,
-    "firstphase_width": 0,
     "height": 64,
     "n_iter": 1,
     "negative_prompt": "",
@@ -41,6 +37,8 @@ TXT2IMG = {
     "tiling": False,
     "width": 64,
 }
+# Their txt2img request, field for field.
+TXT2IMG = {**_BOTH, "denoising_strength": 0, "enable_hr": False, "firstphase_height": 0, "firstphase_width": 0}
 
 
 def _png_b64(image: Image.Image) -> str:
@@ -49,45 +47,29 @@ def _png_b64(image: Image.Image) -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
-def _img2img() -> dict:
-    """Their img2img request (simple_img2img_request), with a 64x64 picture of our own for their test file."""
-    picture = Image.new("RGB", (64, 64), (40, 90, 200))
-    picture.paste((220, 40, 40), (16, 16, 48, 48))
+def webui_img2img_request(init_b64: str) -> dict:
+    """Their img2img request, field for field, starting from `init_b64` (their test file's picture, base64)."""
     return {
-        "batch_size": 1,
-        "cfg_scale": 7,
+        **_BOTH,
         "denoising_strength": 0.75,
-        "eta": 0,
-        "height": 64,
         "include_init_images": False,
-        "init_images": [_png_b64(picture)],
+        "init_images": [init_b64],
         "inpaint_full_res": False,
         "inpaint_full_res_padding": 0,
         "inpainting_fill": 0,
         "inpainting_mask_invert": False,
         "mask": None,
         "mask_blur": 4,
-        "n_iter": 1,
-        "negative_prompt": "",
         "override_settings": {},
-        "prompt": "example prompt",
         "resize_mode": 0,
-        "restore_faces": False,
-        "s_churn": 0,
-        "s_noise": 1,
-        "s_tmax": 0,
-        "s_tmin": 0,
-        "sampler_index": "Euler a",
-        "seed": -1,
-        "seed_resize_from_h": -1,
-        "seed_resize_from_w": -1,
-        "steps": 3,
-        "styles": [],
-        "subseed": -1,
-        "subseed_strength": 0,
-        "tiling": False,
-        "width": 64,
     }
+
+
+def _img2img() -> dict:
+    """Their img2img request, with a 64x64 picture of our own for their test file."""
+    picture = Image.new("RGB", (64, 64), (40, 90, 200))
+    picture.paste((220, 40, 40), (16, 16, 48, 48))
+    return webui_img2img_request(_png_b64(picture))
 
 
 def _mask() -> str:

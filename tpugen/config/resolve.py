@@ -121,18 +121,14 @@ def resolve(
     elif not re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,220}(/[^\s'\"]*)?$", config.output.dir):
         problems.append(f"output.dir: {config.output.dir!r} is not a gs://bucket/prefix address")
 
-    if config.serve.lora_dir is not None:
-        folder = Path(config.serve.lora_dir).expanduser()
-        folder = folder if folder.is_absolute() else base_dir / folder
-        if not folder.is_dir():
-            problems.append(f"serve.lora_dir: {str(folder)!r} is not a folder")
-        config.serve.lora_dir = str(folder.resolve())
-    if config.serve.embeddings_dir is not None:
-        folder = Path(config.serve.embeddings_dir).expanduser()
-        folder = folder if folder.is_absolute() else base_dir / folder
-        if not folder.is_dir():
-            problems.append(f"serve.embeddings_dir: {str(folder)!r} is not a folder")
-        config.serve.embeddings_dir = str(folder.resolve())
+    for key in ("lora_dir", "embeddings_dir"):  # the server's folders, relative to the config
+        value = getattr(config.serve, key)
+        if value is not None:
+            folder = Path(value).expanduser()
+            folder = folder if folder.is_absolute() else base_dir / folder
+            if not folder.is_dir():
+                problems.append(f"serve.{key}: {str(folder)!r} is not a folder")
+            setattr(config.serve, key, str(folder.resolve()))
 
     _read_mag_ratios(config, base_dir, problems)
 
