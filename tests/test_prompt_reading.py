@@ -234,3 +234,40 @@ def test_clip_skip_is_refused_in_one_line_where_the_family_has_no_single_clip_en
     plain = tiny_config(tmp_path, clip_skip=2, prompt_syntax="plain")
     result = run_cli("validate", write_config(tmp_path / "p.yaml", plain))
     assert result.exit_code != 0 and "clip_skip: a clip skip needs prompt_syntax webui" in result.output
+
+
+def test_a_family_without_clip_encoders_says_once_that_the_syntax_is_taken_out():
+    from tpugen.engine.engine import syntax_note
+    from tpugen.plan import WorkItem
+
+    def item(prompt, syntax="webui", negative=""):
+        return WorkItem(0, 0, prompt, negative, 0, 2, 1.0, 64, 64, prompt_syntax=syntax)
+
+    items = [item(WEIGHTED), item(WEIGHTED), item("a cat", negative="[blurry]"), item("a dog")]
+    note = syntax_note(FAMILIES["flux"], items)
+    assert note.startswith("prompts: Flux.1") and "taken out of 2 prompt(s)" in note
+    assert syntax_note(FAMILIES["sd"], items) is None  # read, not taken out
+    assert syntax_note(FAMILIES["flux"], [item(WEIGHTED, syntax="plain")]) is None
+    assert syntax_note(FAMILIES["flux"], [item("a dog")]) is None
+
+
+@pytest.mark.parametrize(
+    ("keys", "line"),
+    [
+        ({"prompt_syntax": "fancy"}, "prompt_syntax"),
+        ({"max_chunks": 0}, "max_chunks"),
+        ({"max_chunks": 10**12}, "max_chunks"),
+        ({"clip_skip": 13}, "clip_skip"),
+        ({"clip_skip": "two"}, "clip_skip"),
+        ({"serve": {"prompt_chunks": []}}, "serve.prompt_chunks"),
+        ({"serve": {"prompt_chunks": [9]}}, "serve.prompt_chunks"),
+        ({"serve": {"prompt_chunks": [1] * 9}}, "serve.prompt_chunks"),
+        ({"max_chunks": 2, "serve": {"prompt_chunks": [1, 3]}}, "serve.prompt_chunks: 3 is more than max_chunks (2)"),
+    ],
+)
+def test_the_new_keys_worst_values_are_one_line_naming_the_key(tmp_path, keys, line):
+    from conftest import run_cli, tiny_config, write_config
+
+    result = run_cli("validate", write_config(tmp_path / "c.yaml", tiny_config(tmp_path, **keys)))
+    assert result.exit_code == 2
+    assert line in result.output and "Traceback" not in result.output

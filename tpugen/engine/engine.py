@@ -484,6 +484,8 @@ class Engine:
         phase_before = backend.counters()
         phase_start = time.perf_counter()
         display.batches_started(len(plan.batches))
+        if note := syntax_note(self.loaded.family, plan.items):
+            display.warning(note)
         try:
             for batch in plan.batches:
                 checkpoint()
@@ -710,3 +712,18 @@ def _assign_components(spec: EngineSpec, backend, memory, denoiser: str) -> None
     sizes = {c.name: c.bytes for c in memory.components}
     explicit = execution.placement if isinstance(execution.placement, dict) else None
     backend.assign(assign_components(sizes, backend.capacities(memory.chip_gb * 1e9), explicit), denoiser)
+
+
+def syntax_note(family, items) -> str | None:
+    """Once per run: the prompts whose web UI syntax a family without CLIP-only encoders leaves out (they reach
+    its encoders as plain words), or None."""
+    from tpugen.families.prompt_syntax import strip_syntax
+
+    prompts = {text for item in items if item.prompt_syntax == "webui" for text in (item.prompt, item.negative_prompt)}
+    changed = sum(1 for text in prompts if strip_syntax(text) != text)
+    if family.clip_tokenizers or not changed:
+        return None
+    return (
+        f"prompts: {family.title} models do not read the web UI's emphasis syntax; it is taken out of {changed} "
+        "prompt(s), which reach the text encoders as plain words (prompt_syntax: plain keeps it as text)"
+    )
