@@ -35,8 +35,8 @@ LONG_SHAPES = " ".join(["a red circle on a blue background"] * 13)
         ("a" * 76, False),
         (" ".join(["abc"] * 25), True),  # 75 letters, the spaces are no tokens
         ("(" + "a" * 75 + ":1.3)", True),  # brackets and weights are no tokens either
-        ("\u00e9" * 37, True),  # 74 bytes of UTF-8
-        ("\u00e9" * 38, False),  # 76 bytes: a byte-level tokenizer may need 76 tokens
+        ("\u00e9" * 3, False),  # not ASCII: the tokenizer's to count (its normalizing can lengthen text)
+        ("a photo of " + "\u023a" * 30, False),  # 69 bytes, 93 tokens of CLIP's vocabulary once lowercased
         ("a BREAK b", False),
         ("", True),
     ],
@@ -65,6 +65,43 @@ def test_chunks_are_counted_with_the_models_tokenizer(local_model):
     assert sd.chunks(" ".join(["ab"] * 70)) == 2  # 140 tokens
     assert sd.chunks("a BREAK b BREAK c") == 3
     assert reader(local_model, family="sdxl").chunks(LONG) == 2
+
+
+def test_without_cfg_the_negative_prompt_is_not_read_and_does_not_count(local_model):
+    assert reader(local_model).chunks("a cat", negative_prompt=LONG, cfg=False) == 1
+    assert reader(local_model, max_chunks=1).chunks("a cat", negative_prompt=LONG * 3, cfg=False) == 1
+
+
+def test_a_bad_weight_is_refused_at_the_door_for_every_family():
+    missing = ModelSource("local", "/nonexistent")
+    for family in ("sd", "flux"):  # flux: the syntax is taken out later, but read now
+        with pytest.raises(InputError, match=r"^prompt 'a cat \(cute:1\.2\.3\)': the weight '1\.2\.3' is not a number"):
+            reader(missing, family=family).chunks("a cat (cute:1.2.3)")
+    assert reader(missing, family="flux", syntax="plain").chunks("a cat (cute:1.2.3)") == 1  # text, as written
+
+
+@pytest.mark.xla  # transformers' CLIP model imports torch_xla where it is installed
+def test_a_clip_skip_past_the_encoders_layers_is_one_line():
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from tpugen.families.clip_text import _hidden
+
+    encoder = CLIPTextModel(
+        CLIPTextConfig(
+            hidden_size=8,
+            intermediate_size=16,
+            num_attention_heads=2,
+            num_hidden_layers=2,
+            vocab_size=50,
+            eos_token_id=1,
+            bos_token_id=0,
+        )
+    )
+    ids = torch.zeros(1, 1, 77, dtype=torch.int64)
+    assert _hidden(encoder, ids, "cpu", layer=None, skip=2)[0].shape == (1, 1, 77, 8)
+    with pytest.raises(InputError, match="clip skip 3: the text encoder has 2 layers; at most 2"):
+        _hidden(encoder, ids, "cpu", layer=None, skip=3)
 
 
 def test_more_chunks_than_max_chunks_names_the_prompt_and_the_bound(local_model):

@@ -143,7 +143,7 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
     reader = PromptReader.of(run)
     items: list[WorkItem] = []
     for p, spec in enumerate(run.prompts):
-        chunks = reader.chunks(spec.prompt, spec.negative_prompt)
+        chunks = reader.chunks(spec.prompt, spec.negative_prompt, cfg=family.uses_cfg(spec.guidance_scale))
         k = 0
         for height, width in spec.sizes:
             for _ in range(cfg.images_per_prompt):

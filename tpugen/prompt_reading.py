@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tpugen.errors import InputError, one_line
 from tpugen.families import FAMILIES, Family
-from tpugen.families.prompt_syntax import chunk_prompt, surely_one_chunk
+from tpugen.families.prompt_syntax import chunk_prompt, parse_attention, surely_one_chunk
 from tpugen.models import ModelSource
 
 
@@ -47,12 +47,17 @@ class PromptReader:
         """Whether prompts are read in chunks with the web UI's syntax (CLIP families under prompt_syntax webui)."""
         return self.syntax == "webui" and bool(self.family.clip_tokenizers)
 
-    def chunks(self, prompt: str, negative_prompt: str = "") -> int:
-        """The chunks the longer of the two takes (1 where prompts are not chunked); more than max_chunks is an
-        InputError naming the prompt."""
+    def chunks(self, prompt: str, negative_prompt: str = "", *, cfg: bool = True) -> int:
+        """The chunks the longer of the two takes (the prompt's alone without CFG, which reads no negative
+        prompt; 1 where prompts are not chunked); more than max_chunks, or a weight that is no number, is an
+        InputError naming the prompt, so a bad prompt is refused at the door, never in its batch."""
+        texts = [(prompt, "prompt")] + ([(negative_prompt, "negative_prompt")] if cfg else [])
         if not self.chunked:
+            if self.syntax == "webui":  # the syntax is taken out later: read now, so a bad weight is a 422
+                for text, what in texts:
+                    _named(parse_attention, text, what)
             return 1
-        return max(self._count(prompt, "prompt"), self._count(negative_prompt, "negative_prompt"))
+        return max(self._count(text, what) for text, what in texts)
 
     @property
     def _short_prompts_need_no_tokenizer(self) -> bool:
@@ -61,14 +66,19 @@ class PromptReader:
         return all(vectors <= len("".join(name.split()).encode()) for name, vectors in self.embeddings)
 
     def _count(self, text: str, what: str) -> int:
-        if self._short_prompts_need_no_tokenizer and surely_one_chunk(text):
+        if self._short_prompts_need_no_tokenizer and _named(surely_one_chunk, text, what):
             return 1
         tokenizer = _tokenizer(self.source, self.revision, self.family.clip_tokenizers[0], self.embeddings)
-        try:
-            return chunk_prompt(text, tokenizer, max_chunks=self.max_chunks).chunk_count
-        except InputError as exc:
-            shown = text if len(text) <= 60 else text[:57] + "..."
-            raise InputError(f"{what} {shown!r}: {exc.lines[0]}") from None
+        return _named(lambda t: chunk_prompt(t, tokenizer, max_chunks=self.max_chunks), text, what).chunk_count
+
+
+def _named(read, text: str, what: str):
+    """read(text), its InputError's line led by which prompt it was."""
+    try:
+        return read(text)
+    except InputError as exc:
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        raise InputError(f"{what} {shown!r}: {exc.lines[0]}") from None
 
 
 @functools.lru_cache(maxsize=8)

@@ -278,10 +278,12 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec], embeddings: tuple[
         del payload["hires"]
     if payload["tiling"] is False:
         del payload["tiling"]
-    if payload["prompt_syntax"] == "webui":  # the web UI's reading: a prompt without its syntax reads as before
+    # The web UI's reading: an SD prompt without its syntax, of one chunk, reads as before. Not so SDXL's empty
+    # negative prompt (zeros now, as the web UI and diffusers' default make it) nor prompts with the syntax: a run
+    # begun before 2026-12-03 evening and resumed after it mixes the two readings (docs/changelog.md says so).
+    if payload["prompt_syntax"] == "webui":
         del payload["prompt_syntax"]
-    if payload["max_chunks"] == 3:
-        del payload["max_chunks"]
+    del payload["max_chunks"]  # it refuses prompts; it changes no image
     if payload["clip_skip"] == 1:
         del payload["clip_skip"]
     if cache["method"] == "none":  # its options are refused without a method

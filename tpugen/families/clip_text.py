@@ -7,6 +7,7 @@ graph per shape key, chunk count included). Tokenizing is host work of a millise
 
 from __future__ import annotations
 
+from tpugen.errors import InputError
 from tpugen.families.prompt_syntax import batch_tensors, chunk_prompt, pooled_of_first_chunk, weight_embeddings
 
 
@@ -31,6 +32,9 @@ def _hidden(encoder, ids, device, *, layer: int | None, skip: int = 1):
     if layer is not None:
         hidden = output.hidden_states[layer]
     elif skip > 1:
+        layers = len(output.hidden_states) - 1  # the embeddings' output, then each layer's
+        if skip > layers:
+            raise InputError(f"clip skip {skip}: the text encoder has {layers} layers; at most {layers}")
         hidden = final_layer_norm(encoder)(output.hidden_states[-skip])
     else:
         hidden = output.last_hidden_state

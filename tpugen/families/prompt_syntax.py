@@ -75,7 +75,7 @@ def parse_attention(text: str) -> list[Segment]:
         elif piece == "[":
             square_opened.append(len(segments))
         elif weight is not None and round_opened:
-            multiply_from(round_opened.pop(), _number(weight, text))
+            multiply_from(round_opened.pop(), _number(weight))
         elif piece == ")" and round_opened:
             multiply_from(round_opened.pop(), ROUND)
         elif piece == "]" and square_opened:
@@ -102,12 +102,12 @@ def parse_attention(text: str) -> list[Segment]:
     return merged
 
 
-def _number(weight: str, prompt: str) -> float:
+def _number(weight: str) -> float:
+    """The weight's number; an InputError naming it (the caller names the prompt: tpugen.prompt_reading)."""
     try:
         return float(weight)
     except ValueError:
-        shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
-        raise InputError(f"prompt {shown!r}: the weight {weight!r} is not a number") from None
+        raise InputError(f"the weight {weight!r} is not a number") from None
 
 
 def strip_syntax(text: str) -> str:
@@ -126,9 +126,12 @@ def strip_syntax(text: str) -> str:
 
 
 def surely_one_chunk(text: str) -> bool:
-    """Whether the prompt takes one chunk whatever the tokenizer, read without one: no BREAK, and at most 75
-    bytes of UTF-8 outside brackets and spaces (CLIP's byte-level BPE: a token spans at least one byte, and
-    spaces are none)."""
+    """Whether the prompt takes one chunk whatever the tokenizer, read without one: ASCII text, no BREAK, and at
+    most 75 characters outside brackets and spaces (CLIP's byte-level BPE: a token spans at least one byte, and
+    spaces are none). Other text is the tokenizer's to count: its normalizing and lowercasing can lengthen it
+    (U+023A is 2 bytes of UTF-8, its lower case 3)."""
+    if not text.isascii():
+        return False
     segments = parse_attention(text)
     if any(segment.text == CHUNK_BREAK.text and segment.weight < 0 for segment in segments):
         return False

@@ -32,6 +32,7 @@ class Admission:
     def key_for(self, image: ImageSpec) -> BatchKey:
         cfg = self.warm.family.uses_cfg(image.guidance_scale)
         source = image.source
+        reader = self.warm.reader
         return BatchKey(
             image.height,
             image.width,
@@ -43,9 +44,9 @@ class Admission:
             source.task if source else "txt2img",
             source.strength if source else None,
             image.hires,
-            chunks=self.warm.reader.chunks(image.prompt, image.negative_prompt),
+            chunks=reader.chunks(image.prompt, image.negative_prompt, cfg=cfg),
             tiling=image.tiling,
-            prompt_syntax=self.warm.reader.syntax,
+            prompt_syntax=reader.syntax,
             clip_skip=image.clip_skip,
         )
 
@@ -79,6 +80,8 @@ class Admission:
             problems.append(f"clip skip {images[0].clip_skip}: {family.title} models: {family.clip_skip_refusal}")
         elif images and images[0].clip_skip > 1 and warm.run.config.prompt_syntax != "webui":
             problems.append(f"clip skip {images[0].clip_skip}: {CLIP_SKIP_NEEDS_WEBUI}")
+        elif images and images[0].clip_skip > (layers := warm.text_layers()):
+            problems.append(f"clip skip {images[0].clip_skip}: the text encoder has {layers} layers; at most {layers}")
         if images:  # a request's images differ in their seed alone
             limits = RequestLimits.of_server(warm.sizes, warm.run.config.guidance_scale, self.max_side)
             problems.extend(images[0].problems(family, limits, seeds=(image.seed for image in images)))

@@ -75,7 +75,14 @@ def generations_reply(service: Service, body: Generation):
             service.image_specs,
             max(body.n, 1),
             lambda i: ImageSpec(
-                body.prompt, config.negative_prompt, seed + i, config.steps, config.guidance_scale, height, width
+                body.prompt,
+                config.negative_prompt,
+                seed + i,
+                config.steps,
+                config.guidance_scale,
+                height,
+                width,
+                clip_skip=config.clip_skip,
             ),
         )
     refuse(problems, service, images)
@@ -169,7 +176,15 @@ def edits_reply(service: Service, fields: dict):
         service.image_specs,
         n,
         lambda i: ImageSpec(
-            prompt, config.negative_prompt, seed + i, config.steps, config.guidance_scale, height, width, source=source
+            prompt,
+            config.negative_prompt,
+            seed + i,
+            config.steps,
+            config.guidance_scale,
+            height,
+            width,
+            source=source,
+            clip_skip=config.clip_skip,
         ),
     )
     refuse(problems, service, images)

@@ -54,6 +54,8 @@ def resolve_run(data: dict, server_run: ResolvedRun, output_root: Path, store: I
     if prompts is not None:
         merged["prompts"] = prompts
     merged.setdefault("batch_size", served.batch_size)  # the batch the server's graphs were compiled for
+    for key in ("prompt_syntax", "clip_skip", "max_chunks"):  # its prompts read as the server reads its own
+        merged.setdefault(key, getattr(served, key))
     for section in ("model", "execution", "compile", "cache"):
         merged[section] = getattr(served, section).model_dump()
     merged["model"]["loras"] = run_loras((data.get("model") or {}).get("loras") or [], served.serve)

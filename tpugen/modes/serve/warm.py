@@ -45,6 +45,12 @@ class WarmEngines:
         """How the server reads prompts: with the textual-inversion embeddings its engines hold (`embeddings`)."""
         return PromptReader.of(self.run, self.embeddings())
 
+    def text_layers(self) -> int:
+        """The layers of the first text encoder (a clip skip's bound; 12 until the engines are open)."""
+        pipe = getattr(self.engines[0].loaded, "pipe", None) if self.engines else None
+        config = getattr(getattr(pipe, "text_encoder", None), "config", None)
+        return getattr(config, "num_hidden_layers", 12)
+
     def embeddings(self) -> tuple:
         """The embeddings the engines loaded (model.embeddings and serve.embeddings_dir's); model.embeddings until
         they are open."""
