@@ -65,28 +65,32 @@ def generations_reply(service: Service, body: Generation):
         )
     problems = [f"n: must be at least 1, got {body.n}"] if body.n < 1 else []
     size = collect(problems, size_of, service, body.size)
+    images = _specs(service, problems, max(body.n, 1), body.prompt, size)
+    return _answer(service, problems, images)
+
+
+def _specs(service, problems: list[str], count: int, prompt: str, size, source=None) -> list[ImageSpec] | None:
+    """A request's `count` images at the server's settings (its negative prompt, steps, guidance, clip skip),
+    seeded from a fresh seed (OpenAI's API has none); None where the size is (a problem already noted)."""
+    if size is None:
+        return None
     config = service.run.config
-    seed = random.randrange(RANDOM_SEEDS)  # OpenAI's API has no seed: a fresh one per request
-    images = None
-    if size is not None:
-        height, width = size
-        images = collect(
-            problems,
-            service.image_specs,
-            max(body.n, 1),
-            lambda i: ImageSpec(
-                body.prompt,
-                config.negative_prompt,
-                seed + i,
-                config.steps,
-                config.guidance_scale,
-                height,
-                width,
-                clip_skip=config.clip_skip,
-            ),
+    seed = random.randrange(RANDOM_SEEDS)
+    height, width = size
+    fields = {"source": source, "clip_skip": config.clip_skip}
+
+    def make(i: int) -> ImageSpec:
+        return ImageSpec(
+            prompt, config.negative_prompt, seed + i, config.steps, config.guidance_scale, height, width, **fields
         )
+
+    return collect(problems, service.image_specs, count, make)
+
+
+def _answer(service, problems: list[str], images: list[ImageSpec] | None):
+    """The reply: every image made (OpenAI's never stop short), or the request's problems."""
     refuse(problems, service, images)
-    made = service.generate(images)  # every image: OpenAI's never stop short
+    made = service.generate(images)
     data = [{"b64_json": image_b64(pixels, image_record(service, images[position]))} for position, pixels in made]
     return json_response({"created": int(time.time()), "data": data})
 
@@ -169,25 +173,4 @@ def edits_reply(service: Service, fields: dict):
     source = ImageSource(
         *service.input_image(pictures.png_bytes(init), "image"), strength=EDIT_STRENGTH, **source_fields
     )
-    config = service.run.config
-    seed = random.randrange(RANDOM_SEEDS)
-    images = collect(
-        problems,
-        service.image_specs,
-        n,
-        lambda i: ImageSpec(
-            prompt,
-            config.negative_prompt,
-            seed + i,
-            config.steps,
-            config.guidance_scale,
-            height,
-            width,
-            source=source,
-            clip_skip=config.clip_skip,
-        ),
-    )
-    refuse(problems, service, images)
-    made = service.generate(images)
-    data = [{"b64_json": image_b64(pixels, image_record(service, images[position]))} for position, pixels in made]
-    return json_response({"created": int(time.time()), "data": data})
+    return _answer(service, problems, _specs(service, problems, n, prompt, size, source))
