@@ -84,7 +84,7 @@ BAD_LORAS = [
         {"id": "flux-style.safetensors"},
         [
             "model.loras[0].id: 'flux-style' is a LoRA for Flux.1 (schnell, dev) or FLUX.2 [klein] or FLUX.2 [klein] "
-            "distilled or FLUX.2 [dev] (its keys have Flux's double- and"
+            "distilled or FLUX.2 [klein] KV or FLUX.2 [dev] (its keys have Flux's double- and"
         ],
     ),
     ("negative scale", {"id": "ok.safetensors", "scale": -0.5}, ["model.loras[0].scale: must be from 0 to 4"]),

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from tpugen.config import ResolvedRun
 from tpugen.config.hires import HiresFix
-from tpugen.config.images import ImageSource
+from tpugen.config.images import ImageSource, References
 from tpugen.config.prompts import planned_images
 from tpugen.families import FAMILIES
 from tpugen.prompt_reading import PromptReader
@@ -36,11 +36,18 @@ class WorkItem:
     tiling: bool = False  # seamless tiling: the convolutions pad circularly, another graph
     prompt_syntax: str = "webui"  # how its prompts are read (RunConfig.prompt_syntax): a call has one
     clip_skip: int = 1  # the text encoder layer its prompts are read from, counted from the last (RunConfig.clip_skip)
+    references: References | None = None  # an edit by reference: the images it edits from
 
     @property
     def task(self) -> str:
-        """txt2img, img2img (from an init image) or inpaint (an init image and a mask)."""
+        """txt2img, img2img (from an init image), inpaint (an init image and a mask) or edit (by reference)."""
+        if self.references is not None:
+            return "edit"
         return self.source.task if self.source else "txt2img"
+
+    @property
+    def reference_count(self) -> int:
+        return self.references.count if self.references else 0
 
     @property
     def strength(self) -> float | None:
@@ -63,13 +70,24 @@ class ShapeKey:
     chunks: int = 1  # 75-token prompt chunks (WorkItem.chunks)
     tiling: bool = False  # seamless tiling (WorkItem.tiling)
     clip_skip: int = 1  # the text encoder's layer (WorkItem.clip_skip): another text-encoding graph
+    # An edit's reference images, each fitted to the key's size: their tokens join the latent's at every step.
+    references: int = 0
 
     @classmethod
     def of(cls, item: WorkItem, batch_size: int) -> ShapeKey:
         """The shape a batch of `batch_size` rows like `item` runs at."""
         label = item.hires.shape_label if item.hires else ""
         return cls(
-            item.height, item.width, batch_size, item.cfg, item.task, label, item.chunks, item.tiling, item.clip_skip
+            item.height,
+            item.width,
+            batch_size,
+            item.cfg,
+            item.task,
+            label,
+            item.chunks,
+            item.tiling,
+            item.clip_skip,
+            item.reference_count,
         )
 
     def __str__(self) -> str:
@@ -78,6 +96,7 @@ class ShapeKey:
         text = f"{text} {self.chunks} chunks" if self.chunks > 1 else text
         text = f"{text} tiled" if self.tiling else text
         text = f"{text} clip skip {self.clip_skip}" if self.clip_skip > 1 else text
+        text = f"{text} {self.references} ref{'s' if self.references > 1 else ''}" if self.references else text
         return f"{text} {self.hires}" if self.hires else text
 
 
@@ -162,12 +181,14 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
                         width=width,
                         cfg=family.uses_cfg(spec.guidance_scale),
                         source=spec.source,
-                        # A hires fix is txt2img's: a prompt with an init image is its own img2img pass.
-                        hires=hires_fix(hires, spec.steps) if spec.source is None else None,
+                        # A hires fix is txt2img's: a prompt with an init image is its own img2img pass, one with
+                        # references an edit.
+                        hires=hires_fix(hires, spec.steps) if spec.source is None and not spec.references else None,
                         chunks=chunks,
                         prompt_syntax=cfg.prompt_syntax,
                         tiling=cfg.tiling,
                         clip_skip=cfg.clip_skip,
+                        references=spec.references,
                     )
                 )
                 k += 1
@@ -184,7 +205,8 @@ def hires_fix(config, steps: int) -> HiresFix | None:
 
 def plan_batches(items: list[WorkItem], batch_size: int) -> list[Batch]:
     """Group items into full batches of one shape; a pipeline call also needs one step count and guidance (and
-    for img2img one strength: the steps it runs; for hires fix one second pass).
+    for img2img one strength: the steps it runs; for hires fix one second pass; for an edit one set of
+    references, which the pipeline gives every row).
 
     Items keep index order inside each group; groups come in the order of their first item. The last
     batch of a group is padded to `batch_size`, so every call has a planned shape and nothing recompiles.
@@ -192,7 +214,8 @@ def plan_batches(items: list[WorkItem], batch_size: int) -> list[Batch]:
     groups: dict[tuple, list[WorkItem]] = {}
     for item in items:
         key = (item.height, item.width, item.cfg, item.task, item.chunks, item.tiling, item.clip_skip, item.steps)
-        groups.setdefault((*key, item.guidance_scale, item.strength, item.prompt_syntax, item.hires), []).append(item)
+        key = (*key, item.guidance_scale, item.strength, item.prompt_syntax, item.hires, item.references)
+        groups.setdefault(key, []).append(item)
     batches = []
     for members in groups.values():
         shape = ShapeKey.of(members[0], batch_size)

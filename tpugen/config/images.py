@@ -1,4 +1,5 @@
-"""Input images of a run (img2img's init_image, inpainting's mask_image): checked at the door, named by content."""
+"""Input images of a run (img2img's init_image, inpainting's mask_image, an edit's reference_images): checked at
+the door, named by content."""
 
 from __future__ import annotations
 
@@ -56,6 +57,36 @@ class InputImage:
 
     path: str
     sha256: str
+
+
+@dataclass(frozen=True)
+class References:
+    """The reference images an edit by reference takes (FLUX.2: "the cat from image 1 on the sofa of image 2"),
+    in the prompt's order, each fitted to the image's size (resize_mode, the web UI's numbers: by default cropped
+    and resized, as FLUX.2's pipelines fit a reference of another shape)."""
+
+    images: tuple[InputImage, ...]
+    resize_mode: int = 1
+
+    @property
+    def count(self) -> int:
+        return len(self.images)
+
+    def record(self) -> dict:
+        """What an image record says of them, by content."""
+        return {
+            "reference_images_sha256": [image.sha256 for image in self.images],
+            "reference_resize_mode": self.resize_mode,
+        }
+
+    def files(self) -> list[tuple[str, str, str]]:
+        """(key, path, sha256) of each reference."""
+        return [(f"reference_images[{n}]", image.path, image.sha256) for n, image in enumerate(self.images)]
+
+    @classmethod
+    def from_record(cls, fields: dict) -> References:
+        """The references as a run record holds them (dataclasses.asdict)."""
+        return cls(tuple(InputImage(**image) for image in fields["images"]), fields.get("resize_mode", 1))
 
 
 # Images decoded at once, in the whole process: each may be 8192 x 8192 (MAX_INPUT_SIDE, 200 MB as RGB), so

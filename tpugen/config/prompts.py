@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpugen.config.images import ImageSource, read_input_image
+from tpugen.config.images import ImageSource, References, read_input_image
 from tpugen.config.messages import suggest
 from tpugen.config.request import DEFAULT_STRENGTH, entry_problems
 from tpugen.config.schema import RunConfig
@@ -24,6 +24,11 @@ class PromptSpec:
     guidance_scale: float
     sizes: tuple[tuple[int, int], ...]  # (height, width) pairs this prompt is rendered at
     source: ImageSource | None = None  # img2img and inpainting: the images it starts from (None: text only)
+    references: References | None = None  # an edit by reference: the images it edits from (None: none)
+
+    def files(self) -> list[tuple[str, str, str]]:
+        """(key, path, sha256) of each image file the prompt reads (its init image and mask, its references)."""
+        return [*(self.source.files() if self.source else ()), *(self.references.files() if self.references else ())]
 
 
 JSONL_KEYS = {
@@ -38,6 +43,7 @@ JSONL_KEYS = {
     "mask_image",
     "strength",
     "resize_mode",
+    "reference_images",
 }
 
 
@@ -123,6 +129,15 @@ def check_prompt_entry(
         source = ImageSource(
             strength=float(entry.get("strength", DEFAULT_STRENGTH)), resize_mode=entry.get("resize_mode", 0), **images
         )
+    references = None
+    if "reference_images" in entry:
+        found = [
+            read_input_image(value, base_dir or Path.cwd(), f"{where}: reference_images[{n}]", problems)
+            for n, value in enumerate(entry["reference_images"])
+        ]
+        if None in found:
+            return None
+        references = References(tuple(found), entry.get("resize_mode", 1))
     return PromptSpec(
         prompt=prompt,
         negative_prompt=entry.get("negative_prompt", run.negative_prompt),
@@ -131,6 +146,7 @@ def check_prompt_entry(
         guidance_scale=float(entry.get("guidance_scale", run.guidance_scale)),
         sizes=sizes,
         source=source,
+        references=references,
     )
 
 

@@ -73,6 +73,40 @@ DEFAULT_STRENGTH = 0.75  # the web UI's denoising_strength default
 # An input image's largest side and file size: past them it is no image a run could use (a decompression bomb).
 MAX_INPUT_SIDE = 8192
 MAX_INPUT_BYTES = 64 * 1024 * 1024
+# Reference images one prompt may give (a family allows its own number: Family.max_references), and the least
+# side an edit's image has: its references are fitted to its size, and FLUX.2's pipelines refuse references
+# under 64 px a side.
+MAX_REFERENCES = 10
+MIN_REFERENCE_SIDE = 64
+
+
+def cannot_edit_by_reference(family: Family) -> str:
+    """Why a family without references refuses them: the one wording, after each caller's place."""
+    from tpugen.families import FAMILIES
+
+    editors = ", ".join(f.title for f in FAMILIES.values() if f.max_references)
+    return f"{family.title} models do not edit by reference images ({editors} models do)"
+
+
+def too_many_references(family: Family, count: int, noun: str = "images") -> str | None:
+    """Why `count` references are too many for the family, or None."""
+    if count <= family.max_references:
+        return None
+    return f"{count} {noun}; {family.title} models take at most {family.max_references}"
+
+
+def references_too_small(height: int, width: int) -> str | None:
+    """Why an image of this size cannot edit by reference (its references are fitted to it), or None."""
+    if min(height, width) >= MIN_REFERENCE_SIDE:
+        return None
+    return (
+        f"the image is {width}x{height} and its references are fitted to its size; an edit by reference needs at "
+        f"least {MIN_REFERENCE_SIDE} px a side"
+    )
+
+
+def no_mask_for_references(family: Family) -> str:
+    return f"{family.title} models edit by reference images, without a mask; send no mask"
 
 
 def seed_ok(seed: int) -> bool:
@@ -125,6 +159,11 @@ _ENTRY_KEYS = {
     "init_image": (str, lambda v: bool(v.strip()), "a path to an image (relative to the config)"),
     "mask_image": (str, lambda v: bool(v.strip()), "a path to an image (relative to the config)"),
     "strength": ((int, float), strength_ok, "a number above 0 and at most 1"),
+    "reference_images": (
+        list,
+        lambda v: 1 <= len(v) <= MAX_REFERENCES and all(isinstance(p, str) and p.strip() for p in v),
+        f"a list of 1 to {MAX_REFERENCES} paths to images (relative to the config)",
+    ),
     "resize_mode": (
         int,
         lambda v: v in RESIZE_MODES,
@@ -146,7 +185,17 @@ def entry_problems(entry: dict) -> list[str]:
         if key in entry:
             value = entry[key]
             if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
-                problems.append(f"{key} must be {wanted}, got {value!r}")
+                shown = f"a list of {len(value)}" if isinstance(value, list) else repr(value)  # not every path
+                problems.append(f"{key} must be {wanted}, got {shown}")
+    if "reference_images" in entry:
+        # An edit by reference starts from noise beside its references: no init image, no strength.
+        for key in ("init_image", "mask_image", "strength"):
+            if key in entry:
+                problems.append(
+                    f"{key}: a prompt with reference_images edits by reference (no init image, no strength); "
+                    f"leave {key} out"
+                )
+        return problems
     for key in ("mask_image", "strength", "resize_mode"):
         if key in entry and "init_image" not in entry:
             problems.append(f"{key} is for a prompt with an init_image; give one or leave {key} out")

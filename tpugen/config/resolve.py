@@ -17,6 +17,7 @@ from tpugen.config.loras import Lora, loras_by_content, resolve_loras
 from tpugen.config.messages import format_error
 from tpugen.config.overrides import apply_overrides
 from tpugen.config.prompts import PromptSpec, planned_images, resolve_prompts, run_sizes
+from tpugen.config.request import cannot_edit_by_reference, references_too_small, too_many_references
 from tpugen.config.rules import run_problems
 from tpugen.config.schema import RunConfig
 from tpugen.config.yamlio import dump_yaml, read_yaml
@@ -109,6 +110,7 @@ def resolve(
     problems.extend(_size_problems(config, resolved_prompts, family))
     problems.extend(_hires_problems(config, family))
     problems.extend(_img2img_problems(config, resolved_prompts, family))
+    problems.extend(_reference_problems(config, resolved_prompts, family))
     planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
         problems.append(
@@ -197,9 +199,47 @@ def _img2img_problems(config: RunConfig, prompts: list[PromptSpec], family: Fami
     with_image = next((i for i, spec in enumerate(prompts) if spec.source is not None), None)
     if with_image is not None:
         problems.append(f"prompts[{with_image}].init_image: {family.title} models: {family.img2img_refusal}")
-    tasks = [task for task in config.serve.tasks if task != "txt2img"]
+    tasks = [task for task in config.serve.tasks if task not in ("txt2img", "edit")]  # edit: _reference_problems
     if tasks:
         problems.append(f"serve.tasks: {tasks[0]} for {family.title} models: {family.img2img_refusal}")
+    return problems
+
+
+def _reference_problems(config: RunConfig, prompts: list[PromptSpec], family: Family) -> list[str]:
+    """A prompt that edits by reference on a family that cannot, with more references than the family takes, or
+    at a size under the references' least side; and so a server warming edits (serve.tasks, serve.reference_counts)."""
+    problems = _serve_edit_problems(config, family)
+    for number, spec in enumerate(prompts):
+        if spec.references is None:
+            continue
+        where = f"prompts[{number}].reference_images"
+        if not family.max_references:
+            return [*problems, f"{where}: {cannot_edit_by_reference(family)}"]
+        why = too_many_references(family, spec.references.count) or next(
+            filter(None, (references_too_small(h, w) for h, w in spec.sizes)), None
+        )
+        if why:
+            return [*problems, f"{where}: {why}"]
+    return problems
+
+
+def _serve_edit_problems(config: RunConfig, family: Family) -> list[str]:
+    """A server warming edits by reference (serve.tasks edit) for a family that cannot, with more references
+    than the family takes (serve.reference_counts), or at a warm size under the references' least side."""
+    serve = config.serve
+    if "edit" not in serve.tasks:
+        return []
+    if not family.max_references:
+        return [f"serve.tasks: edit: {cannot_edit_by_reference(family)}"]
+    problems = [
+        f"serve.reference_counts[{n}]: {why}"
+        for n, count in enumerate(serve.reference_counts)
+        if (why := too_many_references(family, count, "references"))
+    ]
+    sizes = [tuple(size) for size in serve.sizes] if serve.sizes else run_sizes(config)
+    small = next(filter(None, (references_too_small(h, w) for h, w in sizes)), None)
+    if small:
+        problems.append(f"serve.tasks: edit: {small}")
     return problems
 
 
@@ -300,9 +340,11 @@ def _prompt_by_content(prompt: PromptSpec) -> dict:
     """A prompt as it counts in the hash: its input images by content (sha256), not where they are; a prompt
     without images as it was before prompts could have them."""
     fields = dict(prompt.__dict__)
-    source = fields.pop("source")
+    source, references = fields.pop("source"), fields.pop("references")
     if source is not None:
         fields["source"] = source.record()
+    if references is not None:
+        fields["references"] = references.record()
     return fields
 
 

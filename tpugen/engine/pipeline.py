@@ -124,8 +124,9 @@ class LoadedPipeline:
     def task_pipe(self, task: str):
         """The pipeline for a batch's task: the loaded one for txt2img; for img2img and inpaint diffusers' own
         pipeline of the family made from the same components (`AutoPipelineFor*.from_pipe`: no second load, the
-        same fused LoRAs and hooks), patched the same way, with the scheduler in use now."""
-        if task == "txt2img":
+        same fused LoRAs and hooks), patched the same way, with the scheduler in use now. An edit by reference is
+        the loaded pipeline's own call, given the references as its `image` list."""
+        if task in ("txt2img", "edit"):
             return self.pipe
         if task not in self._task_pipes:
             import diffusers
@@ -261,6 +262,8 @@ class LoadedPipeline:
             "callback_on_step_end": self._step_end,
         }
         arguments.update(self.family.call_arguments(self.pipe, rows, batch.guidance_scale))
+        for name in self.family.arguments_not_taken:
+            arguments.pop(name, None)
         return arguments
 
     def _image_arguments(self, batch: Batch, pipe) -> dict:
@@ -287,6 +290,16 @@ class LoadedPipeline:
         return self._img2img_arguments(
             pipe, batch, fitted, batch.strength, shape.height, shape.width, batch.steps, extra
         )
+
+    def _references(self, batch: Batch) -> list:
+        """An edit's references (every row's: a batch has one set), read and fitted to the batch's size on the
+        host, as PIL images the pipeline encodes once before its loop."""
+        from tpugen.engine import images
+
+        references, shape = batch.items[0].references, batch.shape
+        return [
+            images.load(image.path, shape.width, shape.height, references.resize_mode) for image in references.images
+        ]
 
     def _img2img_arguments(self, pipe, batch: Batch, image, strength, height, width, steps, extra=None) -> dict:
         """The call of an img2img or inpaint pipeline (`pipe`) from `image`, for a batch's rows: no latents:
@@ -371,9 +384,11 @@ class LoadedPipeline:
         self._clock, self.step_timing = StepClock(self.backend), None
         try:
             pipe = self.task_pipe(batch.shape.task)
-            if batch.shape.task == "txt2img":
+            if batch.shape.task in ("txt2img", "edit"):
                 latents, generators = self._initial_noise(batch)
                 arguments = self._call_arguments(batch, latents, generators)
+                if batch.shape.task == "edit":
+                    arguments["image"] = self._references(batch)
             else:
                 arguments = self._image_arguments(batch, pipe)
             if batch.hires is not None:

@@ -14,7 +14,7 @@ from PIL import Image
 from tpugen import __version__
 from tpugen.backends import versions
 from tpugen.config import ModelConfig, PromptSpec, ResolvedRun, RunConfig, dump_config, load_config
-from tpugen.config.images import ImageSource, sha256_of
+from tpugen.config.images import ImageSource, References, sha256_of
 from tpugen.config.loras import loras_by_content
 from tpugen.config.prompts import planned_images, resolve_prompts
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
@@ -123,6 +123,8 @@ def image_record(
     step_cache = {"step_cache": cache} if cache else {}
     source, hires = getattr(image, "source", None), getattr(image, "hires", None)  # a request may have neither
     source = source.record() if source else {}  # by content: the path is where it was, not what it was
+    references = getattr(image, "references", None)
+    source = {**source, **references.record()} if references else source
     multiple = FAMILIES[run.family].size_multiple
     hires = {"hires": hires.record(image.height, image.width, multiple)} if hires else {}
     tiling = {"tiling": True} if getattr(image, "tiling", False) else {}  # an untiled image keeps the record it had
@@ -420,7 +422,9 @@ def _config_data(run: ResolvedRun) -> dict:
 
 
 def _prompts_data(prompts: list[PromptSpec]) -> list[dict]:
-    return _plain([asdict(p) for p in prompts])
+    """The prompts as a run record holds them; a prompt without references as before prompts could have them."""
+    data = [asdict(p) for p in prompts]
+    return _plain([{k: v for k, v in p.items() if k != "references" or v is not None} for p in data])
 
 
 def write_run_record(run_dir: Path, run: ResolvedRun, run_id: str, *, exclusive: bool = False) -> None:
@@ -460,6 +464,7 @@ def recorded_prompts(record: dict) -> list[PromptSpec]:
                 **p,
                 "sizes": tuple(tuple(s) for s in p["sizes"]),
                 "source": ImageSource(**p["source"]) if p.get("source") else None,
+                "references": References.from_record(p["references"]) if p.get("references") else None,
             }
         )
         for p in record["prompts"]
@@ -479,7 +484,7 @@ def load_run(run_dir: Path) -> ResolvedRun:
         f"{run_dir}: prompt {number}'s {key} {path} changed since the run started (or is gone); put it back as it "
         "was, or start a new run"
         for number, prompt in enumerate(prompts)
-        for key, path, sha256 in (prompt.source.files() if prompt.source else ())
+        for key, path, sha256 in prompt.files()
         if sha256_of(path) != sha256
     ]
     if changed:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tpugen.families.base import Builtin, Family, FlashRoute, KnownModel
 from tpugen.families.flux import FAMILY as FLUX
-from tpugen.families.flux2 import FLUX2, FLUX2_KLEIN, FLUX2_KLEIN_DISTILLED
+from tpugen.families.flux2 import FLUX2, FLUX2_KLEIN, FLUX2_KLEIN_DISTILLED, FLUX2_KLEIN_KV
 from tpugen.families.qwenimage import FAMILY as QWEN_IMAGE
 from tpugen.families.sd import FAMILY as SD
 from tpugen.families.sd3 import FAMILY as SD3
@@ -15,7 +15,8 @@ from tpugen.families.sdxl import FAMILY as SDXL
 from tpugen.families.zimage import FAMILY as Z_IMAGE
 
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (SD, SDXL, SD3, FLUX, FLUX2_KLEIN, FLUX2_KLEIN_DISTILLED, FLUX2, Z_IMAGE, QWEN_IMAGE)
+    f.name: f
+    for f in (SD, SDXL, SD3, FLUX, FLUX2_KLEIN, FLUX2_KLEIN_DISTILLED, FLUX2_KLEIN_KV, FLUX2, Z_IMAGE, QWEN_IMAGE)
 }
 
 _BY_CLASS: dict[str, list[Family]] = {}

@@ -137,6 +137,11 @@ class Family:
     # Why img2img and inpainting (init_image, serve.tasks) and so hires fix, whose second pass is img2img, cannot
     # run for this family (None: they can).
     img2img_refusal: str | None = None
+    # Reference images a prompt may give to edit by reference (a prompt's reference_images, the edit task: the
+    # pipeline's `image` list, encoded once before the loop and joined to the latent's tokens): 0, none.
+    max_references = 0
+    # Arguments of tpugen's txt2img call the family's pipeline does not take (left out; any other it lacks fails).
+    arguments_not_taken: tuple[str, ...] = ()
     # Why seamless tiling (tiling, the web UI's tiling) cannot run for this family (None: it can): it makes every
     # padded Conv2d of the denoiser and the VAE pad circularly, so a denoiser without padded convolutions leaves
     # the image's edges as they were.

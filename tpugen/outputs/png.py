@@ -56,6 +56,10 @@ def a1111_parameters(record: dict) -> str:
     }
     if record.get("strength") is not None:  # made from an init image (img2img, inpainting)
         fields["Denoising strength"] = record["strength"]
+    if record.get("reference_images_sha256"):
+        # Not an A1111 key (the web UI has no edit by reference): each reference's first 10 hex digits, in order,
+        # as the web UI shortens a model's hash; the tpugen chunk has them whole.
+        fields["Reference images"] = " ".join(sha[:10] for sha in record["reference_images_sha256"])
     if record.get("clip_skip"):  # the web UI writes its clip skip where it is not the last layer
         fields["Clip skip"] = record["clip_skip"]
     if record.get("tiling"):  # seamless tiling: the web UI writes "Tiling: True" before its hires keys

@@ -97,6 +97,9 @@ class Flux2(TransformerFamily):
     cfg = False
     negative_prompt = False
     guidance_note = "no CFG; guidance embedded in the transformer"
+    # References to edit from (Flux2Pipeline's `image` list): Black Forest Labs recommend at most 6 for [dev], 4
+    # for [klein]; each is encoded by the VAE once and its tokens join the latent's at every step.
+    max_references = 6
     max_sequence_length = 512  # the pipelines pad their text to this many tokens
     patch = 2  # 2x2 patches of the latent are one token (the transformer's own patch_size is 1)
     # diffusers' converter also reads kohya and BFL files (lora_unet_double_blocks_*, diffusion_model.*); its own
@@ -197,6 +200,7 @@ class Flux2Klein(Flux2):
     pipeline_classes = ("Flux2KleinPipeline",)
     cfg = True
     guidance_note = "CFG against an empty prompt above guidance 1"
+    max_references = 4
     # diffusers' TaylorSeer on Flux2Transformer2DModel (CacheMixin); the pipeline names the cond and uncond contexts.
     step_cache_refusal = None
     builtins = (
@@ -267,6 +271,75 @@ class Flux2KleinDistilled(Flux2Klein):
         return bool(index.get("is_distilled"))
 
 
+def _build_klein_kv(target):
+    from tpugen.families.flux2.tiny import build_klein
+
+    build_klein(target, distilled=True, kv=True)
+
+
+class Flux2KleinKV(Flux2KleinDistilled):
+    """The [klein] KV models (Flux2KleinKVPipeline, distilled): an edit's references run through the transformer
+    at the first step alone, which keeps their attention keys and values; every later step attends to those
+    without the references' tokens. Two step graphs per shape key: the first step's, and the later steps'."""
+
+    name = "flux2_klein_kv"
+    title = "FLUX.2 [klein] KV"
+    pipeline_classes = ("Flux2KleinKVPipeline",)
+    arguments_not_taken = ("guidance_scale",)  # a distilled model's pipeline without guidance
+    # Its own attention processors keep the references' keys and values; the XLA flash-attention ones would
+    # replace them.
+    flash_attention = FlashRoute(
+        (), unsupported="Flux2KleinKVPipeline's attention processors keep the references' keys and values"
+    )
+    # compile.scan_blocks would run the blocks without the keys and values each keeps (the transformer's own loop
+    # hands every block its layer's cache): not built.
+    scan_attributes = {}
+    step_cache_refusal = (
+        "diffusers 0.42's Flux2KleinKVPipeline calls its transformer outside a cache_context, which diffusers' step "
+        "caches need"
+    )
+    builtins = (
+        Builtin(
+            "tiny-flux2-klein-kv",
+            "FLUX.2 [klein] KV architecture (distilled; references' keys and values kept after the first step) with "
+            "tiny random weights; noise",
+            1,
+            _build_klein_kv,
+        ),
+    )
+    known_models = ()
+
+    def covers(self, index: dict) -> bool:
+        return True
+
+    def install_hooks(self, pipe, device, hooks) -> None:
+        super().install_hooks(pipe, device, hooks)
+        self.pipeline_hooks(pipe, hooks)
+
+    def pipeline_hooks(self, pipe, hooks) -> None:
+        """The latent's tokens put back in their grid without reading their position ids: diffusers 0.42's
+        Flux2KleinKVPipeline sizes the grid from the ids' maximum (a host read per row, and a graph per read),
+        where the tokens lie row by row (its own ids say so) in the grid its latents were made in."""
+        grid: dict[str, tuple[int, int]] = {}
+
+        def remember(original):
+            def prepare_latent_ids(latents):
+                grid["size"] = tuple(latents.shape[-2:])
+                return original(latents)
+
+            return prepare_latent_ids
+
+        def unpack(_original):
+            def unpack_latents(tokens, ids):
+                height, width = grid["size"]
+                return tokens.permute(0, 2, 1).reshape(tokens.shape[0], tokens.shape[2], height, width)
+
+            return unpack_latents
+
+        hooks.wrap(pipe, "_prepare_latent_ids", "latent grid remembered", remember)
+        hooks.wrap(pipe, "_unpack_latents_with_ids", "latent tokens unpacked by shape", unpack)
+
+
 def _four_dimensional_mask(module, args, kwargs):
     import torch
 
@@ -286,3 +359,4 @@ def _four_dimensional_mask(module, args, kwargs):
 FLUX2 = Flux2()
 FLUX2_KLEIN = Flux2Klein()
 FLUX2_KLEIN_DISTILLED = Flux2KleinDistilled()
+FLUX2_KLEIN_KV = Flux2KleinKV()

@@ -78,9 +78,9 @@ def _vae():
     return vae
 
 
-def build_klein(target: Path, distilled: bool = False) -> None:
+def build_klein(target: Path, distilled: bool = False, kv: bool = False) -> None:
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinKVPipeline, Flux2KleinPipeline
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer, vocab_size = qwen_tokenizer((*QWEN_SPECIAL_TOKENS, "<think>", "</think>"))
@@ -105,7 +105,9 @@ def build_klein(target: Path, distilled: bool = False) -> None:
             pad_token_id=tokenizer.pad_token_id,
         )
     ).eval()
-    Flux2KleinPipeline(
+    # The KV variant is the same weights under Flux2KleinKVPipeline (its processors are set when it is made).
+    pipeline = Flux2KleinKVPipeline if kv else Flux2KleinPipeline
+    pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
         vae=vae,
         text_encoder=text_encoder,
