@@ -10,7 +10,15 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tpugen.config.hires import DEFAULT_HIRES_STRENGTH, MAX_HIRES_SCALE
-from tpugen.config.request import MAX_SEED, MAX_STEPS, MIN_STEPS, SIDE_MULTIPLE, side_ok, text_problem
+from tpugen.config.request import (
+    MAX_REFERENCES,
+    MAX_SEED,
+    MAX_STEPS,
+    MIN_STEPS,
+    SIDE_MULTIPLE,
+    side_ok,
+    text_problem,
+)
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
 
 
@@ -745,11 +753,21 @@ class ServeConfig(_Section):
     schedulers: list[str] = Field(
         default=[], description="Schedulers kept warm besides the model's own (the names model.scheduler takes)."
     )
-    tasks: list[Literal["txt2img", "img2img", "inpaint"]] = Field(
+    tasks: list[Literal["txt2img", "img2img", "inpaint", "edit"]] = Field(
         default=["txt2img"],
         description=(
             "What the server keeps warm at each size and sampler: txt2img, img2img (/sdapi/v1/img2img) and "
-            "inpaint (img2img with a mask); each is graphs of its own (the image's encoding)."
+            "inpaint (img2img with a mask); each is graphs of its own (the image's encoding). edit: editing by "
+            "reference images (FLUX.2: /v1/images/edits, /sdapi/v1/img2img), at each of serve.reference_counts."
+        ),
+    )
+    reference_counts: list[Annotated[int, Field(ge=1, le=MAX_REFERENCES)]] = Field(
+        default=[1],
+        min_length=1,
+        max_length=MAX_REFERENCES,
+        description=(
+            "serve.tasks edit: the numbers of reference images kept warm (each its own graphs at every size: the "
+            "references' tokens join the image's); up to the family's most (FLUX.2 [dev] 6, [klein] 4)."
         ),
     )
     prompt_chunks: list[Annotated[int, Field(ge=1, le=8)]] = Field(

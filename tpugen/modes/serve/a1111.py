@@ -323,9 +323,17 @@ def txt2img_reply(service: Service, body: Txt2Img):
     return _reply(service, body, images_for(service, body))
 
 
-def _reply(service: Service, body: Txt2Img, images: list[ImageSpec], crop: dict | None = None, combine=None):
+def _reply(
+    service: Service,
+    body: Txt2Img,
+    images: list[ImageSpec],
+    crop: dict | None = None,
+    combine=None,
+    note: str | None = None,
+):
     """The web UI's reply for `images` once made; `crop`: inpaint_full_res's, each result pasted back there;
-    `combine`: SD upscale's (sd_upscale_images), which turns the tiles made into the images the reply answers with."""
+    `combine`: SD upscale's (sd_upscale_images), which turns the tiles made into the images the reply answers with;
+    `note`: what the reply's `info` says of the request beside the web UI's keys (`note`)."""
     made = service.generate(images, interruptible=True, task=body.force_task_id)
     if combine is not None:
         images, made = combine(made)
@@ -363,6 +371,8 @@ def _reply(service: Service, body: Txt2Img, images: list[ImageSpec], crop: dict 
         "infotexts": infotexts,
         "version": f"tpugen {records[0]['tpugen_version']}" if records else None,
     }
+    if note:
+        info["note"] = note
     return json_response(
         {
             "images": [image_b64(p, r) for p, r in zip(pixels, records, strict=True)] if body.send_images else [],
@@ -441,12 +451,10 @@ def _init_problems(body: Img2Img) -> tuple[list[str], float]:
 def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageSpec], dict | None]:
     """The request's images (each starting from the init image, fitted, and its mask prepared as the web UI does),
     and for inpaint_full_res the crop each result is pasted back at (None otherwise)."""
-    from tpugen.config.request import RESIZE_MODES
     from tpugen.engine import images as pictures
 
     problems, strength = _init_problems(body)
-    if body.resize_mode not in RESIZE_MODES:
-        problems.append(f"resize_mode: must be one of {', '.join(f'{k} ({v})' for k, v in RESIZE_MODES.items())}")
+    problems += _resize_mode_problems(body)
     if not 0 <= body.mask_blur <= 64:
         problems.append(f"mask_blur: must be from 0 to 64, got {body.mask_blur}")
     if not 0 <= body.inpaint_full_res_padding <= MAX_INPAINT_PADDING:
@@ -515,8 +523,39 @@ def img2img_reply(service: Service, body: Img2Img):
     if body.script_name:  # SD upscale: img2img_problems refused every other script
         images, combine = sd_upscale_images(service, body)
         return _reply(service, body, images, combine=combine)
+    if service.family.max_references:  # FLUX.2: init_images are the references it edits from
+        images = edit_images(service, body)
+        note = f"denoising_strength is ignored: {service.family.title} models edit by reference"
+        return _reply(service, body, images, note=note)
     images, crop = img2img_images(service, body)
     return _reply(service, body, images, crop)
+
+
+def edit_images(service: Service, body: Img2Img) -> list[ImageSpec]:
+    """The request's images on a model that edits by reference (FLUX.2): txt2img's, with init_images as the
+    references, in order, each stored as sent and fitted to the size by the engine (resize_mode as the request
+    sets it; unset, crop and resize, as FLUX.2's pipelines fit one). denoising_strength is not read (an edit
+    starts from noise); a mask is refused."""
+    problems = _resize_mode_problems(body)
+    txt = images_for(service, body) if not problems else None
+    if problems or not txt:
+        refuse(problems or ["init_images: missing"], service, None)
+    sent = [collect(problems, _decoded, text, f"init_images[{n}]") for n, text in enumerate(body.init_images)]
+    resize_mode = body.resize_mode if "resize_mode" in body.model_fields_set else 1
+    references = None
+    if not problems:
+        references = service.references(sent, "init_images", problems, mask=bool(body.mask), resize_mode=resize_mode)
+    if problems:
+        raise InputError(*problems)
+    return [replace(image, references=references) for image in txt]
+
+
+def _resize_mode_problems(body: Img2Img) -> list[str]:
+    from tpugen.config.request import RESIZE_MODES
+
+    if body.resize_mode in RESIZE_MODES:
+        return []
+    return [f"resize_mode: must be one of {', '.join(f'{k} ({v})' for k, v in RESIZE_MODES.items())}"]
 
 
 def sd_upscale_images(service: Service, body: Img2Img):

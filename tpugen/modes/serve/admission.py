@@ -41,13 +41,14 @@ class Admission:
             image.guidance_scale,
             image.scheduler,
             loras_key(image.loras),
-            source.task if source else "txt2img",
+            "edit" if image.references else source.task if source else "txt2img",
             source.strength if source else None,
             image.hires,
             chunks=reader.chunks(image.prompt, image.negative_prompt, cfg=cfg),
             tiling=image.tiling,
             prompt_syntax=reader.syntax,
             clip_skip=image.clip_skip,
+            references=image.references,
         )
 
     def image_specs(self, count: int, make) -> list[ImageSpec]:
@@ -117,6 +118,11 @@ class Admission:
             what = f"hires fix {key.hires.shape_label.removeprefix('hires ')} is not warm ({warm.hires_summary()})"
         elif key.task not in warm.serve.tasks:
             what = f"{key.task} is not warm (serve.tasks: {', '.join(warm.serve.tasks)})"
+        elif key.references and key.references.count not in warm.reference_counts:
+            counts = ", ".join(map(str, warm.reference_counts))
+            count = key.references.count
+            what = f"edit with {count} reference{'s' if count > 1 else ''} is not warm"
+            what += f" (serve.reference_counts: {counts})"
         elif key.chunks not in warm.chunk_counts:
             counts = ", ".join(map(str, warm.chunk_counts))
             what = f"a prompt of {key.chunks} chunks of 75 tokens is not warm (serve.prompt_chunks: {counts})"

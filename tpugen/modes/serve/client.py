@@ -65,6 +65,12 @@ def run_payload(run: ResolvedRun, run_id: str) -> dict:
                 entry[key] = data_uri(path, sha256, f"prompts[{number}].{key}")
             # Always sent: the server's default is not the client's to guess.
             entry["strength"], entry["resize_mode"] = spec.source.strength, spec.source.resize_mode
+        if spec.references is not None:
+            where = f"prompts[{number}].reference_images"
+            entry["reference_images"] = [
+                data_uri(image.path, image.sha256, f"{where}[{n}]") for n, image in enumerate(spec.references.images)
+            ]
+            entry["resize_mode"] = spec.references.resize_mode
         entries.append(entry if len(entry) > 1 else spec.prompt)
     data["prompts"] = entries
     # A LoRA file here is named on the server by its file stem (in its serve.lora_dir); its sha256 pins it.

@@ -69,15 +69,18 @@ def generations_reply(service: Service, body: Generation):
     return _answer(service, problems, images)
 
 
-def _specs(service, problems: list[str], count: int, prompt: str, size, source=None) -> list[ImageSpec] | None:
+def _specs(
+    service, problems: list[str], count: int, prompt: str, size, source=None, references=None
+) -> list[ImageSpec] | None:
     """A request's `count` images at the server's settings (its negative prompt, steps, guidance, clip skip),
-    seeded from a fresh seed (OpenAI's API has none); None where the size is (a problem already noted)."""
+    seeded from a fresh seed (OpenAI's API has none), from an image (`source`) or references (`references`);
+    None where the size is (a problem already noted)."""
     if size is None:
         return None
     config = service.run.config
     seed = random.randrange(RANDOM_SEEDS)
     height, width = size
-    fields = {"source": source, "clip_skip": config.clip_skip}
+    fields = {"source": source, "references": references, "clip_skip": config.clip_skip}
 
     def make(i: int) -> ImageSpec:
         return ImageSpec(
@@ -104,17 +107,25 @@ EDIT_STRENGTH = 0.75  # an edit without a mask or transparency: img2img at the w
 async def edits(request: Request):
     """OpenAI's image edit (multipart): `image`, an optional `mask` whose transparent pixels are repainted (or the
     image's own transparency), `prompt`, `n`, `size`, `response_format: b64_json`. Without either it is img2img
-    at strength 0.75."""
+    at strength 0.75. On a model that edits by reference (FLUX.2), every `image` part (`image[]`, as the client
+    sends a list) is a reference, in order, and there is no mask."""
     service: Service = request.app.state.service
     from tpugen.config.request import MAX_INPUT_BYTES
 
-    form = await request.form(max_files=2, max_fields=16, max_part_size=MAX_INPUT_BYTES)
+    most = service.family.max_references
+    # A model that edits by reference takes its most images, and one file more: past it, a request is answered
+    # with its count (edits_reply), not the form parser's words.
+    form = await request.form(max_files=max(2, most + 1), max_fields=16, max_part_size=MAX_INPUT_BYTES)
     fields: dict = {}
     problems = []
     for name, value in form.multi_items():
         name = name.removesuffix("[]")
         is_file = hasattr(value, "read")
-        if name in fields:
+        if most and name == "image" and is_file:
+            fields.setdefault("image", []).append(await value.read())  # the references, in order
+        elif most and name == "mask":
+            fields["mask"] = True  # refused whatever it is (Service.references)
+        elif name in fields:
             problems.append(f"{name}: sent twice; an edit takes one")
         elif is_file and name not in EDIT_FILES:
             problems.append(f"{name}: must be a form field, not a file")
@@ -138,9 +149,6 @@ def edits_reply(service: Service, fields: dict):
     prompt = fields.get("prompt")
     if not isinstance(prompt, str):
         problems.append("prompt: missing")
-    image_bytes = fields.get("image")
-    if not isinstance(image_bytes, bytes):
-        problems.append("image: missing (a PNG or JPEG file)")
     try:
         n = int(fields.get("n", 1))
     except ValueError:
@@ -148,6 +156,16 @@ def edits_reply(service: Service, fields: dict):
     if n < 1:
         problems.append(f"n: must be an integer of at least 1, got {fields.get('n')!r}")
     size = collect(problems, size_of, service, fields.get("size"))
+    if service.family.max_references:
+        sent = fields.get("image")
+        sent = sent if isinstance(sent, list) else []  # an `image` text field is refused at the door
+        references = service.references(sent, "image", problems, mask="mask" in fields)
+        if problems or references is None or size is None:
+            refuse(problems or ["size: missing"], service, None)
+        return _answer(service, problems, _specs(service, problems, n, prompt, size, references=references))
+    image_bytes = fields.get("image")
+    if not isinstance(image_bytes, bytes):
+        problems.append("image: missing (a PNG or JPEG file)")
     init = mask = None
     if isinstance(image_bytes, bytes):
         init = collect(problems, pictures.open_bytes, image_bytes, "image", keep_alpha=True)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tpugen.config.hires import HiresFix
-from tpugen.config.images import ImageSource
+from tpugen.config.images import ImageSource, References
 from tpugen.config.request import ImageRequest
 from tpugen.plan import ShapeKey, WorkItem
 
@@ -35,6 +35,7 @@ class ImageSpec(ImageRequest):
     hires: HiresFix | None = None  # hires fix (the web UI's enable_hr): a second pass at a larger size
     tiling: bool = False  # seamless tiling (the web UI's tiling): tpugen.plan.WorkItem.tiling
     clip_skip: int = 1  # the web UI's CLIP_stop_at_last_layers: tpugen.plan.WorkItem.clip_skip
+    references: References | None = None  # an edit by reference: the images it edits from (FLUX.2)
 
     @property
     def steps_in_all(self) -> int:
@@ -53,19 +54,30 @@ class BatchKey:
     guidance_scale: float
     scheduler: str | None  # None: the model's own
     loras: tuple = ()  # tpugen.config.loras.loras_key of the LoRAs fused for it: other sets never share a batch
-    task: str = "txt2img"  # img2img and inpaint: tpugen.plan.WorkItem.task
+    task: str = "txt2img"  # img2img, inpaint and edit: tpugen.plan.WorkItem.task
     strength: float | None = None  # img2img's: a call has one
     hires: HiresFix | None = None  # hires fix's second pass: a call has one
     chunks: int = 1  # the prompts' 75-token chunks (tpugen.plan.WorkItem.chunks)
     tiling: bool = False  # seamless tiling (tpugen.plan.WorkItem.tiling)
     prompt_syntax: str = "webui"  # the server's (RunConfig.prompt_syntax)
     clip_skip: int = 1  # tpugen.plan.WorkItem.clip_skip
+    # An edit's references: the pipeline gives its one `image` list to every row, so a batch shares one set.
+    references: References | None = None
 
     def shape(self, batch_size: int) -> ShapeKey:
         """The compiled shape a batch of this key runs at."""
         label = self.hires.shape_label if self.hires else ""
         return ShapeKey(
-            self.height, self.width, batch_size, self.cfg, self.task, label, self.chunks, self.tiling, self.clip_skip
+            self.height,
+            self.width,
+            batch_size,
+            self.cfg,
+            self.task,
+            label,
+            self.chunks,
+            self.tiling,
+            self.clip_skip,
+            self.references.count if self.references else 0,
         )
 
 
@@ -99,6 +111,7 @@ class ImageJob:
             tiling=key.tiling,
             prompt_syntax=key.prompt_syntax,
             clip_skip=key.clip_skip,
+            references=image.references,
         )
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tpugen.config import ResolvedRun, resolve
 from tpugen.config.loras import is_hub_lora
+from tpugen.config.request import MAX_REFERENCES
 from tpugen.config.schema import ServeConfig, StepCacheConfig
 from tpugen.errors import InputError
 from tpugen.modes.serve.input_images import data_uri_bytes
@@ -65,22 +66,31 @@ def resolve_run(data: dict, server_run: ResolvedRun, output_root: Path, store: I
 
 
 def run_prompts(prompts, problems: list[str], store: ImageStore) -> list | None:
-    """A run's prompts with each input image sent (a base64 data: URI) stored by its content (`store`) and
-    named by its path; a path is refused, since the server reads none a client names.
-    None: no list of prompts (resolve says what is wrong with it)."""
+    """A run's prompts with each input image sent (a base64 data: URI: init_image, mask_image, each of
+    reference_images) stored by its content (`store`) and named by its path; a path is refused, since the server
+    reads none a client names. None: no list of prompts (resolve says what is wrong with it)."""
     if not isinstance(prompts, list):
         return None
+
+    def stored_path(value, where: str):
+        try:
+            return store(data_uri_bytes(value, where), where)[0]
+        except InputError as exc:
+            problems.extend(exc.lines)
+            return value
+
     stored = []
     for number, entry in enumerate(prompts):
         if isinstance(entry, dict):
             entry = dict(entry)
             for key in ("init_image", "mask_image"):
                 if key in entry:
-                    where = f"prompts[{number}].{key}"
-                    try:
-                        entry[key] = store(data_uri_bytes(entry[key], where), where)[0]
-                    except InputError as exc:
-                        problems.extend(exc.lines)
+                    entry[key] = stored_path(entry[key], f"prompts[{number}].{key}")
+            references = entry.get("reference_images")
+            # Not a list of at most MAX_REFERENCES: resolve says what it must be, without storing any.
+            if isinstance(references, list) and len(references) <= MAX_REFERENCES:
+                where = f"prompts[{number}].reference_images"
+                entry["reference_images"] = [stored_path(value, f"{where}[{n}]") for n, value in enumerate(references)]
         stored.append(entry)
     return stored
 

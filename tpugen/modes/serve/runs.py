@@ -47,7 +47,7 @@ class SentRuns:
         """The input images the runs queued or running read: kept while they may (InputImages)."""
         with self._lock:
             runs = [handle.run for handle in self.live.values() if handle.run is not None]
-        return {path for run in runs for prompt in run.prompts if prompt.source for _, path, _ in prompt.source.files()}
+        return {path for run in runs for prompt in run.prompts for _, path, _ in prompt.files()}
 
     def start(self, data: dict) -> RunHandle:
         """A run config sent by a client, checked, then run in a thread on the engine with the fewest runs;

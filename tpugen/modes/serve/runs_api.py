@@ -44,7 +44,8 @@ def status_of(handle: RunHandle, *, report: bool = True) -> dict:
 @router.post("")
 async def submit(request: Request):
     """A run config, as YAML or JSON (the schema `tpugen generate` reads), run on the warm engine. A prompt's
-    init_image and mask_image are the images themselves, as base64 data: URIs: the server reads no paths."""
+    init_image, mask_image and reference_images are the images themselves, as base64 data: URIs: the server
+    reads no paths."""
     service: Service = request.app.state.service
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media in PAGE_TYPES:

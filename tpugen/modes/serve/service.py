@@ -12,7 +12,7 @@ from pathlib import Path
 from tpugen.config import ResolvedRun
 from tpugen.config.loras import Lora
 from tpugen.engine import Display, Engine
-from tpugen.errors import RunError, one_line
+from tpugen.errors import InputError, RunError, one_line
 from tpugen.families import FAMILIES
 from tpugen.logs import logger
 from tpugen.modes.serve.admission import Admission
@@ -234,6 +234,33 @@ class Service:
         """(path, sha256) of an image a request sent, written once under the output root by its content; an
         InputError naming `where` if it is no image tpugen can use."""
         return self.inputs.store(data, where)
+
+    def references(self, sent: list[bytes], where: str, problems: list[str], *, mask: bool, resize_mode: int = 1):
+        """A request's reference images (FLUX.2 edits by them), in the order sent, each stored by its content for
+        the engine to fit to the size (`resize_mode`); None with every problem noted in `problems`: none sent, more
+        than the model takes, a part that is no image, a mask (`mask`: one was sent), each named after `where`."""
+        from tpugen.config.images import InputImage, References
+        from tpugen.config.request import no_mask_for_references, too_many_references
+
+        family = self.family
+        if mask:
+            problems.append(f"mask: {no_mask_for_references(family)}")
+        if not sent:
+            problems.append(f"{where}: give 1 to {family.max_references} images (PNG or JPEG), the references")
+            return None
+        if why := too_many_references(family, len(sent)):
+            problems.append(f"{where}: {why}")
+            return None
+        names = [where] if len(sent) == 1 else [f"{where}[{n}]" for n in range(len(sent))]
+        stored = []
+        for data, name in zip(sent, names, strict=True):
+            try:
+                stored.append(InputImage(*self.input_image(data, name)))
+            except InputError as exc:
+                problems.extend(exc.lines)
+        if problems:
+            return None
+        return References(tuple(stored), resize_mode)
 
     def image_specs(self, count: int, make) -> list[ImageSpec]:
         """`make(i)` for each of a request's `count` images, bounded by serve.max_images_per_request

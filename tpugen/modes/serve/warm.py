@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from tpugen.config import ResolvedRun, run_sizes
 from tpugen.config.hires import HiresFix
-from tpugen.config.images import ImageSource
+from tpugen.config.images import ImageSource, InputImage, References
 from tpugen.config.schema import step_cache_options_text
 from tpugen.engine import Display, Engine
 from tpugen.engine.step_cache import warm_steps
@@ -36,6 +36,8 @@ class WarmEngines:
         self.schedulers = [None, *(find_scheduler(name).name for name in self.serve.schedulers)]
         # The prompt chunk counts warmed (serve.prompt_chunks), where prompts are read in chunks at all.
         self.chunk_counts = list(self.serve.prompt_chunks) if self.reader.chunked else [1]
+        # The reference counts an edit is warm for (serve.reference_counts), where edits are warmed at all.
+        self.reference_counts = list(self.serve.reference_counts) if "edit" in self.serve.tasks else []
         # Each (shape key, scheduler) warmup compiles, one at a time so /readyz can count them.
         plan = self.plan()
         self.keys = [(batch, scheduler) for scheduler in self.schedulers for batch in plan.batches]
@@ -78,19 +80,20 @@ class WarmEngines:
                     break
 
     def plan(self) -> RunPlan:
-        """One batch per warm size (with serve.tiling each once more, tiled), at the config's guidance and steps,
-        or under a step cache at the steps that compile every kind of step a request of any step count runs
-        (`warm_steps`)."""
+        """One batch per warm size (with serve.tiling each once more, tiled; an edit once per reference count), at
+        the config's guidance and steps, or under a step cache at the steps that compile every kind of step a
+        request of any step count runs (`warm_steps`)."""
         config = self.run.config
         steps = warm_steps(config.compile.step_cache, config.steps)
         batches = []
-        kinds = [(task, None) for task in self.serve.tasks]
+        kinds = [(task, None, 0) for task in self.serve.tasks if task != "edit"]
+        kinds += [("edit", None, count) for count in self.reference_counts]
         if config.hires is not None and "txt2img" in self.serve.tasks:  # the config's hires fix, for enable_hr
-            kinds.append(("txt2img", hires_fix(config.hires, steps)))
-        shapes = [(task, hires, chunks) for task, hires in kinds for chunks in self.chunk_counts]
+            kinds.append(("txt2img", hires_fix(config.hires, steps), 0))
+        shapes = [(task, hires, refs, chunks) for task, hires, refs in kinds for chunks in self.chunk_counts]
         tilings = (False, True) if self.serve.tiling else (False,)  # serve.tiling: every warm shape tiled too
-        for tiling, (task, hires, chunks) in itertools.product(tilings, shapes):
-            source = self._source(task)
+        for tiling, (task, hires, refs, chunks) in itertools.product(tilings, shapes):
+            source, references = self._source(task), self._references(refs)
             for height, width in self.sizes:
                 item = WorkItem(
                     0,
@@ -109,6 +112,7 @@ class WarmEngines:
                     prompt_syntax=config.prompt_syntax,
                     tiling=tiling,
                     clip_skip=config.clip_skip,
+                    references=references,
                 )
                 shape = ShapeKey.of(item, self.batch_size)
                 batches.append(Batch(len(batches), shape, (item,), self.batch_size - 1))
@@ -117,24 +121,30 @@ class WarmEngines:
     def _source(self, task: str) -> ImageSource | None:
         """The input images an img2img or inpaint warmup call starts from: mid grey, the mask's right half white
         (the graphs depend on the sizes alone, and each call fits its images to its size)."""
-        if task == "txt2img":
+        if task not in ("img2img", "inpaint"):
             return None
-        import io
-
         from PIL import Image
 
-        def png(image) -> bytes:
-            out = io.BytesIO()
-            image.save(out, format="PNG")
-            return out.getvalue()
-
-        init = self.inputs.store(png(Image.new("RGB", (64, 64), (128, 128, 128))), "warmup")
+        init = self._grey()
         mask = None
         if task == "inpaint":
             half = Image.new("L", (64, 64), 0)
             half.paste(255, (32, 0, 64, 64))
-            mask = self.inputs.store(png(half), "warmup")
+            mask = self.inputs.store(_png(half), "warmup")
         return ImageSource(init[0], init[1], 0.75, 0, *(mask or (None, None)))
+
+    def _references(self, count: int) -> References | None:
+        """The references an edit warmup call of `count` references gives: mid grey each (the graphs depend on
+        their count and the size alone: each is fitted to the call's size)."""
+        if not count:
+            return None
+        return References((InputImage(*self._grey()),) * count)
+
+    def _grey(self) -> tuple[str, str]:
+        """(path, sha256) of a mid-grey image stored for warmup calls to start or edit from."""
+        from PIL import Image
+
+        return self.inputs.store(_png(Image.new("RGB", (64, 64), (128, 128, 128))), "warmup")
 
     def hires_warm(self, hires: HiresFix) -> bool:
         """Whether the server's config warms hires fix at this scale and upscaler (its steps are data)."""
@@ -153,6 +163,9 @@ class WarmEngines:
         summary = f"sizes {sizes} (width x height; {'cfg' if self.cfg else 'no cfg'}, batch {self.batch_size}); samplers {names}"
         if self.serve.tasks != ["txt2img"]:
             summary += f"; tasks {', '.join(self.serve.tasks)}"
+        if self.reference_counts:
+            counts = ", ".join(map(str, self.reference_counts))
+            summary += f"; edits with {counts} reference{'s' if self.reference_counts != [1] else ''}"
         if self.chunk_counts != [1]:
             summary += f"; prompt chunks {', '.join(map(str, self.chunk_counts))}"
         if self.serve.tiling:
@@ -188,3 +201,12 @@ class WarmEngines:
                 f"{hires.schedule_steps} steps; sampler {name} runs at most {most} on this model"
             )
         return problems
+
+
+def _png(image) -> bytes:
+    """A PIL image as PNG bytes."""
+    import io
+
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
