@@ -438,11 +438,16 @@ def test_a_hung_worker_misses_its_batch_deadline_is_killed_and_restarted(ray_clu
     report = json.loads((run_dir / "report.json").read_text())
     ray = report["ray"]
     assert report["complete"] and ray["batch_timeout_s"] == deadline and ray["lost_workers"] == [0]
-    [lost] = [e for e in ray["events"] if e["event"] == "lost"]
+    # The hung batch is the first loss. A restarted worker compiles in its first batch, which on two busy cores
+    # has outlasted the deadline too (a second loss, seen twice in full runs): each later loss must be the same
+    # deadline's, each restarted, and the counts must agree.
+    losses = [e for e in ray["events"] if e["event"] == "lost"]
+    lost = losses[0]
     assert lost["reason"] == f"batch {lost['batches'][0]} not done within {deadline} s" and len(lost["batches"]) == 2
-    assert ray["restarts"] == 1 and set(lost["batches"]) <= set(ray["retried_batches"])
+    assert all(e["reason"].endswith(f"not done within {deadline} s") for e in losses)
+    assert ray["restarts"] == len(losses) and set(lost["batches"]) <= set(ray["retried_batches"])
     [worker] = ray["per_worker"]
-    assert len(worker["pids"]) == 2 and worker["losses"] == 1 and worker["state"] == "done"
+    assert len(worker["pids"]) == len(losses) + 1 and worker["losses"] == len(losses) and worker["state"] == "done"
     assert (
         f"worker 0 lost (pid {lost['pid']}, batch {lost['batches'][0]} not done within {deadline} s)"
         in (run_dir / "report.md").read_text()
