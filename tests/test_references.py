@@ -172,6 +172,7 @@ def _diffusers_edits(model: str, run_dir: Path, references: dict[str, list]) -> 
 
 
 @pytest.mark.xla
+@pytest.mark.cold_process  # its ~6,000 memory maps (two keys traced by dynamo) go with a child process
 def test_flux2_klein_edits_by_reference_as_diffusers_does_and_resume_names_a_changed_one(tmp_path):
     """Three edits on FLUX.2 [klein] base (CFG on): two of one reference each (one shape, two batches: each its
     own references) and one of two (a reference wider than the image, cropped to it): one shape key a count,
