@@ -428,9 +428,9 @@ def run_faulty_driver(tmp: Path, config: dict, fault: str, timeout: float = 150)
 def test_a_hung_worker_misses_its_batch_deadline_is_killed_and_restarted(ray_cluster, tmp_path):
     # One worker, whose first batch never returns: past the deadline its batches go back to the queue and the
     # driver has Ray kill it; Ray restarts it (max_restarts 3), and the restarted process makes every image.
-    # 30 s: a restarted worker's first batch (its compiles), on a machine busy with the other test process, took
-    # over 8 s once and over 15 s in a later full run (a second loss: the restarted worker timed out too).
-    deadline = 30
+    # 10 s: the deadline counts only for warm shape keys (the restarted process warms up first, without one), and a
+    # warm batch of one 64x64 image took 1.2 s on two cores busy with the other test process.
+    deadline = 10
     config = ray_config(tmp_path, ray_cluster["address"], workers=1, batch_timeout_s=deadline)
     status, err, run_dir = run_faulty_driver(tmp_path, config, "hung batch")
     assert status == 0, err
@@ -438,16 +438,14 @@ def test_a_hung_worker_misses_its_batch_deadline_is_killed_and_restarted(ray_clu
     report = json.loads((run_dir / "report.json").read_text())
     ray = report["ray"]
     assert report["complete"] and ray["batch_timeout_s"] == deadline and ray["lost_workers"] == [0]
-    # The hung batch is the first loss. A restarted worker compiles in its first batch, which on two busy cores
-    # has outlasted the deadline too (a second loss, seen twice in full runs): each later loss must be the same
-    # deadline's, each restarted, and the counts must agree.
-    losses = [e for e in ray["events"] if e["event"] == "lost"]
-    lost = losses[0]
+    # One loss, the deadline's, and one restart: while Ray restarts the killed process it answers the driver's
+    # greet with ActorUnavailableError, which is no second loss (a busy full run once counted one).
+    [lost] = [e for e in ray["events"] if e["event"] == "lost"]
     assert lost["reason"] == f"batch {lost['batches'][0]} not done within {deadline} s" and len(lost["batches"]) == 2
-    assert all(e["reason"].endswith(f"not done within {deadline} s") for e in losses)
-    assert ray["restarts"] == len(losses) and set(lost["batches"]) <= set(ray["retried_batches"])
+    assert ray["restarts"] == 1 and set(lost["batches"]) <= set(ray["retried_batches"])
     [worker] = ray["per_worker"]
-    assert len(worker["pids"]) == len(losses) + 1 and worker["losses"] == len(losses) and worker["state"] == "done"
+    assert len(worker["pids"]) == 2 and worker["losses"] == 1 and worker["state"] == "done"
+    assert worker["compiles_after_warmup"] == 0
     assert (
         f"worker 0 lost (pid {lost['pid']}, batch {lost['batches'][0]} not done within {deadline} s)"
         in (run_dir / "report.md").read_text()

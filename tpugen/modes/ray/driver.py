@@ -26,6 +26,10 @@ from tpugen.plan import Batch, RunPlan, plan_run
 
 WORKERS_FILE = "workers.json"
 ALIVE = ("starting", "warming", "ready", "restarting")  # states in which a worker may still take batches
+# A lost worker whose greet Ray answers "being restarted" (ActorUnavailableError) is greeted again every
+# GREET_PAUSE_S for up to RESTART_PATIENCE_S from its loss, then counted lost again.
+RESTART_PATIENCE_S = 120.0
+GREET_PAUSE_S = 0.25
 WAIT_SECONDS = 1.0  # the longest the driver waits for any answer before it looks at deadlines and signals again
 
 
@@ -220,11 +224,19 @@ class ClusterRun:
             if died and not preempted:
                 self._gone(worker)
                 return
-            if not died and not worker.greet_retried:
+            # Ray saying the actor is being restarted (ActorUnavailableError) is no new loss: greeted again, a
+            # moment later, for as long as a restart may take. Seen on two busy cores: the greet after a kill
+            # met it twice, and a second loss of the same process was counted.
+            restarting = isinstance(exc, self.ray.exceptions.ActorUnavailableError) and (
+                time.perf_counter() - (worker.lost_at or 0.0) < RESTART_PATIENCE_S
+            )
+            if not died and (restarting or not worker.greet_retried):
                 # No process answered yet: the old one was still going down (one the driver killed, say) when the
                 # greet reached it. Asked once more, not counted as another loss.
                 worker.greet_retried = True
                 worker.epoch += 1  # the rest of the unanswered greet is ignored
+                if restarting:
+                    time.sleep(GREET_PAUSE_S)
                 self._greet(worker)
                 return
         self._count_loss(worker, call, exc)
@@ -255,6 +267,7 @@ class ClusterRun:
         worker.losses += 1
         worker.epoch += 1
         worker.greet_retried = False
+        worker.lost_at = time.perf_counter()
         lost = sorted({call.batch.number} if call.batch else set()) + sorted(
             b.number for b in worker.in_flight.values()
         )

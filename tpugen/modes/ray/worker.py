@@ -41,6 +41,7 @@ class Worker:
     busy_since: float | None = None  # when the oldest batch in flight could start: its deadline counts from here
     warm_shapes: set = field(default_factory=set)  # shape keys this process has compiled (no deadline before)
     greet_retried: bool = False  # a greet after this loss already went unanswered once
+    lost_at: float | None = None  # when its last loss was counted (perf_counter): Ray restarts it from then
     lost_batches: list[int] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)
     recompiles: list[dict] = field(default_factory=list)
