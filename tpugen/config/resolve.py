@@ -110,7 +110,7 @@ def resolve(
     problems.extend(_size_problems(config, resolved_prompts, family))
     problems.extend(_hires_problems(config, family))
     problems.extend(_img2img_problems(config, resolved_prompts, family))
-    problems.extend(_reference_problems(config, resolved_prompts, family))
+    problems.extend(_reference_problems(config, resolved_prompts, family, serving=not prompts_required))
     planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
         problems.append(
@@ -205,12 +205,20 @@ def _img2img_problems(config: RunConfig, prompts: list[PromptSpec], family: Fami
     return problems
 
 
-def _reference_problems(config: RunConfig, prompts: list[PromptSpec], family: Family) -> list[str]:
+def _reference_problems(
+    config: RunConfig, prompts: list[PromptSpec], family: Family, *, serving: bool = False
+) -> list[str]:
     """A prompt that edits by reference on a family that cannot, with more references than the family takes, or
-    at a size under the references' least side; and so a server warming edits (serve.tasks, serve.reference_counts)."""
-    problems = _serve_edit_problems(config, family)
+    at a size under the references' least side; one without references on a family that only edits; and so a
+    server warming edits (serve.tasks, serve.reference_counts)."""
+    problems = _serve_edit_problems(config, family, serving)
     for number, spec in enumerate(prompts):
         if spec.references is None:
+            if family.txt2img_refusal:  # an edit-only family: every prompt edits by reference
+                return [
+                    *problems,
+                    f"prompts[{number}]: {family.title} models: {family.txt2img_refusal}; give it reference_images",
+                ]
             continue
         where = f"prompts[{number}].reference_images"
         if not family.max_references:
@@ -223,10 +231,13 @@ def _reference_problems(config: RunConfig, prompts: list[PromptSpec], family: Fa
     return problems
 
 
-def _serve_edit_problems(config: RunConfig, family: Family) -> list[str]:
+def _serve_edit_problems(config: RunConfig, family: Family, serving: bool) -> list[str]:
     """A server warming edits by reference (serve.tasks edit) for a family that cannot, with more references
-    than the family takes (serve.reference_counts), or at a warm size under the references' least side."""
+    than the family takes (serve.reference_counts), or at a warm size under the references' least side; a
+    server's config (`serving`) warming txt2img for a family that only edits."""
     serve = config.serve
+    if serving and "txt2img" in serve.tasks and family.txt2img_refusal:
+        return [f"serve.tasks: txt2img: {family.title} models: {family.txt2img_refusal}; set serve.tasks: [edit]"]
     if "edit" not in serve.tasks:
         return []
     if not family.max_references:

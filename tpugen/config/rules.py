@@ -16,6 +16,8 @@ def run_problems(config: RunConfig, family: Family) -> list[str]:
         problems.append(
             f"model.scheduler: {family.title} models keep their own flow-matching scheduler; leave it unset"
         )
+    if config.batch_size > 1 and family.batch_refusal:
+        problems.append(f"batch_size: {family.title} models: {family.batch_refusal}; set batch_size: 1")
     if config.clip_skip > 1 and family.clip_skip_refusal:
         problems.append(f"clip_skip: {family.title} models: {family.clip_skip_refusal}")
     elif config.clip_skip > 1 and config.prompt_syntax != "webui":

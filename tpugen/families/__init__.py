@@ -9,6 +9,7 @@ from tpugen.families.base import Builtin, Family, FlashRoute, KnownModel
 from tpugen.families.flux import FAMILY as FLUX
 from tpugen.families.flux2 import FLUX2, FLUX2_KLEIN, FLUX2_KLEIN_DISTILLED, FLUX2_KLEIN_KV
 from tpugen.families.qwenimage import FAMILY as QWEN_IMAGE
+from tpugen.families.qwenimage_edit import FAMILY as QWEN_IMAGE_EDIT_PLUS
 from tpugen.families.sd import FAMILY as SD
 from tpugen.families.sd3 import FAMILY as SD3
 from tpugen.families.sdxl import FAMILY as SDXL
@@ -16,7 +17,19 @@ from tpugen.families.zimage import FAMILY as Z_IMAGE
 
 FAMILIES: dict[str, Family] = {
     f.name: f
-    for f in (SD, SDXL, SD3, FLUX, FLUX2_KLEIN, FLUX2_KLEIN_DISTILLED, FLUX2_KLEIN_KV, FLUX2, Z_IMAGE, QWEN_IMAGE)
+    for f in (
+        SD,
+        SDXL,
+        SD3,
+        FLUX,
+        FLUX2_KLEIN,
+        FLUX2_KLEIN_DISTILLED,
+        FLUX2_KLEIN_KV,
+        FLUX2,
+        Z_IMAGE,
+        QWEN_IMAGE,
+        QWEN_IMAGE_EDIT_PLUS,
+    )
 }
 
 _BY_CLASS: dict[str, list[Family]] = {}

@@ -140,6 +140,10 @@ class Family:
     # Reference images a prompt may give to edit by reference (a prompt's reference_images, the edit task: the
     # pipeline's `image` list, encoded once before the loop and joined to the latent's tokens): 0, none.
     max_references = 0
+    # Why a prompt without reference images cannot run (None: it can): an edit-only pipeline's.
+    txt2img_refusal: str | None = None
+    # Why a batch of more than one prompt cannot run (None: it can): a pipeline that takes one prompt a call.
+    batch_refusal: str | None = None
     # Arguments of tpugen's txt2img call the family's pipeline does not take (left out; any other it lacks fails).
     arguments_not_taken: tuple[str, ...] = ()
     # Why seamless tiling (tiling, the web UI's tiling) cannot run for this family (None: it can): it makes every

@@ -27,20 +27,31 @@ SPECIAL_TOKENS = (
 
 
 def build(target: Path) -> None:
-    import torch
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import QwenImagePipeline
 
     # Merges for the template's words make its prefix exactly the 34 tokens the pipeline drops.
-    tokenizer, vocab_size = qwen_tokenizer(SPECIAL_TOKENS, words_of=TEMPLATE_PREFIX, chat_template=None)
-    prefix = len(tokenizer(TEMPLATE_PREFIX).input_ids)
-    if prefix != TEMPLATE_TOKENS:
-        raise RuntimeError(f"tiny-qwen-image: the template prefix is {prefix} tokens, the pipeline drops 34")
+    tokenizer = template_tokenizer("tiny-qwen-image", TEMPLATE_PREFIX, TEMPLATE_TOKENS)
+    QwenImagePipeline(**components(tokenizer), tokenizer=tokenizer).save_pretrained(target)
+
+
+def template_tokenizer(name: str, prefix: str, tokens: int, *, exact: bool = True):
+    """Qwen's byte-level tokenizer with merges for the words of a pipeline's template, so that its `prefix` is
+    the `tokens` tokens the pipeline drops (prompt_template_encode_start_idx), as in the real tokenizer; or, not
+    `exact`, at least that many (a pipeline that drops fewer than its prefix keeps the prefix's last tokens)."""
+    tokenizer, _ = qwen_tokenizer(SPECIAL_TOKENS, words_of=prefix, chat_template=None)
+    made = len(tokenizer(prefix).input_ids)
+    if made < tokens or (exact and made != tokens):
+        raise RuntimeError(f"{name}: the template prefix is {made} tokens, the pipeline drops {tokens}")
+    return tokenizer
+
+
+def components(tokenizer) -> dict:
+    """Qwen-Image's transformer, VAE, text encoder (with its vision tower) and scheduler at tiny sizes, from fixed
+    seeds, for a tokenizer of SPECIAL_TOKENS (the edit pipelines share them)."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     torch.manual_seed(0)
     transformer = QwenImageTransformer2DModel(
@@ -66,7 +77,7 @@ def build(target: Path) -> None:
     )
     torch.manual_seed(2)
     text_config = {
-        "vocab_size": vocab_size,
+        "vocab_size": len(tokenizer),
         "hidden_size": 16,
         "intermediate_size": 16,
         "num_hidden_layers": 2,
@@ -102,7 +113,4 @@ def build(target: Path) -> None:
         time_shift_type="exponential",
         use_dynamic_shifting=True,
     )
-    pipe = QwenImagePipeline(
-        transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder, tokenizer=tokenizer
-    )
-    pipe.save_pretrained(target)
+    return {"transformer": transformer, "vae": vae, "scheduler": scheduler, "text_encoder": text_encoder}
