@@ -199,19 +199,26 @@ def test_every_command_sets_defer_and_fuse_before_torch_is_imported(tmp_path, co
         made = subprocess.run([TPUGEN, "generate", str(path), "--quiet"], capture_output=True, text=True, env=env)
         assert made.returncode == 0, made.stderr
         cut_last_image(run_dir)
-    # An audit hook sees the first `import torch` of the process that tpugen runs in, and the variable then.
+    # An audit hook sees the first `import torch` of the process that tpugen runs in, and the variable then. A
+    # warmup's process ends there (what it would go on to do is a generate's, checked whole above and below).
     code = (
         "import os, sys\n"
         "seen = []\n"
-        "sys.addaudithook(lambda e, a: seen.append(os.environ.get('TORCH_TPU_DEFER_AND_FUSE')) "
-        "if e == 'import' and a[0] == 'torch' and not seen else None)\n"
+        "def hook(event, args):\n"
+        "    if event != 'import' or args[0] != 'torch' or seen:\n"
+        "        return\n"
+        "    seen.append(os.environ.get('TORCH_TPU_DEFER_AND_FUSE'))\n"
+        f"    if {command == 'warmup'!r}:\n"
+        "        print('stopped at the import'); print('torch imported with', seen); sys.stdout.flush(); os._exit(0)\n"
+        "sys.addaudithook(hook)\n"
         "from tpugen.cli import app\n"
         f"try:\n    app({[*arguments[command], '--quiet']!r})\n"
         "except SystemExit as exit:\n    print('exit', exit.code)\n"
         "print('torch imported with', seen[:1])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.stdout.splitlines()[-2:] == ["exit 0", "torch imported with ['1']"], proc.stderr
+    ended = "stopped at the import" if command == "warmup" else "exit 0"
+    assert proc.stdout.splitlines()[-2:] == [ended, "torch imported with ['1']"], proc.stderr
     if command != "warmup":
         report = json.loads((run_dir / "report.json").read_text())
         assert report["complete"] and report["device"]["environment"] == {

@@ -55,10 +55,11 @@ def test_a_cold_shape_compiles_once_a_waiting_request_times_out_and_a_full_queue
         )
         results[name] = response
 
-    # 80x64 is not warm: under new_shapes: compile its batch compiles, then runs 600 steps: longer than the 3 s
+    # 80x64 is not warm: under new_shapes: compile its batch compiles, then runs 320 steps: longer than the 3 s
     # timeout whatever the compile takes (6.1 s on the 2-core machine the team tests on, idle, before tests
-    # compiled without LLVM's optimizations; under 3 s once since), as a step takes 10 ms or more here.
-    cold = threading.Thread(target=ask, args=("cold",), kwargs={"height": 80, "seed": 1, "steps": 600})
+    # compiled without LLVM's optimizations; under 3 s once since), as a step takes 10 ms or more here (30-50 ms
+    # lazily traced; 600 steps took 115 s of a busy full run).
+    cold = threading.Thread(target=ask, args=("cold",), kwargs={"height": 80, "seed": 1, "steps": 320})
     cold.start()
     wait_for(lambda: "for a request (serve.new_shapes: compile)" in (tmp / "server.log").read_text(), "cold compile")
     queued = threading.Thread(target=ask, args=("queued",), kwargs={"seed": 2})
