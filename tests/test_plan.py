@@ -124,12 +124,19 @@ REAL_MODELS = [
         ("v6e (32 GB per chip): shard -- transformer alone does not fit one v6e chip", "fits a VM of 4 chips or more"),
         ("v5e (16 GB per chip): shard -- transformer alone does not fit one v5e chip", "fits a VM of 8 chips or more"),
     ),
+    (
+        "qwen-image-edit-plus.yaml",
+        {"transformer": ("20.430 B", "40.86"), "text_encoder": ("8.292 B", "16.58"), "vae": ("0.127 B", "0.25")},
+        "57.70",
+        ("v6e (32 GB per chip): shard -- transformer alone does not fit one v6e chip", "fits a VM of 4 chips or more"),
+        ("v5e (16 GB per chip): shard -- transformer alone does not fit one v5e chip", "fits a VM of 8 chips or more"),
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
 def counted_once():
-    """The four models counted on the meta device in one process that never imports torch_xla, into the tests'
+    """The five models counted on the meta device in one process that never imports torch_xla, into the tests'
     TPUGEN_CACHE: a cold `tpugen plan` counts each in a process of its own (about 6 s here, mostly importing
     diffusers and transformers), and the plans below then read the kept counts, as a second plan does."""
     code = (
@@ -142,6 +149,7 @@ def counted_once():
         "Tongyi-MAI/Z-Image-Turbo",
         "black-forest-labs/FLUX.2-dev",
         "Qwen/Qwen-Image",
+        "Qwen/Qwen-Image-Edit-2509",
     ]
     proc = subprocess.run([sys.executable, "-c", code, *models], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
