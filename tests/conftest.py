@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -130,6 +131,32 @@ def generate(tmp: Path, **overrides) -> Path:
     result = run_cli("generate", path, "--quiet")
     assert result.exit_code == 0, result.output
     return Path(config["output"]["dir"]) / config["output"]["run_id"]
+
+
+@pytest.fixture(scope="session")
+def known_models_counted() -> None:
+    """Every known hub model's parameters counted on the meta device once for the whole suite, in one process
+    that never imports torch_xla, into the tests' TPUGEN_CACHE (shared by the test processes), which `tpugen
+    plan` then reads as a second plan does. Each test that planned a hub model counted it cold in a process of
+    its own (6-13 s each, mostly importing diffusers and transformers); all of them at once take about 14 s.
+    The first test process to ask counts them, the other waits on the lock and finds them kept. A cold plan is
+    still tested (tests/test_cli_light.py, a cache of its own)."""
+    cache = Path(os.environ["TPUGEN_CACHE"])
+    cache.mkdir(parents=True, exist_ok=True)
+    done = cache / "known-models-counted"
+    with open(cache / "known-models-counted.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if done.exists():
+            return
+        code = (
+            "from tpugen.families import KNOWN_MODELS; "
+            "from tpugen.memory import _without_torch_xla, known_components, meta_parameters; "
+            "import sys; _without_torch_xla(); [meta_parameters(c) for m in KNOWN_MODELS if (c := known_components(m))]; "
+            "assert 'torch_xla' not in sys.modules"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        done.touch()
 
 
 def generate_in_new_process(tmp: Path, *args: str, env: dict | None = None, timeout: float = 600, **overrides):

@@ -210,7 +210,7 @@ def test_the_count_of_kernel_calls_per_size_and_its_words():
     )
 
 
-def test_plan_says_whether_flash_attention_is_on_and_what_attention_holds(monkeypatch):
+def test_plan_says_whether_flash_attention_is_on_and_what_attention_holds(monkeypatch, known_models_counted):
     # The shipped Flux config (its counts are kept after the first plan of it in a session).
     text = " ".join(run_cli("plan", CONFIGS / "flux-schnell.yaml").stdout.split())
     assert "flash attention: off -- not a TPU" in text

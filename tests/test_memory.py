@@ -21,7 +21,7 @@ def counts_of(hub_id: str) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def flux_dev():
+def flux_dev(known_models_counted):
     return counts_of("black-forest-labs/FLUX.1-dev")
 
 
@@ -55,7 +55,7 @@ def test_flux_dev_verdict_per_chip(flux_dev, chip, verdict, chips):
     assert round(plan.total_bytes / 1e9, 1) == 33.7
 
 
-def test_plan_prints_the_memory_table_offline(tmp_path):
+def test_plan_prints_the_memory_table_offline(tmp_path, known_models_counted):
     config = tiny_config(tmp_path, model={"id": "black-forest-labs/FLUX.1-schnell", "dtype": "bfloat16"})
     result = run_cli("plan", write_config(tmp_path / "c.yaml", config), "--chip", "v6e")
     assert result.exit_code == 0, result.output
@@ -66,7 +66,7 @@ def test_plan_prints_the_memory_table_offline(tmp_path):
     )
 
 
-def test_plan_says_how_many_chips_the_shipped_flux_config_needs():
+def test_plan_says_how_many_chips_the_shipped_flux_config_needs(known_models_counted):
     from pathlib import Path
 
     config = Path(__file__).resolve().parent.parent / "configs" / "flux-schnell.yaml"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -134,29 +132,8 @@ REAL_MODELS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def counted_once():
-    """The five models counted on the meta device in one process that never imports torch_xla, into the tests'
-    TPUGEN_CACHE: a cold `tpugen plan` counts each in a process of its own (about 6 s here, mostly importing
-    diffusers and transformers), and the plans below then read the kept counts, as a second plan does."""
-    code = (
-        "import sys; from tpugen.memory import _without_torch_xla, known_components, meta_parameters; "
-        "_without_torch_xla(); [meta_parameters(known_components(m)) for m in sys.argv[1:]]; "
-        "assert 'torch_xla' not in sys.modules"
-    )
-    models = [
-        "black-forest-labs/FLUX.2-klein-4B",
-        "Tongyi-MAI/Z-Image-Turbo",
-        "black-forest-labs/FLUX.2-dev",
-        "Qwen/Qwen-Image",
-        "Qwen/Qwen-Image-Edit-2509",
-    ]
-    proc = subprocess.run([sys.executable, "-c", code, *models], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-
-
 @pytest.mark.parametrize("name,components,total,own_chip,v5e", REAL_MODELS, ids=[case[0] for case in REAL_MODELS])
-def test_plan_sizes_the_real_models_of_the_new_families(counted_once, name, components, total, own_chip, v5e):
+def test_plan_sizes_the_real_models_of_the_new_families(known_models_counted, name, components, total, own_chip, v5e):
     for chip, verdicts in ((None, own_chip), ("v5e", v5e)):
         result = run_cli("plan", CONFIGS / name, *(("--chip", chip) if chip else ()))
         assert result.exit_code == 0, result.output
