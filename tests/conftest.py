@@ -212,6 +212,7 @@ MODEL_LORA_TARGETS = {
         ),
     },
 }
+MODEL_LORA_TARGETS["tiny-qwen-image-edit-plus"] = MODEL_LORA_TARGETS["tiny-qwen-image"]  # the same transformer
 # sd-scripts' prefixes: one text encoder is lora_te_, two are lora_te1_ and lora_te2_.
 _KOHYA_ONE = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
 _KOHYA_TWO = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}

@@ -119,7 +119,7 @@ BAD_CONFIGS = [
         {"model": {"id": "sd15"}},
         [],
         [
-            "error: model.id: 'sd15' is not a built-in (tiny-sd, tiny-shapes, tiny-sdxl, tiny-sd3, tiny-flux, tiny-flux-deep, tiny-flux2-klein, tiny-flux2-klein-distilled, tiny-flux2-klein-kv, tiny-flux2, tiny-z-image, tiny-qwen-image, tiny-qwen-image-edit-plus), an existing directory, or a hub id of the form org/name"
+            "error: model.id: 'sd15' is not a built-in (tiny-sd, tiny-shapes, tiny-sdxl, tiny-sd3, tiny-flux, tiny-flux-deep, tiny-flux2-klein, tiny-flux2-klein-distilled, tiny-flux2-klein-kv, tiny-flux2, tiny-z-image, tiny-qwen-image, tiny-qwen-image-edit-plus, tiny-qwen-image-edit), an existing directory, or a hub id of the form org/name"
         ],
     ),
     (

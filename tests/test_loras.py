@@ -460,18 +460,32 @@ def test_images_manifest_and_report_name_each_lora_with_its_scale_and_hash(warm_
     assert f"style-kohya at 0.7 (hash {kohya}" in (run_dir / "report.md").read_text()
 
 
+EDIT = "tiny-qwen-image-edit-plus"
+
+
+def edit_entries(tmp: Path, model: str) -> dict:
+    """What a config of `model` needs beyond tiny_config's: for the edit-only built-in, PROMPTS each editing one
+    reference (a 64x64 noise image, ref.png beside the config), one prompt a batch; else nothing."""
+    if model != EDIT:
+        return {}
+    rng = np.random.default_rng(4)
+    tmp.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(tmp / "ref.png")
+    return {"prompts": [{"prompt": p, "reference_images": ["ref.png"]} for p in PROMPTS], "batch_size": 1}
+
+
 @pytest.mark.xla
 @pytest.mark.cold_process  # its counts are a first compile's: the base model's graphs, made by the LoRA run
-@pytest.mark.parametrize(("model", "fmt"), [("tiny-sd", "kohya"), ("tiny-z-image", "peft")])
+@pytest.mark.parametrize(("model", "fmt"), [("tiny-sd", "kohya"), ("tiny-z-image", "peft"), (EDIT, "peft")])
 def test_a_lora_compiles_the_base_models_graphs_and_nothing_after_warmup(model, fmt, tmp_path):
-    # Through the whole run (SD 1.x, and a 2026 family): the LoRA fused on the host, its graphs the base model's
-    # (the base run after it, in this process, compiles nothing at the same shape key) and none after warmup.
+    # Through the whole run (SD 1.x, a 2026 family, and an edit by a reference): the LoRA fused on the host, its
+    # graphs the base model's (the base run after it, in this process, compiles nothing at the same shape key) and
+    # none after warmup.
     lora = make_lora(tmp_path / f"lora-{fmt}.safetensors", fmt, seed=6, model=model)
     reports, images = {}, {}
     for name, loras in (("lora", [{"id": str(lora), "scale": 0.8}]), ("base", [])):
-        config = tiny_config(
-            tmp_path, model={"id": model, "loras": loras}, prompts=PROMPTS, steps=2, output={"run_id": name}
-        )
+        entries = {"prompts": PROMPTS, **edit_entries(tmp_path, model)}
+        config = tiny_config(tmp_path, model={"id": model, "loras": loras}, steps=2, output={"run_id": name}, **entries)
         result = run_cli("generate", write_config(tmp_path / f"{name}.yaml", config), "--quiet")
         assert result.exit_code == 0, result.output
         run_dir = tmp_path / "outputs" / name
@@ -498,7 +512,7 @@ def _weights(pipe, components) -> dict[str, dict]:
 LORA_COMPONENTS = {
     "tiny-sdxl": ["unet", "text_encoder", "text_encoder_2"],
     "tiny-flux": ["transformer", "text_encoder"],
-    **dict.fromkeys(["tiny-flux2-klein", "tiny-flux2", "tiny-z-image", "tiny-qwen-image"], ["transformer"]),
+    **dict.fromkeys(["tiny-flux2-klein", "tiny-flux2", "tiny-z-image", "tiny-qwen-image", EDIT], ["transformer"]),
 }
 
 
@@ -506,7 +520,7 @@ LORA_COMPONENTS = {
 @pytest.mark.parametrize(
     "model,fmt",
     [("tiny-sdxl", "peft"), ("tiny-sdxl", "kohya"), ("tiny-flux", "peft"), ("tiny-flux2-klein", "peft"),
-     ("tiny-flux2", "peft"), ("tiny-z-image", "peft"), ("tiny-qwen-image", "peft")],
+     ("tiny-flux2", "peft"), ("tiny-z-image", "peft"), ("tiny-qwen-image", "peft"), (EDIT, "peft")],
 )  # fmt: skip
 def test_sdxl_and_flux_loras_fuse_every_component_as_diffusers_does_and_switch_back(tmp_path, model, fmt):
     # The image path is the one the SD tests check against diffusers; here, each family's LoRA files reach every
@@ -519,7 +533,10 @@ def test_sdxl_and_flux_loras_fuse_every_component_as_diffusers_does_and_switch_b
 
     lora = make_lora(tmp_path / f"{model}-{fmt}.safetensors", fmt, seed=5, model=model)
     config = tiny_config(
-        tmp_path, model={"id": model, "loras": [{"id": str(lora), "scale": 0.8}]}, execution={"backend": "cpu"}
+        tmp_path,
+        model={"id": model, "loras": [{"id": str(lora), "scale": 0.8}]},
+        execution={"backend": "cpu"},
+        **edit_entries(tmp_path, model),
     )
     run = load_config(write_config(tmp_path / "c.yaml", config))
     components = LORA_COMPONENTS[model]

@@ -1,5 +1,6 @@
-"""Qwen-Image-Edit Plus: editing by reference images on XLA against diffusers' own QwenImageEditPlusPipeline, its
-graphs and host reads, what validation refuses, and its built-in in `tpugen models`."""
+"""Qwen-Image-Edit Plus and Qwen-Image-Edit: editing by reference images on XLA against diffusers' own
+QwenImageEditPlusPipeline and QwenImageEditPipeline, their graphs and host reads, what validation refuses, and their
+built-ins in `tpugen models`."""
 
 from __future__ import annotations
 
@@ -24,31 +25,32 @@ def _images(folder: Path, names: str, seed: int = 0) -> dict[str, Path]:
     return made
 
 
-def _diffusers_edits(run_dir: Path, references: dict[str, list], monkeypatch) -> dict[str, np.ndarray]:
-    """Each image of the run made again by diffusers' own QwenImageEditPlusPipeline on the CPU (no tpugen patch)
-    from the same noise, references and negative prompt, its module's reference areas set to the model's (the
-    family's reference_areas: what tpugen's call uses), by file name."""
+def _diffusers_edits(run_dir: Path, references: dict[str, list], monkeypatch, model: str) -> dict[str, np.ndarray]:
+    """Each image of the run made again by diffusers' own pipeline of `model` on the CPU (no tpugen patch) from the
+    same noise, references and negative prompt, its module's reference areas set to the model's (the family's
+    call_globals: what tpugen's call uses), by file name."""
+    import sys
+
     import torch
     from diffusers import DiffusionPipeline
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
 
     from tpugen.families import BUILTINS
     from tpugen.tiny import builtin_path
 
-    family = BUILTINS[MODEL][1]
-    pipe = DiffusionPipeline.from_pretrained(str(builtin_path(MODEL)))
+    family = BUILTINS[model][1]
+    pipe = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
     pipe.set_progress_bar_config(disable=True)
-    condition, vae = family.reference_areas(pipe)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", condition)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", vae)
+    for name, value in family.call_globals(pipe).items():
+        monkeypatch.setattr(sys.modules[type(pipe).__module__], name, value)
     made = {}
     for line in (run_dir / "manifest.jsonl").read_text().splitlines():
         record = json.loads(line)
         generator = torch.Generator("cpu").manual_seed(record["seed"])
         (noise,) = family.noise(pipe, [generator], record["height"], record["width"])
         with torch.no_grad():
+            pictures = references[record["prompt"]]
             image = pipe(
-                image=references[record["prompt"]],
+                image=pictures if family.max_references > 1 else pictures[0],  # QwenImageEditPipeline's is one
                 prompt=record["prompt"],
                 negative_prompt=record["negative_prompt"],  # tpugen's call gives its own, "" too: CFG
                 true_cfg_scale=record["guidance_scale"],
@@ -64,33 +66,38 @@ def _diffusers_edits(run_dir: Path, references: dict[str, list], monkeypatch) ->
 
 
 @pytest.mark.xla
-def test_qwen_image_edit_plus_edits_by_two_references_as_diffusers_does(tmp_path, monkeypatch):
-    """Two edits of two references each (one shape key; the second with its references the other way round),
-    lazily traced: three graphs (text and references, one step, decoding), 0 compiles after warmup, one host
-    read and steps + 2 executions a batch, diffusers' pixels within COMPILED_VS_EAGER, and each image far nearer
-    its own references' edit than the edit of swapped ones."""
+@pytest.mark.parametrize(
+    ("model", "pictures"),
+    [(MODEL, [["a.png", "b.png"], ["b.png", "a.png"]]), ("tiny-qwen-image-edit", [["a.png"], ["b.png"]])],
+    ids=["plus-2-refs", "edit-1-ref"],
+)
+def test_qwen_image_edits_by_reference_as_diffusers_does(tmp_path, monkeypatch, model, pictures):
+    """Two edits (one shape key; Plus: two references each, the second's the other way round; Qwen-Image-Edit:
+    one each, another for the second), lazily traced: three graphs (text and references, one step, decoding), 0
+    compiles after warmup, one host read and steps + 2 executions a batch, diffusers' pixels within
+    COMPILED_VS_EAGER, and each image far nearer its own references' edit than the edit of the other's."""
     made = _images(tmp_path, "ab", seed=3)
-    prompts = [
-        {"prompt": "the cat of picture 1 on the sofa of picture 2", "reference_images": ["a.png", "b.png"]},
-        {"prompt": "picture 1 in the style of picture 2", "reference_images": ["b.png", "a.png"]},
-    ]
-    config = tiny_config(tmp_path, model={"id": MODEL}, prompts=prompts, steps=2, guidance_scale=4.0, batch_size=1)
+    texts = ["the cat of picture 1 on the sofa of picture 2", "picture 1 in the style of picture 2"]
+    prompts = [{"prompt": text, "reference_images": refs} for text, refs in zip(texts, pictures, strict=True)]
+    config = tiny_config(tmp_path, model={"id": model}, prompts=prompts, steps=2, guidance_scale=4.0, batch_size=1)
     config["compile"] = {"trace_once": False}
     result = run_cli("generate", write_config(tmp_path / "c.yaml", config), "--quiet")
     assert result.exit_code == 0, result.output
     run_dir = tmp_path / "outputs" / "run"
     report = json.loads((run_dir / "report.json").read_text())
     (warm,) = report["warmup"]
-    assert warm["shape_key"] == "64x64 b1 cfg edit 2 refs"
+    assert warm["shape_key"] == ("64x64 b1 cfg edit 2 refs" if model == MODEL else "64x64 b1 cfg edit 1 ref")
     assert cold_graphs(warm) == FIRST_CALL
     assert report["compiles_after_warmup"] == 0
     batches = report["timed_phase"]["batches"]
     assert [(b["executions"], b["transfers_to_host"]) for b in batches] == [(4, 1), (4, 1)]
 
-    pictures = {name: Image.open(path).convert("RGB") for name, path in made.items()}
-    references = {p["prompt"]: [pictures[Path(r).stem] for r in p["reference_images"]] for p in prompts}
-    expected = _diffusers_edits(run_dir, references, monkeypatch)
-    swapped = _diffusers_edits(run_dir, {p: r[::-1] for p, r in references.items()}, monkeypatch)
+    opened = {name: Image.open(path).convert("RGB") for name, path in made.items()}
+    references = {p["prompt"]: [opened[Path(r).stem] for r in p["reference_images"]] for p in prompts}
+    expected = _diffusers_edits(run_dir, references, monkeypatch, model)
+    first, second = texts
+    swapped = {first: references[second], second: references[first]}  # Plus: each's own the other way round
+    swapped = _diffusers_edits(run_dir, swapped, monkeypatch, model)
     assert len(expected) == 2
     for name, edit in expected.items():
         ours = np.asarray(Image.open(run_dir / name).convert("RGB"), dtype=np.int16)
@@ -125,12 +132,17 @@ def test_qwen_image_edit_plus_edits_by_two_references_as_diffusers_does(tmp_path
             "batch_size: Qwen-Image-Edit Plus models: diffusers 0.42's QwenImageEditPlusPipeline takes one prompt a "
             "call; set batch_size: 1",
         ),
+        (
+            {"reference_images": ["a.png"] * 2},
+            {"model": {"id": "tiny-qwen-image-edit"}},
+            "prompts[0].reference_images: 2 images; Qwen-Image-Edit models take at most 1",
+        ),
     ],
 )
 def test_what_qwen_image_edit_plus_cannot_run_is_one_line(tmp_path, entry, overrides, expected):
     _images(tmp_path, "a")
     prompts = [{"prompt": "edit it", **entry}]
-    config = tiny_config(tmp_path, model={"id": MODEL}, prompts=prompts, **{"batch_size": 1, **overrides})
+    config = tiny_config(tmp_path, prompts=prompts, **{"model": {"id": MODEL}, "batch_size": 1, **overrides})
     result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [f"error: {expected}"], result.stderr
@@ -144,8 +156,12 @@ def test_qwen_image_edit_plus_validates_with_references_and_is_listed(tmp_path):
     result = run_cli("models")
     assert result.exit_code == 0
     listed = [line.split() for line in result.stdout.splitlines() if line.startswith("  ")]
-    assert [words[:2] for words in listed if words[0] == MODEL] == [[MODEL, "qwenimage_edit_plus"]]
-    assert ["qwenimage_edit_plus", "QwenImageEditPlusPipeline"] in [words[:2] for words in listed]
+    for model, name, pipeline in (
+        (MODEL, "qwenimage_edit_plus", "QwenImageEditPlusPipeline"),
+        ("tiny-qwen-image-edit", "qwenimage_edit", "QwenImageEditPipeline"),
+    ):
+        assert [words[:2] for words in listed if words[0] == model] == [[model, name]]
+        assert [name, pipeline] in [words[:2] for words in listed]
 
 
 def test_a_server_of_an_edit_only_family_warms_edits_only(tmp_path):

@@ -41,7 +41,8 @@ def _validate(tmp: Path, **overrides):
             "tiny-sd",
             {"reference_images": ["a.png"]},
             "prompts[0].reference_images: Stable Diffusion 1.x/2.x models do not edit by reference images "
-            "(FLUX.2 [klein], FLUX.2 [klein] distilled, FLUX.2 [klein] KV, FLUX.2 [dev], Qwen-Image-Edit Plus models do)",
+            "(FLUX.2 [klein], FLUX.2 [klein] distilled, FLUX.2 [klein] KV, FLUX.2 [dev], Qwen-Image-Edit Plus, "
+            "Qwen-Image-Edit models do)",
         ),
         (
             "tiny-flux2-klein",

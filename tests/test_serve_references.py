@@ -55,7 +55,8 @@ def _sha(path: Path) -> str:
             {"id": "tiny-sd"},
             {"tasks": ["txt2img", "edit"]},
             "serve.tasks: edit: Stable Diffusion 1.x/2.x models do not edit by reference images (FLUX.2 [klein], "
-            "FLUX.2 [klein] distilled, FLUX.2 [klein] KV, FLUX.2 [dev], Qwen-Image-Edit Plus models do)",
+            "FLUX.2 [klein] distilled, FLUX.2 [klein] KV, FLUX.2 [dev], Qwen-Image-Edit Plus, Qwen-Image-Edit models "
+            "do)",
         ),
         (
             MODEL,

@@ -461,9 +461,9 @@ class CompileConfig(_Section):
     scan_blocks: bool = Field(
         default=False,
         description=(
-            "xla, every DiT family (SD3, Flux.1, FLUX.2, Z-Image, Qwen-Image): run each run of identical "
-            "blocks through torch_xla's scan with the weights stacked once, so one block per kind is "
-            "compiled."
+            "xla, every DiT family (SD3, Flux.1, FLUX.2, Z-Image, Qwen-Image, Qwen-Image-Edit and its Plus): run "
+            "each run of identical blocks through torch_xla's scan with the weights stacked once, so one block "
+            "per kind is compiled."
         ),
     )
     flash_attention: AutoOrBool = Field(

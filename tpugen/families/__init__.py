@@ -10,6 +10,7 @@ from tpugen.families.flux import FAMILY as FLUX
 from tpugen.families.flux2 import FLUX2, FLUX2_KLEIN, FLUX2_KLEIN_DISTILLED, FLUX2_KLEIN_KV
 from tpugen.families.qwenimage import FAMILY as QWEN_IMAGE
 from tpugen.families.qwenimage_edit import FAMILY as QWEN_IMAGE_EDIT_PLUS
+from tpugen.families.qwenimage_edit import SINGLE as QWEN_IMAGE_EDIT
 from tpugen.families.sd import FAMILY as SD
 from tpugen.families.sd3 import FAMILY as SD3
 from tpugen.families.sdxl import FAMILY as SDXL
@@ -29,6 +30,7 @@ FAMILIES: dict[str, Family] = {
         Z_IMAGE,
         QWEN_IMAGE,
         QWEN_IMAGE_EDIT_PLUS,
+        QWEN_IMAGE_EDIT,
     )
 }
 

@@ -49,22 +49,12 @@ def components(tokenizer) -> dict:
     """Qwen-Image's transformer, VAE, text encoder (with its vision tower) and scheduler at tiny sizes, from fixed
     seeds, for a tokenizer of SPECIAL_TOKENS (the edit pipelines share them)."""
     import torch
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     torch.manual_seed(0)
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=16,  # 4 latent channels in 2x2 patches
-        out_channels=4,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=3,
-        joint_attention_dim=16,  # the text encoder's width
-        guidance_embeds=False,
-        axes_dims_rope=(8, 4, 4),
-    )
+    transformer = tiny_transformer()
     torch.manual_seed(1)
     vae = AutoencoderKLQwenImage(
         base_dim=12,
@@ -114,3 +104,24 @@ def components(tokenizer) -> dict:
         use_dynamic_shifting=True,
     )
     return {"transformer": transformer, "vae": vae, "scheduler": scheduler, "text_encoder": text_encoder}
+
+
+def tiny_transformer(**config):
+    """The built-ins' QwenImageTransformer2DModel (2 blocks, width 48), from torch's current seed; `config` changes
+    its config (zero_cond_t=True: Qwen-Image-Edit-2511's)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(
+        **{
+            "patch_size": 2,
+            "in_channels": 16,  # 4 latent channels in 2x2 patches
+            "out_channels": 4,
+            "num_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 3,
+            "joint_attention_dim": 16,  # the text encoder's width
+            "guidance_embeds": False,
+            "axes_dims_rope": (8, 4, 4),
+            **config,
+        }
+    )

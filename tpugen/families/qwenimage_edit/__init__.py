@@ -1,6 +1,7 @@
-"""Qwen-Image-Edit Plus (QwenImageEditPlusPipeline: Qwen-Image-Edit-2509 and -2511): Qwen-Image's transformer, VAE
-and text encoder editing by reference. Each reference is read twice: by Qwen2.5-VL's vision tower with the prompt
-(a small condition image) and by the VAE, whose tokens join the latent's at every step."""
+"""Qwen-Image-Edit Plus (QwenImageEditPlusPipeline: Qwen-Image-Edit-2509 and -2511) and Qwen-Image-Edit
+(QwenImageEditPipeline, one reference): Qwen-Image's transformer, VAE and text encoder editing by reference. Each
+reference is read twice: by Qwen2.5-VL's vision tower with the prompt and by the VAE, whose tokens join the
+latent's at every step."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def _build(target):
     build(target)
 
 
+def _build_single(target):
+    from tpugen.families.qwenimage_edit.tiny import build
+
+    build(target, plus=False)
+
+
 class QwenImageEditPlus(QwenImage):
     name = "qwenimage_edit_plus"
     title = "Qwen-Image-Edit Plus"
@@ -35,9 +42,10 @@ class QwenImageEditPlus(QwenImage):
         "img2img is QwenImageImg2ImgPipeline"
     )
     batch_refusal = "diffusers 0.42's QwenImageEditPlusPipeline takes one prompt a call"
-    # compile.scan_blocks: Qwen-Image's blocks would scan alike, but no edit has been checked through the scan
-    # (2511's zero_cond_t hands each block a modulation index): not offered yet.
-    scan_attributes = {}
+    # compile.scan_blocks: Qwen-Image's rule (scan_attributes, inherited). The references' tokens join the latent's
+    # in hidden_states, so each block gets the same arguments as Qwen-Image's; 2511's zero_cond_t adds a per-call
+    # modulation index (an int tensor: which tokens are the references') and a temb of twice the batch, both
+    # carried through the scan as any other tensor argument (tests/test_scan.py checks both).
     # compile.step_cache: diffusers' hooks would run, but tpugen has not checked them against diffusers' own
     # cached edits.
     step_cache_refusal = TransformerFamily.step_cache_refusal
@@ -105,12 +113,77 @@ class QwenImageEditPlus(QwenImage):
             "text and references of a fixed length",
             lambda _: types.MethodType(_encode_prompt, pipe),
         )
-        hooks.add("reference areas of the model", _areas_in_call(pipe, *self.reference_areas(pipe)))
+        hooks.add("reference areas of the model", _areas_in_call(pipe, self.call_globals(pipe), self.max_references))
+
+    def call_globals(self, pipe) -> dict:
+        """The names of the pipeline module's globals its __call__ reads the reference areas from, with the
+        model's values (reference_areas)."""
+        condition, vae = self.reference_areas(pipe)
+        return {"CONDITION_IMAGE_SIZE": condition, "VAE_IMAGE_SIZE": vae}
 
 
-def _areas_in_call(pipe, condition_area: int, vae_area: int):
-    """`pipe` given a class of its own whose __call__ is diffusers' with CONDITION_IMAGE_SIZE and VAE_IMAGE_SIZE
-    set to these areas; returns what puts its class back."""
+class QwenImageEdit(QwenImageEditPlus):
+    name = "qwenimage_edit"
+    title = "Qwen-Image-Edit"
+    pipeline_classes = ("QwenImageEditPipeline",)
+    size = 1024  # the pipeline's own default: 1024 x 1024 in the reference's aspect ratio
+    steps = 50  # the model card's, with true_cfg_scale 4
+    max_references = 1  # its template holds one picture
+    txt2img_refusal = "QwenImageEditPipeline only edits, by a reference image"
+    img2img_refusal = (
+        "QwenImageEditPipeline edits by a reference image (reference_images), without a strength; Qwen-Image's "
+        "img2img is QwenImageImg2ImgPipeline"
+    )
+    batch_refusal = "diffusers 0.42's QwenImageEditPipeline reads its reference with one prompt a call"
+    # compile.scan_blocks: the transformer is called as Qwen-Image-Edit Plus's with one reference (inherited).
+    builtins = (
+        Builtin(
+            "tiny-qwen-image-edit",
+            "Qwen-Image-Edit architecture (tiny-qwen-image-edit-plus's weights and processor in "
+            "QwenImageEditPipeline); edits by 1 reference; noise",
+            1,
+            _build_single,
+        ),
+    )
+    known_models = (
+        KnownModel(
+            "Qwen/Qwen-Image-Edit",
+            note=(
+                "edits by 1 reference (read at about 1024x1024 by the VAE and the vision tower alike); 57.7 GB in "
+                "bfloat16, as Qwen-Image: fits one v5p chip; SPMD over 4+ v6e chips or 8 v5e chips"
+            ),
+            components={
+                "text_encoder": ("Qwen2_5_VLForConditionalGeneration", _TEXT_ENCODER),
+                "transformer": ("QwenImageTransformer2DModel", _TRANSFORMER),
+                "vae": ("AutoencoderKLQwenImage", _VAE),
+            },
+        ),
+    )
+
+    def reference_areas(self, pipe) -> tuple[int, int]:
+        """(condition area, VAE area): one area for both, QwenImageEditPipeline's 1024 x 1024 (written in its
+        __call__), at most what the model's vision processor takes (as Plus's: the tiny built-in's 64 x 64)."""
+        _, vae = super().reference_areas(pipe)
+        return vae, vae
+
+    def call_globals(self, pipe) -> dict:
+        """QwenImageEditPipeline.__call__ writes its area (1024 * 1024) in its code: the module's
+        calculate_dimensions it calls, given the model's area instead."""
+        import inspect
+
+        calculate = inspect.unwrap(type(pipe).__call__).__globals__["calculate_dimensions"]
+        area = self.reference_areas(pipe)[1]
+
+        def calculate_dimensions(target_area, ratio):
+            return calculate(area, ratio)
+
+        return {"calculate_dimensions": calculate_dimensions}
+
+
+def _areas_in_call(pipe, names: dict, references: int):
+    """`pipe` given a class of its own whose __call__ is diffusers' with these globals of its module (`names`:
+    the reference areas, Family.call_globals) replaced; a pipeline of one reference (`references` 1) is given
+    tpugen's list of one as its image. Returns what puts its class back."""
     import inspect
     import types
 
@@ -118,15 +191,20 @@ def _areas_in_call(pipe, condition_area: int, vae_area: int):
 
     base = type(pipe)
     call = inspect.unwrap(base.__call__)  # under torch.no_grad and the docstring decorator
-    areas = {"CONDITION_IMAGE_SIZE": condition_area, "VAE_IMAGE_SIZE": vae_area}
-    missing = [name for name in areas if name not in call.__globals__]
+    missing = [name for name in names if name not in call.__globals__]
     if missing:
         raise RuntimeError(f"{base.__name__}.__call__ reads no {', '.join(missing)}: diffusers changed")
     scoped = types.FunctionType(
-        call.__code__, {**call.__globals__, **areas}, call.__name__, call.__defaults__, call.__closure__
+        call.__code__, {**call.__globals__, **names}, call.__name__, call.__defaults__, call.__closure__
     )
     scoped.__kwdefaults__ = call.__kwdefaults__
     scoped.__doc__, scoped.__qualname__, scoped.__module__ = call.__doc__, call.__qualname__, call.__module__
+    if references == 1:  # QwenImageEditPipeline resizes its image as one picture, not a list
+        whole = scoped
+
+        def scoped(self, *args, image=None, **kwargs):
+            return whole(self, *args, image=image[0] if isinstance(image, list) else image, **kwargs)
+
     pipe.__class__ = type(base.__name__, (base,), {"__call__": torch.no_grad()(scoped)})
 
     def restore() -> None:
@@ -146,7 +224,9 @@ def _edit_text(pipe, prompts: list[str], images: list, device, dtype, max_sequen
     from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids, get_vision_window_index
 
     drop = pipe.prompt_template_encode_start_idx
-    pictures = "".join(PICTURE.format(n + 1) for n in range(len(images)))
+    # The Plus pipelines label each reference ("Picture n: ..."); QwenImageEditPipeline's template holds its one.
+    labelled = "<|image_pad|>" not in pipe.prompt_template_encode
+    pictures = "".join(PICTURE.format(n + 1) for n in range(len(images))) if labelled else ""
     encoder = pipe.text_encoder
     pad = pipe.tokenizer.pad_token_id
     rows = [
@@ -223,3 +303,4 @@ def _encode_prompt(
 
 
 FAMILY = QwenImageEditPlus()
+SINGLE = QwenImageEdit()

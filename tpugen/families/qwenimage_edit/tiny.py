@@ -1,4 +1,4 @@
-"""The tiny Qwen-Image-Edit built-in: tiny-qwen-image's transformer, VAE and Qwen2.5-VL text encoder (whose vision
+"""The tiny Qwen-Image-Edit built-ins: tiny-qwen-image's transformer, VAE and Qwen2.5-VL text encoder (whose vision
 tower reads the references), with the Qwen2-VL processor the edit pipelines run it through."""
 
 from __future__ import annotations
@@ -23,13 +23,17 @@ TEMPLATE_TOKENS = 64
 MAX_PIXELS = 64 * 64
 
 
-def build(target: Path) -> None:
-    from diffusers import QwenImageEditPlusPipeline
+def build(target: Path, *, plus: bool = True) -> None:
+    """tiny-qwen-image-edit-plus (QwenImageEditPlusPipeline), or with `plus` False tiny-qwen-image-edit: the same
+    components in QwenImageEditPipeline (whose template holds its one picture after the same prefix)."""
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-    tokenizer = template_tokenizer("tiny-qwen-image-edit-plus", TEMPLATE_PREFIX, TEMPLATE_TOKENS, exact=False)
+    name = "tiny-qwen-image-edit-plus" if plus else "tiny-qwen-image-edit"
+    tokenizer = template_tokenizer(name, TEMPLATE_PREFIX, TEMPLATE_TOKENS, exact=False)
     images = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=MAX_PIXELS)
     # The processor must have a video processor too (the pipelines give it none to run).
     videos = Qwen2VLVideoProcessor(min_pixels=28 * 28, max_pixels=MAX_PIXELS)
     processor = Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=videos)
-    QwenImageEditPlusPipeline(**components(tokenizer), tokenizer=tokenizer, processor=processor).save_pretrained(target)
+    pipeline = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    pipeline(**components(tokenizer), tokenizer=tokenizer, processor=processor).save_pretrained(target)
