@@ -61,6 +61,16 @@ def _build(target):
     build(target)
 
 
+def components(**transformer) -> dict[str, tuple[str, dict]]:
+    """Qwen-Image's components for counting on the meta device (KnownModel), its transformer's config changed by
+    `transformer` (the edit models share the rest)."""
+    return {
+        "text_encoder": ("Qwen2_5_VLForConditionalGeneration", _TEXT_ENCODER),
+        "transformer": ("QwenImageTransformer2DModel", {**_TRANSFORMER, **transformer}),
+        "vae": ("AutoencoderKLQwenImage", _VAE),
+    }
+
+
 class QwenImage(TransformerFamily):
     latent_upscale_refusal = (
         "QwenImageImg2ImgPipeline encodes pixels (its latents are packed, its VAE's 5-D); use upscaler: lanczos"
@@ -96,11 +106,7 @@ class QwenImage(TransformerFamily):
                 "57.7 GB in bfloat16 (20.4B transformer 40.9 GB, 8.29B Qwen2.5-VL 16.6 GB): fits one v5p chip; "
                 "SPMD over 4+ v6e chips or 8 v5e chips"
             ),
-            components={
-                "text_encoder": ("Qwen2_5_VLForConditionalGeneration", _TEXT_ENCODER),
-                "transformer": ("QwenImageTransformer2DModel", _TRANSFORMER),
-                "vae": ("AutoencoderKLQwenImage", _VAE),
-            },
+            components=components(),
         ),
     )
     scan_attributes = {"transformer_blocks": ("encoder_hidden_states", "hidden_states")}

@@ -6,7 +6,7 @@ latent's at every step."""
 from __future__ import annotations
 
 from tpugen.families.base import Builtin, KnownModel, TransformerFamily
-from tpugen.families.qwenimage import _TEXT_ENCODER, _TRANSFORMER, _VAE, QwenImage
+from tpugen.families.qwenimage import QwenImage, components
 
 # diffusers 0.42's areas for a reference (pipeline_qwenimage_edit_plus.py: CONDITION_IMAGE_SIZE, VAE_IMAGE_SIZE),
 # each resized to about that many pixels at the reference's aspect ratio.
@@ -65,11 +65,7 @@ class QwenImageEditPlus(QwenImage):
                 "edits by 1-3 references; 57.7 GB in bfloat16 (20.4B transformer 40.9 GB, 8.29B Qwen2.5-VL 16.6 GB): "
                 "fits one v5p chip; SPMD over 4+ v6e chips or 8 v5e chips"
             ),
-            components={
-                "text_encoder": ("Qwen2_5_VLForConditionalGeneration", _TEXT_ENCODER),
-                "transformer": ("QwenImageTransformer2DModel", _TRANSFORMER),
-                "vae": ("AutoencoderKLQwenImage", _VAE),
-            },
+            components=components(),
         ),
         KnownModel(
             "Qwen/Qwen-Image-Edit-2511",
@@ -77,11 +73,7 @@ class QwenImageEditPlus(QwenImage):
                 "edits by 1-3 references (the references' tokens modulated as at time 0: zero_cond_t); 57.7 GB in "
                 "bfloat16, as 2509: fits one v5p chip; SPMD over 4+ v6e chips or 8 v5e chips"
             ),
-            components={
-                "text_encoder": ("Qwen2_5_VLForConditionalGeneration", _TEXT_ENCODER),
-                "transformer": ("QwenImageTransformer2DModel", {**_TRANSFORMER, "zero_cond_t": True}),
-                "vae": ("AutoencoderKLQwenImage", _VAE),
-            },
+            components=components(zero_cond_t=True),
         ),
     )
 
@@ -152,11 +144,7 @@ class QwenImageEdit(QwenImageEditPlus):
                 "edits by 1 reference (read at about 1024x1024 by the VAE and the vision tower alike); 57.7 GB in "
                 "bfloat16, as Qwen-Image: fits one v5p chip; SPMD over 4+ v6e chips or 8 v5e chips"
             ),
-            components={
-                "text_encoder": ("Qwen2_5_VLForConditionalGeneration", _TEXT_ENCODER),
-                "transformer": ("QwenImageTransformer2DModel", _TRANSFORMER),
-                "vae": ("AutoencoderKLQwenImage", _VAE),
-            },
+            components=components(),
         ),
     )
 
