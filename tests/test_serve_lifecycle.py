@@ -403,9 +403,14 @@ def test_a_broken_device_turns_readyz_503_answers_what_waits_and_exits_1(tmp_pat
         assert ask("a red fox").status_code == 200  # a good batch: the failures in a row start again
         assert httpx.get(f"{url}/readyz").status_code == 200 and metric(url, "tpugen_device_failures_total") == 2
 
-        # A run in flight keeps the process up after the third failure, until it stops after its batch.
+        # A run in flight keeps the process up after the third failure, until it stops after its batch. The
+        # failing requests below never wait for the run's batches (the fault raises before the engine's lock);
+        # three batches of 300 steps (3 s each at the 10 ms a step floor) outlast them, the slow one's 3 s
+        # included, and the process then waits for one batch, not for 900 steps.
         sent = httpx.post(
-            f"{url}/v1/runs", content=run_body("in-flight", prompts=["a", "b", "c", "d"], steps=900), headers=AUTH
+            f"{url}/v1/runs",
+            content=run_body("in-flight", prompts=["a", "b", "c", "d", "e", "f"], steps=300),
+            headers=AUTH,
         )
         assert sent.status_code == 201, sent.text
         _wait_for(lambda: (tmp_path / "runs" / "in-flight" / "run.json").is_file(), "the run's directory")
