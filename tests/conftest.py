@@ -557,6 +557,17 @@ def _memory_maps() -> int | None:
 
 
 _processes: dict[str, int] = {}  # memory maps at the end, by test process ("main" without xdist)
+_graphs_held: dict[str, int] = {}  # compiled graphs torch_xla's cache held then (its cap: 2,048), by test process
+
+
+def _compiled_graphs() -> int | None:
+    """How many executables torch_xla's in-memory compile cache holds in this process (None: it never compiled)."""
+    xla = sys.modules.get("torch_xla")
+    if xla is None or not xla._XLAC._xla_computation_cache_is_initialized():
+        return None
+    return xla._XLAC._xla_get_num_cached_compilation_graph()
+
+
 _file_seconds: dict[str, float] = {}
 
 
@@ -595,6 +606,8 @@ def pytest_testnodedown(node, error) -> None:
     output = getattr(node, "workeroutput", {})
     if output.get("memory_maps") is not None:
         _processes[node.gateway.id] = output["memory_maps"]
+    if output.get("compiled_graphs") is not None:
+        _graphs_held[node.gateway.id] = output["compiled_graphs"]
     for path, maps in output.get("file_maps", {}).items():
         _file_maps[path] = _file_maps.get(path, 0) + maps
 
@@ -605,12 +618,15 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     config = session.config
     if hasattr(config, "workeroutput"):  # an xdist worker: tell the controller
         config.workeroutput["memory_maps"] = _memory_maps()
+        config.workeroutput["compiled_graphs"] = _compiled_graphs()
         config.workeroutput["file_maps"] = _file_maps
         return
     if not _processes:  # no workers: this one process ran the tests
         maps = _memory_maps()
         if maps is not None:
             _processes["main"] = maps
+        if (graphs := _compiled_graphs()) is not None:
+            _graphs_held["main"] = graphs
     if any(maps > MAPS_BUDGET for maps in _processes.values()) and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -628,7 +644,8 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         terminalreporter.write_line("memory maps added by file: " + ", ".join(f"{p} {m}" for p, m in most))
     for process, maps in sorted(_processes.items()):
         over = f" -- OVER the budget of {MAPS_BUDGET}" if maps > MAPS_BUDGET else ""
-        terminalreporter.write_line(f"memory maps of test process {process} at the end: {maps}{over}")
+        held = f" ({_graphs_held[process]} compiled graphs held)" if process in _graphs_held else ""
+        terminalreporter.write_line(f"memory maps of test process {process} at the end: {maps}{held}{over}")
     if any(maps > MAPS_BUDGET for maps in _processes.values()):
         terminalreporter.write_line(
             f"the suite fails: a test process ended with more than {MAPS_BUDGET} memory maps (TPUGEN_TEST_MAPS_BUDGET)"
