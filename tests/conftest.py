@@ -357,10 +357,11 @@ def _device_free_unless_marked(request):
         pytest.fail("this test imported torch_xla (directly or through diffusers): mark it @pytest.mark.xla")
 
 
-def plain_diffusers_images(model: str, run_dir, prepare=None) -> dict[str, object]:
+def diffusers_remakes(model: str, run_dir, arguments, prepare=None) -> dict[str, object]:
     """Each image of `run_dir` made again by the family's plain diffusers pipeline on the CPU (no tpugen patch),
-    from the same noise, decoded by the pipeline itself; `prepare(pipe)` first, where given (a step cache
-    enabled on it, say)."""
+    from the same seed, noise, prompt, size and steps, decoded by the pipeline itself, by file name:
+    `arguments(pipe, family, record)` gives the rest of each call (guidance, negative prompt, references);
+    `prepare(pipe)` runs first, where given (a step cache enabled on it, say)."""
     import numpy as np
     import torch
     from diffusers import DiffusionPipeline
@@ -378,11 +379,6 @@ def plain_diffusers_images(model: str, run_dir, prepare=None) -> dict[str, objec
         record = json.loads(line)
         generator = torch.Generator("cpu").manual_seed(record["seed"])
         (noise,) = family.noise(pipe, [generator], record["height"], record["width"])
-        row = WorkItemRow(record["negative_prompt"])
-        arguments = {"guidance_scale": record["guidance_scale"], **reference_negative(family, record)}
-        for key, value in family.call_arguments(pipe, [row], record["guidance_scale"]).items():
-            if key != "max_sequence_length":  # the pipeline's own text handling, not tpugen's fixed length
-                arguments[key] = value[0] if isinstance(value, list) else value
         with torch.no_grad():
             image = pipe(
                 prompt=record["prompt"],
@@ -392,10 +388,24 @@ def plain_diffusers_images(model: str, run_dir, prepare=None) -> dict[str, objec
                 latents=noise,
                 generator=generator,
                 output_type="np",
-                **arguments,
+                **arguments(pipe, family, record),
             ).images[0]
         images[record["file"]] = (image * 255).round().clip(0, 255).astype(np.uint8)
     return images
+
+
+def plain_diffusers_images(model: str, run_dir, prepare=None) -> dict[str, object]:
+    """diffusers_remakes with the family's own call arguments (its negative prompt, Qwen-Image's true CFG)."""
+
+    def arguments(pipe, family, record) -> dict:
+        row = WorkItemRow(record["negative_prompt"])
+        made = {"guidance_scale": record["guidance_scale"], **reference_negative(family, record)}
+        for key, value in family.call_arguments(pipe, [row], record["guidance_scale"]).items():
+            if key != "max_sequence_length":  # the pipeline's own text handling, not tpugen's fixed length
+                made[key] = value[0] if isinstance(value, list) else value
+        return made
+
+    return diffusers_remakes(model, run_dir, arguments, prepare)
 
 
 def reference_negative(family, record: dict) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import COMPILED_VS_EAGER, FIRST_CALL, cold_graphs, run_cli, tiny_config, write_config
+from conftest import COMPILED_VS_EAGER, FIRST_CALL, cold_graphs, diffusers_remakes, run_cli, tiny_config, write_config
 from PIL import Image
 
 MODEL = "tiny-qwen-image-edit-plus"
@@ -31,38 +31,22 @@ def _diffusers_edits(run_dir: Path, references: dict[str, list], monkeypatch, mo
     call_globals: what tpugen's call uses), by file name."""
     import sys
 
-    import torch
-    from diffusers import DiffusionPipeline
+    def set_areas(pipe) -> None:
+        from tpugen.families import BUILTINS
 
-    from tpugen.families import BUILTINS
-    from tpugen.tiny import builtin_path
+        family = BUILTINS[model][1]
+        for name, value in family.call_globals(pipe).items():
+            monkeypatch.setattr(sys.modules[type(pipe).__module__], name, value)
 
-    family = BUILTINS[model][1]
-    pipe = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
-    pipe.set_progress_bar_config(disable=True)
-    for name, value in family.call_globals(pipe).items():
-        monkeypatch.setattr(sys.modules[type(pipe).__module__], name, value)
-    made = {}
-    for line in (run_dir / "manifest.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        generator = torch.Generator("cpu").manual_seed(record["seed"])
-        (noise,) = family.noise(pipe, [generator], record["height"], record["width"])
-        with torch.no_grad():
-            pictures = references[record["prompt"]]
-            image = pipe(
-                image=pictures if family.max_references > 1 else pictures[0],  # QwenImageEditPipeline's is one
-                prompt=record["prompt"],
-                negative_prompt=record["negative_prompt"],  # tpugen's call gives its own, "" too: CFG
-                true_cfg_scale=record["guidance_scale"],
-                height=record["height"],
-                width=record["width"],
-                num_inference_steps=record["steps"],
-                latents=noise,
-                generator=generator,
-                output_type="np",
-            ).images[0]
-        made[record["file"]] = (image * 255).round().clip(0, 255).astype(np.uint8)
-    return made
+    def arguments(pipe, family, record) -> dict:
+        pictures = references[record["prompt"]]
+        return {
+            "image": pictures if family.max_references > 1 else pictures[0],  # QwenImageEditPipeline's is one
+            "negative_prompt": record["negative_prompt"],  # tpugen's call gives its own, "" too: CFG
+            "true_cfg_scale": record["guidance_scale"],
+        }
+
+    return diffusers_remakes(model, run_dir, arguments, prepare=set_areas)
 
 
 @pytest.mark.xla

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import COMPILED_VS_EAGER, run_cli, tiny_config, write_config
+from conftest import COMPILED_VS_EAGER, diffusers_remakes, run_cli, tiny_config, write_config
 from PIL import Image
 
 
@@ -141,35 +141,13 @@ def test_the_config_hash_follows_the_references_content_not_their_place(tmp_path
 def _diffusers_edits(model: str, run_dir: Path, references: dict[str, list]) -> dict[str, np.ndarray]:
     """Each image of the run made again by diffusers' own FLUX.2 pipeline on the CPU (no tpugen patch) from the
     same noise and the same references (PIL, as tpugen fitted them), by file name."""
-    import torch
-    from diffusers import DiffusionPipeline
 
-    from tpugen.families import BUILTINS
-    from tpugen.tiny import builtin_path
+    def arguments(pipe, family, record) -> dict:
+        takes = inspect.signature(type(pipe).__call__).parameters  # Flux2KleinKVPipeline has no guidance
+        guidance = {"guidance_scale": record["guidance_scale"]} if "guidance_scale" in takes else {}
+        return {"image": references[record["prompt"]], **guidance}
 
-    family = BUILTINS[model][1]
-    pipe = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
-    pipe.set_progress_bar_config(disable=True)
-    takes = inspect.signature(type(pipe).__call__).parameters  # Flux2KleinKVPipeline has no guidance
-    made = {}
-    for line in (run_dir / "manifest.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        generator = torch.Generator("cpu").manual_seed(record["seed"])
-        (noise,) = family.noise(pipe, [generator], record["height"], record["width"])
-        with torch.no_grad():
-            image = pipe(
-                prompt=record["prompt"],
-                image=references[record["prompt"]],
-                height=record["height"],
-                width=record["width"],
-                num_inference_steps=record["steps"],
-                **({"guidance_scale": record["guidance_scale"]} if "guidance_scale" in takes else {}),
-                latents=noise,
-                generator=generator,
-                output_type="np",
-            ).images[0]
-        made[record["file"]] = (image * 255).round().clip(0, 255).astype(np.uint8)
-    return made
+    return diffusers_remakes(model, run_dir, arguments)
 
 
 @pytest.mark.xla
