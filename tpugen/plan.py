@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from tpugen.config import ResolvedRun
 from tpugen.config.hires import HiresFix
@@ -10,6 +11,14 @@ from tpugen.config.images import ImageSource, References
 from tpugen.config.prompts import planned_images
 from tpugen.families import FAMILIES
 from tpugen.prompt_reading import PromptReader
+
+
+def task_of(source: ImageSource | None, references: References | None) -> str:
+    """txt2img, img2img (from an init image), inpaint (an init image and a mask) or edit (by reference): a run's
+    image (WorkItem.task) and a server's request (its batch key) are told apart by this alone."""
+    if references is not None:
+        return "edit"
+    return source.task if source else "txt2img"
 
 
 @dataclass(frozen=True)
@@ -40,10 +49,7 @@ class WorkItem:
 
     @property
     def task(self) -> str:
-        """txt2img, img2img (from an init image), inpaint (an init image and a mask) or edit (by reference)."""
-        if self.references is not None:
-            return "edit"
-        return self.source.task if self.source else "txt2img"
+        return task_of(self.source, self.references)
 
     @property
     def reference_count(self) -> int:
@@ -52,6 +58,20 @@ class WorkItem:
     @property
     def strength(self) -> float | None:
         return self.source.strength if self.source else None
+
+
+class Shaped(Protocol):
+    """What decides a batch's compiled shape: a run's WorkItem has it, and so has a server's batch key."""
+
+    height: int
+    width: int
+    cfg: bool
+    task: str
+    hires: HiresFix | None
+    chunks: int
+    tiling: bool
+    clip_skip: int
+    reference_count: int
 
 
 @dataclass(frozen=True, order=True)
@@ -74,8 +94,9 @@ class ShapeKey:
     references: int = 0
 
     @classmethod
-    def of(cls, item: WorkItem, batch_size: int) -> ShapeKey:
-        """The shape a batch of `batch_size` rows like `item` runs at."""
+    def of(cls, item: Shaped, batch_size: int) -> ShapeKey:
+        """The shape a batch of `batch_size` rows like `item` runs at: a run's WorkItem, or a server's BatchKey
+        (tpugen.modes.serve.queue), which names the same fields."""
         label = item.hires.shape_label if item.hires else ""
         return cls(
             item.height,

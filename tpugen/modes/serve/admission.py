@@ -12,6 +12,7 @@ from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, ImageSpec, 
 from tpugen.modes.serve.refusals import NotWarm, TimedOut
 from tpugen.modes.serve.request_ids import TASK_ID, current_caller
 from tpugen.modes.serve.warm import WarmEngines
+from tpugen.plan import task_of
 
 COMPILED_MAX_SIDE = 2048  # serve.max_side's default under new_shapes: compile
 
@@ -41,7 +42,7 @@ class Admission:
             image.guidance_scale,
             image.scheduler,
             loras_key(image.loras),
-            "edit" if image.references else source.task if source else "txt2img",
+            task_of(source, image.references),
             source.strength if source else None,
             image.hires,
             chunks=reader.chunks(image.prompt, image.negative_prompt, cfg=cfg),

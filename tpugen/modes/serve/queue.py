@@ -64,21 +64,13 @@ class BatchKey:
     # An edit's references: the pipeline gives its one `image` list to every row, so a batch shares one set.
     references: References | None = None
 
+    @property
+    def reference_count(self) -> int:
+        return self.references.count if self.references else 0
+
     def shape(self, batch_size: int) -> ShapeKey:
         """The compiled shape a batch of this key runs at."""
-        label = self.hires.shape_label if self.hires else ""
-        return ShapeKey(
-            self.height,
-            self.width,
-            batch_size,
-            self.cfg,
-            self.task,
-            label,
-            self.chunks,
-            self.tiling,
-            self.clip_skip,
-            self.references.count if self.references else 0,
-        )
+        return ShapeKey.of(self, batch_size)
 
 
 @dataclass
