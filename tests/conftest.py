@@ -439,25 +439,24 @@ MAPS_BUDGET = int(os.environ.get("TPUGEN_TEST_MAPS_BUDGET", "55000"))
 
 
 # Tests go to the two processes one at a time (pytest-xdist --dist load), the files that take longest first
-# (seconds summed over their tests, a full run on 2 cores, 2026-12-04 at 612844f: 21 min 17 s of tests), so that
-# neither process ends running a long file alone; the rest follow in collection order. Grouping every file's tests
-# in one process (--dist loadgroup, each module's fixtures built once) took 27 min 0 s against 19 min 40 s on
-# 2026-12-03: the groups that start processes of their own (Ray workers, pod workers, ranks, CLI runs) then ran
-# side by side, and the machine did 46 CPU-minutes of work against 33.
+# (seconds summed over their tests, a full run on 2 cores, 2026-12-03: 19 min 40 s), so that neither process
+# ends running a long file alone; the rest follow in collection order. Grouping every file's tests in one process
+# (--dist loadgroup, each module's fixtures built once) took 27 min 0 s the same day: the groups that start
+# processes of their own (Ray workers, pod workers, ranks, CLI runs) then ran side by side, and the machine did
+# 46 CPU-minutes of work against 33.
 SLOWEST_FILES = [
-    "test_cluster.py",  # 301
-    "test_trace_once.py",  # 213
-    "test_step_cache.py",  # 212
-    "test_pod.py",  # 162
-    "test_multi.py",  # 152
-    "test_scan.py",  # 127
-    "test_families.py",  # 112
-    "test_dist.py",  # 96
-    "test_references.py",  # 88
-    "test_resume.py",  # 85
-    "test_serve_process.py",  # 82
-    "test_serve_lifecycle.py",  # 74
-    "test_backends.py",  # its CPU torch.compile test alone: 55-69 s in a fresh clone (inductor's kernels cold)
+    "test_cluster.py",  # 330
+    "test_step_cache.py",  # 217
+    "test_trace_once.py",  # 217
+    "test_pod.py",  # 189
+    "test_resume.py",  # 106
+    "test_scan.py",  # 106
+    "test_multi.py",  # 106
+    "test_dist.py",  # 97
+    "test_backends.py",  # 88
+    "test_serve_process.py",  # 84
+    "test_serve_lifecycle.py",  # 84
+    "test_families.py",  # 76
 ]
 
 # The fixtures that cost a process minutes to build: the session's server (its warm shapes compiled), a Ray
