@@ -9,9 +9,9 @@ import subprocess
 import pytest
 from conftest import (
     OTHER_DEVICE_COUNT,
-    TPUGEN,
     assert_same_images,
     failing_rank_env,
+    forked_tpugen,
     generate,
     generate_in_new_process,
     sigterm_after_a_rank_image,
@@ -113,7 +113,7 @@ def test_sigterm_stops_every_rank_after_its_batch_and_resume_finishes(tmp_path):
     config = tiny_config(tmp_path, prompts=PROMPTS, batch_size=1, steps=8, execution={"mode": "multi", "cores": 4})
     path = write_config(tmp_path / "c.yaml", config)
     run_dir = tmp_path / "outputs" / "run"
-    tpugen = TPUGEN
+    tpugen = forked_tpugen()
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     proc = subprocess.Popen([tpugen, "generate", str(path), "--quiet"], stderr=subprocess.PIPE, text=True, env=env)
     stderr = sigterm_after_a_rank_image(proc, run_dir, 300)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import OTHER_DEVICE_COUNT, generate, run_cli, tiny_config, write_config
+from conftest import OTHER_DEVICE_COUNT, forked_tpugen, generate, run_cli, tiny_config, write_config
 from PIL import Image
 
 from tpugen.config import PodConfig
@@ -28,8 +28,10 @@ NAMES = [image_filename(i, 7 + i, p) for i, p in enumerate(PROMPTS)]
 
 @pytest.fixture
 def fake_pod(tmp_path, monkeypatch):
+    """A fake pod whose workers run `tpugen` as forked_tpugen: each a process of its own, without its imports."""
     root = tmp_path / "pod"
-    monkeypatch.setenv("PATH", f"{FAKES}:{Path(sys.executable).parent}:{__import__('os').environ['PATH']}")
+    forked = Path(forked_tpugen()).parent
+    monkeypatch.setenv("PATH", f"{forked}:{FAKES}:{Path(sys.executable).parent}:{__import__('os').environ['PATH']}")
     monkeypatch.setenv("FAKE_POD_ROOT", str(root))
     monkeypatch.setenv("FAKE_POD_LOG", str(tmp_path / "gcloud.log"))
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
@@ -474,7 +476,7 @@ def test_unsafe_run_ids_and_remote_dirs_are_refused_before_any_gcloud_call(
 @pytest.mark.xla
 def test_remote_tpugen_and_remote_dir_under_the_workers_home(tmp_path, fake_pod, monkeypatch):
     monkeypatch.setenv("FAKE_POD_WORKERS", "2")
-    real = Path(sys.executable).parent / "tpugen"
+    real = forked_tpugen()
     for i in range(2):
         wrapper = fake_pod / f"worker-{i}" / "venv" / "bin" / "tpugen"
         wrapper.parent.mkdir(parents=True)

@@ -16,6 +16,7 @@ import pytest
 from conftest import (
     TPUGEN,
     cut_last_image,
+    forked_tpugen,
     generate,
     image_bytes,
     run_cli,
@@ -51,7 +52,8 @@ def test_sigterm_after_the_second_batch_then_resume_gives_the_same_files(referen
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
 
     started = time.perf_counter()
-    proc = subprocess.Popen([TPUGEN, "generate", str(path), "--quiet"], stderr=subprocess.PIPE, text=True, env=env)
+    tpugen = forked_tpugen()  # a process of its own, killed as the console script's would be
+    proc = subprocess.Popen([tpugen, "generate", str(path), "--quiet"], stderr=subprocess.PIPE, text=True, env=env)
     while not (manifest.exists() and len(manifest.read_text().splitlines()) >= 2):
         assert proc.poll() is None, proc.stderr.read()
         assert time.perf_counter() - started < 300
@@ -72,7 +74,7 @@ def test_sigterm_after_the_second_batch_then_resume_gives_the_same_files(referen
     assert not list(run_dir.glob(".*.tmp"))  # no half-written image under any name
 
     started = time.perf_counter()
-    resumed = subprocess.run([TPUGEN, "resume", str(run_dir), "--quiet"], capture_output=True, text=True, env=env)
+    resumed = subprocess.run([tpugen, "resume", str(run_dir), "--quiet"], capture_output=True, text=True, env=env)
     resume_seconds = time.perf_counter() - started
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads((run_dir / "report.json").read_text())

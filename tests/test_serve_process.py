@@ -12,7 +12,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from conftest import OTHER_DEVICE_COUNT, PROMPTS, TPUGEN
+from conftest import OTHER_DEVICE_COUNT, PROMPTS, forked_tpugen
 from PIL import Image
 from serve_support import AUTH, BASE, KEY, decode, free_port, metric, pixels, run_body, serve_config, wait_ready
 
@@ -28,8 +28,8 @@ def own_process_server(tmp_path_factory):
     path = serve_config(tmp, new_shapes="compile", max_queue=2, request_timeout_s=3, batch_window_ms=50)
     port = free_port()
     log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen(
-        [TPUGEN, "serve", str(path), "--port", str(port)],
+    proc = subprocess.Popen(  # a process of its own (forked_tpugen): its signals and counters are the server's
+        [forked_tpugen(), "serve", str(path), "--port", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PJRT_DEVICE": "CPU", "TPUGEN_API_KEY": KEY},
@@ -129,7 +129,7 @@ def test_multi_mode_serves_one_engine_per_device_from_one_queue(tmp_path, xla_ru
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [TPUGEN, "serve", str(path), "--port", str(port), "execution.mode=multi", "execution.cores=2"],
+            [forked_tpugen(), "serve", str(path), "--port", str(port), "execution.mode=multi", "execution.cores=2"],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PJRT_DEVICE": "CPU"},

@@ -9,7 +9,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import TPUGEN, plain_diffusers_images, run_cli, tiny_config, with_prompts_file, write_config
+from conftest import forked_tpugen, plain_diffusers_images, run_cli, tiny_config, with_prompts_file, write_config
 from PIL import Image
 
 from tpugen.config.schema import StepCacheConfig
@@ -154,7 +154,7 @@ def diffusers_images(run_dir, cache: dict | None, model: str = "tiny-flux", step
 def _tpugen_in_a_process_of_its_own(command: str, path) -> None:
     """`tpugen COMMAND PATH --quiet` in a fresh process: exact graph counts whatever this process compiled, and
     none of its XLA state (the full suite once crashed in-process, rc 139, compiling Qwen-Image near its end)."""
-    argv = [TPUGEN, command, str(path), "--quiet"]
+    argv = [forked_tpugen(), command, str(path), "--quiet"]
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr

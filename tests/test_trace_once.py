@@ -12,9 +12,9 @@ import pytest
 from conftest import (
     OTHER_GRAPH,
     SAME_SETUP,
-    TPUGEN,
     Recording,
     assert_same_images,
+    forked_tpugen,
     run_cli,
     tiny_config,
     write_config,
@@ -155,7 +155,7 @@ def both_ways(tmp_path_factory):
     config = tiny_config(tmp, output={"dir": str(tmp / "outputs"), "run_id": "traced"}, **SMALL)
     config["compile"]["trace_once"] = True
     proc = subprocess.run(
-        [TPUGEN, "generate", str(write_config(tmp / "traced.yaml", config))],
+        [forked_tpugen(), "generate", str(write_config(tmp / "traced.yaml", config))],
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,0 +1,246 @@
+"""A zygote for the tpugen processes the tests start only to have a process of their own: one process per test
+worker imports torch, torch_xla, diffusers and tpugen once, without touching a device, and forks a child for each
+`tpugen` command, which then runs as a fresh process would (its own XLA runtime and compile cache, its own
+counters: exact graph counts whatever the test process compiled) but without a fresh interpreter's ~15 s of
+imports. Tests that check how tpugen starts (what is set before torch is imported, how a server binds its
+socket first) run the real console script instead.
+
+The client, `tests/fakes/forked/tpugen`, stands where the `tpugen` script would: it hands the zygote its argv,
+environment, working directory and its stdin, stdout and stderr (the descriptors themselves), forwards the signals
+it gets to the child and exits as the child did (its code, or the signal that ended it). A client that goes away
+takes its child with it. A client whose environment differs from the zygote's in what the preloaded modules read
+when imported (PYTHONPATH, the hub's cache roots, ...) runs the real console script instead. The zygote starts on
+first use (`command()`), with the environment the test process had when this module was imported, and stops with
+the test process (`stop()`).
+
+Run as `python tests/zygote.py SOCKET`: serves on the Unix socket SOCKET and prints "ready" when it listens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CLIENT = Path(__file__).parent / "fakes" / "forked" / "tpugen"
+SOCKET_ENV = "TPUGEN_TEST_ZYGOTE"  # where the client finds the zygote
+OFF_ENV = "TPUGEN_TEST_FORKED"  # 0: the tests run the console script wherever they would run forked_tpugen
+# Variables read when Python starts or when the preloaded modules are imported (the hub's cache roots and offline
+# switch, what transformers and accelerate check for torch_xla): a client whose value differs from the zygote's
+# runs the real console script, as a child forked after those imports would not see its own.
+READ_AT_START = ("PYTHON", "LD_")  # prefixes
+READ_AT_IMPORT = {
+    *("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_OFFLINE"),
+    *("TRANSFORMERS_CACHE", "TRANSFORMERS_OFFLINE", "DIFFUSERS_CACHE", "TORCH_HOME", "XDG_CACHE_HOME"),
+    *("USE_TORCH_XLA", "USE_TORCH", "USE_TF", "USE_JAX", "USE_FLAX"),
+}
+BASE_ENV = dict(os.environ)  # the test process's environment before any test changed it
+# What a tpugen run on a tiny model imports that takes time (torch_xla brings torch, dynamo and inductor): a
+# child finds them in sys.modules. Imports only: nothing here creates a device or runs a torch op.
+PRELOAD = (
+    "torch_xla",
+    "torch_xla.core.xla_model",
+    "torch_xla.debug.metrics",
+    "torch_xla.runtime",
+    "diffusers",
+    "transformers",
+    "tpugen.cli",
+    "tpugen.app",
+    "tpugen.engine.engine",
+    "tpugen.backends.xla.single",
+    "pytest",
+    "xdist",
+)
+PRELOAD_NAMES = {  # lazily exported names, imported by resolving them
+    "diffusers": (
+        "StableDiffusionPipeline",
+        "StableDiffusionXLPipeline",
+        "FluxPipeline",
+        "Flux2KleinPipeline",
+        "QwenImagePipeline",
+        "ZImagePipeline",
+        "AutoencoderKL",
+        "UNet2DConditionModel",
+    ),
+    "transformers": ("CLIPTextModel", "CLIPTokenizer", "CLIPImageProcessor", "T5EncoderModel"),
+}
+
+_server: subprocess.Popen | None = None
+_socket_dir: str | None = None
+
+
+def command(program: str = "tpugen") -> list[str]:
+    """The argv prefix that runs `program` (tpugen or pytest) in a child of this process's zygote (started now if
+    need be), as the console script of that name would. The child's environment is the one the client starts with."""
+    global _server, _socket_dir
+    if os.environ.get(OFF_ENV) == "0":
+        return [str(Path(sys.executable).parent / program)]
+    if _server is None or _server.poll() is not None:
+        _socket_dir = tempfile.mkdtemp(prefix="tpugen-zygote-")
+        path = os.path.join(_socket_dir, "socket")
+        _server = subprocess.Popen([sys.executable, __file__, path], stdout=subprocess.PIPE, text=True, env=BASE_ENV)
+        line = _server.stdout.readline()  # blocks until it listens, or ends
+        if line.strip() != "ready":
+            _server.kill()
+            raise RuntimeError(f"the tests' tpugen zygote did not start (it said {line!r})")
+        os.environ[SOCKET_ENV] = path
+    return [str(CLIENT.with_name(program))]
+
+
+def stop() -> None:
+    """Stops this process's zygote, if it started one (its children with it)."""
+    global _server
+    if _server is not None:
+        _server.terminate()
+        try:
+            _server.wait(30)
+        except subprocess.TimeoutExpired:
+            _server.kill()
+            _server.wait()
+        _server = None
+        os.environ.pop(SOCKET_ENV, None)
+
+
+def _preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        module = importlib.import_module(name)
+        for attribute in PRELOAD_NAMES.get(name, ()):
+            getattr(module, attribute, None)
+
+
+def _serve(path: str) -> None:
+    _preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    children: dict[int, socket.socket] = {}  # pid: its client's connection
+
+    def stop_all(signum, frame) -> None:
+        for pid in children:
+            _kill(pid)
+        os._exit(0)  # no atexit: nothing of the preload's may start a runtime here
+
+    signal.signal(signal.SIGTERM, stop_all)
+    parent = os.getppid()
+    print("ready", flush=True)
+    while True:
+        if os.getppid() != parent:  # the test process is gone (killed): nothing will stop this one
+            stop_all(None, None)
+        readable, _, _ = select.select([listener, *children.values()], [], [], 0.05)
+        for ready in readable:
+            if ready is listener:
+                connection, _ = listener.accept()
+                pid = _fork(listener, connection)
+                if pid is not None:
+                    children[pid] = connection
+            else:  # a client's connection: readable only when the client went away
+                pid = next(p for p, c in children.items() if c is ready)
+                _kill(pid)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            connection = children.pop(pid, None)
+            if connection is not None:
+                ended = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+                try:
+                    connection.send(ended.encode())
+                except OSError:
+                    pass
+                connection.close()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _fork(listener: socket.socket, connection: socket.socket) -> int | None:
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+    if len(fds) != 3:
+        connection.close()
+        return None
+    request = json.loads(message)
+    if _read_at_start(request["env"]) != _read_at_start(os.environ):
+        for fd in fds:
+            os.close(fd)
+        connection.send(f"exec {Path(sys.executable).parent / request['program']}".encode())
+        connection.close()
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        for fd in fds:
+            os.close(fd)
+        connection.send(f"pid {pid}".encode())
+        return pid
+    listener.close()
+    connection.close()
+    _child(request, fds)
+
+
+def _read_at_start(env) -> dict:
+    return {key: value for key, value in env.items() if key.startswith(READ_AT_START) or key in READ_AT_IMPORT}
+
+
+def _child(request: dict, fds: list[int]) -> None:
+    """In the forked child: become the client's process, run tpugen's entry point, exit as its script would."""
+    import atexit
+    import threading
+    import traceback
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    import torch_xla
+
+    torch_xla._setup_xla_flags()  # what importing torch_xla adds to a fresh process's environment
+    torch_xla._setup_default_env()
+    os.chdir(request["cwd"])
+    sys.argv = [request["program"], *request["argv"]]
+    code = 1
+    try:
+        if request["program"] == "pytest":
+            import pytest
+
+            code = int(pytest.main(request["argv"]))
+        else:
+            from tpugen.cli import main
+
+            main()
+            code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
