@@ -165,12 +165,21 @@ def known_models_counted() -> None:
         done.touch()
 
 
+FORKED_TPUGEN = str(zygote.CLIENT)  # forked_tpugen's path, without starting the zygote
+
+
 def forked_tpugen() -> str:
     """A `tpugen` that runs each command in a process of its own, forked from one that imported torch, torch_xla,
     diffusers and tpugen already (tests/zygote.py): its XLA runtime, compile cache and counters as fresh as the
     console script's, without ~15 s of imports. For tests that need a process of their own, not a check of how
     tpugen starts (those run TPUGEN)."""
     return zygote.command()[0]
+
+
+def forked_python() -> list[str]:
+    """`python` for `-c CODE ARGS...` in a process of its own, forked as forked_tpugen's (its first import of torch
+    and tpugen already made: not for code that checks what an import does)."""
+    return zygote.command("python")
 
 
 def generate_in_new_process(tmp: Path, *args: str, env: dict | None = None, timeout: float = 600, **overrides):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import SAME_SETUP, Recording, assert_same_images, run_cli, tiny_config, write_config
+from conftest import SAME_SETUP, Recording, assert_same_images, forked_python, run_cli, tiny_config, write_config
 
 from tpugen.backends.xla.flash import NO_JAX, NO_SPMD_SPEC, flash_partition_spec, flash_reason
 from tpugen.families import family as family_code
@@ -379,7 +378,7 @@ def test_under_spmd_the_unets_processors_get_the_meshs_partition_spec(tmp_path):
     path = write_config(tmp_path / "spmd.yaml", config)
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     proc = subprocess.run(
-        [sys.executable, "-c", _SPMD_OPEN, str(path)], capture_output=True, text=True, timeout=300, env=env
+        [*forked_python(), "-c", _SPMD_OPEN, str(path)], capture_output=True, text=True, timeout=300, env=env
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])

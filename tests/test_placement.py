@@ -5,11 +5,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
-from conftest import OTHER_DEVICE_COUNT, SAME_SETUP, assert_same_images, generate, run_cli, tiny_config, write_config
+from conftest import (
+    OTHER_DEVICE_COUNT,
+    SAME_SETUP,
+    assert_same_images,
+    forked_python,
+    generate,
+    run_cli,
+    tiny_config,
+    write_config,
+)
 
 from tpugen.errors import InputError
 from tpugen.placement import assign_components
@@ -154,7 +162,7 @@ def test_components_on_two_devices_give_the_single_device_images(tmp_path, xla_r
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path))
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     proc = subprocess.run(
-        [sys.executable, "-c", _PLACED_RUNS, str(config)], capture_output=True, text=True, timeout=600, env=env
+        [*forked_python(), "-c", _PLACED_RUNS, str(config)], capture_output=True, text=True, timeout=600, env=env
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.rstrip() for line in proc.stdout.splitlines()] == [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import OTHER_DEVICE_COUNT, forked_tpugen, generate, run_cli, tiny_config, write_config
+from conftest import FORKED_TPUGEN, OTHER_DEVICE_COUNT, forked_tpugen, generate, run_cli, tiny_config, write_config
 from PIL import Image
 
 from tpugen.config import PodConfig
@@ -27,10 +27,11 @@ NAMES = [image_filename(i, 7 + i, p) for i, p in enumerate(PROMPTS)]
 
 
 @pytest.fixture
-def fake_pod(tmp_path, monkeypatch):
-    """A fake pod whose workers run `tpugen` as forked_tpugen: each a process of its own, without its imports."""
+def fake_pod(request, tmp_path, monkeypatch):
+    """A fake pod whose workers run `tpugen` as forked_tpugen: each a process of its own, without its imports
+    (the zygote started for the tests that run workers, the xla ones)."""
     root = tmp_path / "pod"
-    forked = Path(forked_tpugen()).parent
+    forked = Path(forked_tpugen() if request.node.get_closest_marker("xla") else FORKED_TPUGEN).parent
     monkeypatch.setenv("PATH", f"{forked}:{FAKES}:{Path(sys.executable).parent}:{__import__('os').environ['PATH']}")
     monkeypatch.setenv("FAKE_POD_ROOT", str(root))
     monkeypatch.setenv("FAKE_POD_LOG", str(tmp_path / "gcloud.log"))

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
-from conftest import OTHER_DEVICE_COUNT, assert_same_images, generate, run_cli, tiny_config, write_config
+from conftest import OTHER_DEVICE_COUNT, assert_same_images, forked_python, generate, run_cli, tiny_config, write_config
 
 from tpugen.backends.xla.spmd import mesh_shape
 from tpugen.errors import InputError
@@ -184,7 +183,7 @@ def test_spmd_over_4_devices_gives_the_single_device_images(tmp_path):
     runs = [f"{configs[m]}:{m}-{mesh}:{data}" for m in configs for mesh, data in (("m4", 1), ("d2m2", 2))]
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     proc = subprocess.run(
-        [sys.executable, "-c", _SPMD_RUNS, *runs], capture_output=True, text=True, timeout=600, env=env
+        [*forked_python(), "-c", _SPMD_RUNS, *runs], capture_output=True, text=True, timeout=600, env=env
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for model in configs:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from pathlib import Path
 
 CLIENT = Path(__file__).parent / "fakes" / "forked" / "tpugen"
 SOCKET_ENV = "TPUGEN_TEST_ZYGOTE"  # where the client finds the zygote
+SCRIPTS_ENV = "TPUGEN_TEST_SCRIPTS"  # where the real scripts are, for a client that finds no zygote
 OFF_ENV = "TPUGEN_TEST_FORKED"  # 0: the tests run the console script wherever they would run forked_tpugen
 # Variables read when Python starts or when the preloaded modules are imported (the hub's cache roots and offline
 # switch, what transformers and accelerate check for torch_xla): a client whose value differs from the zygote's
@@ -40,6 +42,10 @@ READ_AT_IMPORT = {
     *("TRANSFORMERS_CACHE", "TRANSFORMERS_OFFLINE", "DIFFUSERS_CACHE", "TORCH_HOME", "XDG_CACHE_HOME"),
     *("USE_TORCH_XLA", "USE_TORCH", "USE_TF", "USE_JAX", "USE_FLAX"),
 }
+if __name__ != "__main__":  # in a test process: where its zygote will listen, in every environment it hands on
+    _SOCKET_DIR = tempfile.mkdtemp(prefix="tpugen-zygote-")
+    os.environ[SOCKET_ENV] = os.path.join(_SOCKET_DIR, "socket")
+    os.environ[SCRIPTS_ENV] = str(Path(sys.executable).parent)
 BASE_ENV = dict(os.environ)  # the test process's environment before any test changed it
 # What a tpugen run on a tiny model imports that takes time (torch_xla brings torch, dynamo and inductor): a
 # child finds them in sys.modules. Imports only: nothing here creates a device or runs a torch op.
@@ -72,24 +78,24 @@ PRELOAD_NAMES = {  # lazily exported names, imported by resolving them
 }
 
 _server: subprocess.Popen | None = None
-_socket_dir: str | None = None
 
 
 def command(program: str = "tpugen") -> list[str]:
-    """The argv prefix that runs `program` (tpugen or pytest) in a child of this process's zygote (started now if
-    need be), as the console script of that name would. The child's environment is the one the client starts with."""
-    global _server, _socket_dir
+    """The argv prefix that runs `program` (tpugen, pytest, or python for `-c CODE`) in a child of this process's
+    zygote (started now if need be), as the console script of that name would. The child's environment is the one
+    the client starts with."""
+    global _server
     if os.environ.get(OFF_ENV) == "0":
         return [str(Path(sys.executable).parent / program)]
     if _server is None or _server.poll() is not None:
-        _socket_dir = tempfile.mkdtemp(prefix="tpugen-zygote-")
-        path = os.path.join(_socket_dir, "socket")
+        path = BASE_ENV[SOCKET_ENV]
+        if os.path.exists(path):
+            os.unlink(path)  # a zygote that ended before
         _server = subprocess.Popen([sys.executable, __file__, path], stdout=subprocess.PIPE, text=True, env=BASE_ENV)
         line = _server.stdout.readline()  # blocks until it listens, or ends
         if line.strip() != "ready":
             _server.kill()
             raise RuntimeError(f"the tests' tpugen zygote did not start (it said {line!r})")
-        os.environ[SOCKET_ENV] = path
     return [str(CLIENT.with_name(program))]
 
 
@@ -104,7 +110,7 @@ def stop() -> None:
             _server.kill()
             _server.wait()
         _server = None
-        os.environ.pop(SOCKET_ENV, None)
+    shutil.rmtree(_SOCKET_DIR, ignore_errors=True)
 
 
 def _preload() -> None:
@@ -218,6 +224,12 @@ def _child(request: dict, fds: list[int]) -> None:
             import pytest
 
             code = int(pytest.main(request["argv"]))
+        elif request["program"] == "python":  # python -c CODE ARGS...: the code as __main__, argv as Python sets it
+            flag, source, *rest = request["argv"]
+            assert flag == "-c", f"the forked python runs -c CODE only, not {flag!r}"
+            sys.argv = ["-c", *rest]
+            exec(compile(source, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+            code = 0
         else:
             from tpugen.cli import main
 
