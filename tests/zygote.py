@@ -144,7 +144,7 @@ def _serve(path: str) -> None:
         for ready in readable:
             if ready is listener:
                 connection, _ = listener.accept()
-                pid = _fork(listener, connection)
+                pid = _fork(listener, connection, children)
                 if pid is not None:
                     children[pid] = connection
             else:  # a client's connection: readable only when the client went away
@@ -171,7 +171,7 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _fork(listener: socket.socket, connection: socket.socket) -> int | None:
+def _fork(listener: socket.socket, connection: socket.socket, children: dict) -> int | None:
     message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
     if len(fds) != 3:
         connection.close()
@@ -191,9 +191,12 @@ def _fork(listener: socket.socket, connection: socket.socket) -> int | None:
             os.close(fd)
         connection.send(f"pid {pid}".encode())
         return pid
-    listener.close()
-    connection.close()
-    _child(request, fds)
+    try:  # the child: never back into the zygote's loop, whatever fails
+        for other in (listener, connection, *children.values()):
+            other.close()  # a client sees the zygote go away only once no child holds its end
+        _child(request, fds)
+    finally:
+        os._exit(1)
 
 
 def _read_at_start(env) -> dict:

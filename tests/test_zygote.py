@@ -1,0 +1,83 @@
+"""The tests' forked tpugen (tests/zygote.py) answers as the console script does: exit codes, its output, the
+environment it was given, a signal's exit, and a fresh interpreter where the environment needs one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import TPUGEN, forked_tpugen, tiny_config, write_config
+
+pytestmark = pytest.mark.xla  # the zygote imports torch_xla
+
+
+def _both(*args: str, **kwargs) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    run = dict(capture_output=True, text=True, timeout=120, **kwargs)
+    return subprocess.run([forked_tpugen(), *args], **run), subprocess.run([TPUGEN, *args], **run)
+
+
+def test_exit_codes_output_and_environment_are_the_scripts(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    forked, real = _both("validate", str(bad))
+    assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr)
+    assert forked.returncode == 2 and forked.stderr.startswith("error: ")
+    good = write_config(tmp_path / "good.yaml", tiny_config(tmp_path))
+    # The working directory and the environment are the client's: a relative path, an override from it.
+    env = {**os.environ, "TPUGEN_CACHE": str(tmp_path / "cache")}
+    forked, real = _both("validate", "good.yaml", cwd=tmp_path, env=env)
+    assert (forked.returncode, forked.stdout) == (real.returncode, real.stdout) and forked.returncode == 0
+    assert good.is_file()
+
+
+def test_a_signal_reaches_the_child_and_a_killed_client_takes_it_along(tmp_path):
+    config = tiny_config(tmp_path, prompts=["a cat"] * 3, batch_size=1, steps=20)
+    path = write_config(tmp_path / "c.yaml", config)
+    manifest = tmp_path / "outputs" / "run" / "manifest.jsonl"
+    proc = subprocess.Popen([forked_tpugen(), "generate", str(path), "--quiet"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not manifest.exists() or not manifest.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 143  # tpugen's own answer to SIGTERM, passed back
+    assert "error: interrupted by SIGTERM" in proc.stderr.read()
+
+    config["output"]["run_id"] = "killed"
+    path = write_config(tmp_path / "k.yaml", config)
+    proc = subprocess.Popen([forked_tpugen(), "generate", str(path), "--quiet"], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not _children_of_zygote() and time.monotonic() < deadline:  # the one child this test process forks
+        time.sleep(0.05)
+    assert _children_of_zygote(), "the forked child never showed up"
+    proc.kill()
+    proc.wait(30)
+    deadline = time.monotonic() + 30
+    while _children_of_zygote() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _children_of_zygote() == []
+    killed = tmp_path / "outputs" / "killed" / "manifest.jsonl"  # killed mid-run, not ended on its own
+    assert not killed.exists() or len(killed.read_text().splitlines()) < 3
+
+
+def test_an_environment_read_at_import_gets_a_fresh_interpreter(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import sys\nprint('fresh interpreter', file=sys.stderr)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    forked, real = _both("--help", env=env)
+    assert forked.returncode == real.returncode == 0
+    assert forked.stderr == real.stderr == "fresh interpreter\n"
+    plain = subprocess.run([forked_tpugen(), "--help"], capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0 and plain.stderr == ""
+
+
+def _children_of_zygote() -> list[int]:
+    """The processes the zygote forked and that still run."""
+    import zygote
+
+    server = zygote._server
+    assert server is not None
+    found = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
