@@ -9,6 +9,7 @@ import subprocess
 import time
 
 import pytest
+import zygote
 from conftest import TPUGEN, forked_tpugen, tiny_config, write_config
 
 pytestmark = pytest.mark.xla  # the zygote imports torch_xla
@@ -48,7 +49,9 @@ def test_a_signal_reaches_the_child_and_a_killed_client_takes_it_along(tmp_path)
 
     config["output"]["run_id"] = "killed"
     path = write_config(tmp_path / "k.yaml", config)
-    proc = subprocess.Popen([forked_tpugen(), "generate", str(path), "--quiet"], stderr=subprocess.DEVNULL)
+    # The environment the zygote started with: forked whatever an earlier test left in this process's own.
+    env = {**zygote.BASE_ENV, "PJRT_DEVICE": "CPU"}
+    proc = subprocess.Popen([forked_tpugen(), "generate", str(path), "--quiet"], stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 60
     while not _children_of_zygote() and time.monotonic() < deadline:  # the one child this test process forks
         time.sleep(0.05)
@@ -75,8 +78,6 @@ def test_an_environment_read_at_import_gets_a_fresh_interpreter(tmp_path):
 
 def _children_of_zygote() -> list[int]:
     """The processes the zygote forked and that still run."""
-    import zygote
-
     server = zygote._server
     assert server is not None
     found = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
