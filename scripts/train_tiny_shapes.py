@@ -4,6 +4,8 @@ manifest of their sha256s into tpugen/families/sd/shapes/weights/.
 
     .venv/bin/python scripts/train_tiny_shapes.py             # the shipped weights (about 45 min on 2 cores)
     .venv/bin/python scripts/train_tiny_shapes.py --lora red  # a LoRA on those weights that makes every shape red
+    .venv/bin/python scripts/train_tiny_shapes.py --controlnet  # a ControlNet on them: a white shape on black
+                                                                # places the shape (about 30 min)
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ NAMES = list(COLOURS)
 RGB = torch.tensor([COLOURS[c] for c in NAMES], dtype=torch.float32) / 127.5 - 1  # in the VAE's [-1, 1]
 
 
-def draw(n: int, gen: torch.Generator, shape_colour: int | None = None):
+def draw(n: int, gen: torch.Generator, shape_colour: int | None = None, masks: bool = False):
     """n random pictures (n, 3, SIZE, SIZE) in [-1, 1] and their prompts. A shape is 16 to 40 px across, at least
     4 px from the edge; `shape_colour` (an index into NAMES) overrides the colour drawn, not the prompt,
-    and the background is never it."""
+    and the background is never it. With `masks`, also each shape's mask (n, SIZE, SIZE) as booleans."""
     fg = torch.randint(len(NAMES), (n,), generator=gen)
     bg = (fg + torch.randint(1, len(NAMES), (n,), generator=gen)) % len(NAMES)  # never the shape's colour
     if shape_colour is not None:  # nor the colour drawn: the next colour that is neither
@@ -56,7 +58,7 @@ def draw(n: int, gen: torch.Generator, shape_colour: int | None = None):
     prompts = [
         prompt(NAMES[f], SHAPES[k], NAMES[b]) for f, k, b in zip(fg.tolist(), kind.tolist(), bg.tolist(), strict=True)
     ]
-    return images, prompts
+    return (images, prompts, mask) if masks else (images, prompts)
 
 
 def log(phase: str, step: int, steps: int, loss: float, started: float) -> None:
@@ -261,6 +263,79 @@ def train_lora(args, gen) -> None:
     print(f"wrote {out / f'{args.lora}.safetensors'}: {(out / f'{args.lora}.safetensors').stat().st_size} bytes")
 
 
+def held_out(prompt_text: str) -> bool:
+    """The prompts the ControlNet never trains on (12 of the 90, by a fixed rule), so that a test can
+    place shapes for prompts it never saw (tpugen.families.sd.shapes.CONTROL_HELD_OUT says the same)."""
+    from tpugen.families.sd.shapes import control_held_out
+
+    return control_held_out(prompt_text)
+
+
+def train_controlnet(args, gen) -> None:
+    """A ControlNet on the shipped weights (frozen) whose control image is the shape's mask, white on black at
+    64x64, so the shape is drawn where the mask is, as the prompt describes it. Made from the UNet's own encoder
+    (ControlNetModel.from_unet: its zero convolutions start it as a no-op), its conditioning embedding
+    downsampling by 4 as the autoencoder does; prompts held out (held_out) are never drawn."""
+    from diffusers import ControlNetModel, StableDiffusionPipeline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        parts.build(Path(tmp) / "pipe")
+        pipe = StableDiffusionPipeline.from_pretrained(Path(tmp) / "pipe")
+    unet, vae, text_encoder, tok = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer
+    for model in (unet, vae, text_encoder):
+        model.requires_grad_(False)
+    torch.manual_seed(args.seed + 3)
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=parts.CONTROL_EMBEDDING)
+    controlnet.train()
+    params = list(controlnet.parameters())
+    opt = torch.optim.AdamW(params, lr=args.controlnet_lr, weight_decay=0.0)
+    alphas = alphas_cumprod()
+    started, running = time.time(), None
+    for step in range(1, args.controlnet_steps + 1):
+        images, prompts, masks = draw(2 * args.batch, gen, masks=True)
+        keep = [n for n, p in enumerate(prompts) if not held_out(p)][: args.batch]
+        images, masks = images[keep], masks[keep]
+        prompts = ["" if torch.rand(1, generator=gen).item() < 0.1 else prompts[n] for n in keep]
+        control = masks[:, None].float().expand(-1, 3, -1, -1)  # [0, 1], as diffusers' control image processor
+        with torch.no_grad():
+            latents = vae.encode(images).latent_dist.mean * vae.config.scaling_factor
+            text = encode_prompts(tok, text_encoder, prompts)
+        n = latents.shape[0]
+        t = torch.randint(0, len(alphas), (n,), generator=gen)
+        noise = torch.randn(latents.shape, generator=gen) + args.offset * torch.randn(
+            (n, latents.shape[1], 1, 1), generator=gen
+        )
+        a = alphas[t].view(n, 1, 1, 1)
+        noisy = a.sqrt() * latents + (1 - a).sqrt() * noise
+        down, mid = controlnet(noisy, t, encoder_hidden_states=text, controlnet_cond=control, return_dict=False)
+        pred = unet(
+            noisy,
+            t,
+            encoder_hidden_states=text,
+            down_block_additional_residuals=down,
+            mid_block_additional_residual=mid,
+        ).sample
+        loss = F.mse_loss(pred, noise)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        for group in opt.param_groups:
+            group["lr"] = args.controlnet_lr * min(1.0, step / 100)
+        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        if step % 50 == 0 or step == args.controlnet_steps:
+            log("controlnet", step, args.controlnet_steps, running, started)
+    out = args.out / "controlnet"
+    if out.exists():
+        shutil.rmtree(out)
+    controlnet.eval().to(torch.float16).save_pretrained(out, safe_serialization=True)
+    (args.out / MANIFEST.name).write_text(
+        json.dumps({"sha256": parts.file_hashes(args.out)}, indent=2) + "\n", encoding="utf-8"
+    )
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"wrote {out}: {total / 1e6:.2f} MB", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
@@ -288,6 +363,11 @@ def main() -> None:
     parser.add_argument("--lora-steps", type=int, default=1000)
     parser.add_argument("--lora-lr", type=float, default=2e-3)
     parser.add_argument("--targets", nargs="+", default=["to_q", "to_k", "to_v", "to_out.0"])
+    parser.add_argument(
+        "--controlnet", action="store_true", help="train a ControlNet on the shipped weights: a mask places the shape"
+    )
+    parser.add_argument("--controlnet-steps", type=int, default=3000)
+    parser.add_argument("--controlnet-lr", type=float, default=1e-3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
@@ -295,6 +375,8 @@ def main() -> None:
     started = time.time()
     if args.lora:
         train_lora(args, gen)
+    elif args.controlnet:
+        train_controlnet(args, gen)
     else:
         tok, ids = parts.tokenizer(Path(tempfile.mkdtemp(prefix="tiny-shapes-vocab-")))
         if args.resume:

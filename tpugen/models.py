@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpugen.errors import one_line
-from tpugen.families import BUILTINS, KNOWN_MODELS, Family, covered_classes, family_for_class
+from tpugen.families import BUILTINS, CONTROLNETS, KNOWN_MODELS, Family, covered_classes, family_for_class
 from tpugen.settings import hub_offline, hub_token
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -43,6 +43,31 @@ def classify_model_id(model_id: str, base_dir: Path | None = None) -> ModelSourc
         return ModelSource("hub", model_id)
     return (
         f"{model_id!r} is not a built-in ({', '.join(BUILTINS)}), an existing directory, "
+        "or a hub id of the form org/name"
+    )
+
+
+def classify_controlnet_id(controlnet_id: str, base_dir: Path | None = None) -> ModelSource | str:
+    """Where a ControlNet's id points (a built-in, a local ControlNetModel folder, a hub id), or a one-line reason it
+    points nowhere. Touches only the filesystem."""
+    if controlnet_id in CONTROLNETS:
+        return ModelSource("builtin", controlnet_id)
+    candidate = Path(controlnet_id).expanduser()
+    if not candidate.is_absolute() and base_dir is not None:
+        candidate = base_dir / candidate
+    if controlnet_id.startswith((".", "/", "~")) or controlnet_id.count("/") > 1 or candidate.exists():
+        if not candidate.is_dir():
+            return f"ControlNet directory {str(candidate)!r} does not exist"
+        found = _class_in(candidate / "config.json")
+        if not isinstance(found, tuple):
+            return found
+        if "ControlNet" not in found[0]:
+            return f"{str(candidate)!r} holds a {found[0] or 'model with no _class_name'}, not a ControlNet"
+        return ModelSource("local", str(candidate.resolve()))
+    if is_hub_id(controlnet_id):
+        return ModelSource("hub", controlnet_id)
+    return (
+        f"{controlnet_id!r} is not a built-in ControlNet ({', '.join(CONTROLNETS)}), an existing directory, "
         "or a hub id of the form org/name"
     )
 

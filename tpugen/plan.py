@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tpugen.config import ResolvedRun
+from tpugen.config.controls import Controls
 from tpugen.config.hires import HiresFix
 from tpugen.config.images import ImageSource, References
 from tpugen.config.prompts import planned_images
@@ -46,6 +47,7 @@ class WorkItem:
     prompt_syntax: str = "webui"  # how its prompts are read (RunConfig.prompt_syntax): a call has one
     clip_skip: int = 1  # the text encoder layer its prompts are read from, counted from the last (RunConfig.clip_skip)
     references: References | None = None  # an edit by reference: the images it edits from
+    controls: Controls | None = None  # its control images, one per ControlNet
 
     @property
     def task(self) -> str:
@@ -54,6 +56,10 @@ class WorkItem:
     @property
     def reference_count(self) -> int:
         return self.references.count if self.references else 0
+
+    @property
+    def control_count(self) -> int:
+        return self.controls.count if self.controls else 0
 
     @property
     def strength(self) -> float | None:
@@ -72,6 +78,7 @@ class Shaped(Protocol):
     tiling: bool
     clip_skip: int
     reference_count: int
+    control_count: int
 
 
 @dataclass(frozen=True, order=True)
@@ -92,6 +99,8 @@ class ShapeKey:
     clip_skip: int = 1  # the text encoder's layer (WorkItem.clip_skip): another text-encoding graph
     # An edit's reference images, each fitted to the key's size: their tokens join the latent's at every step.
     references: int = 0
+    # ControlNets that run beside the denoiser at each step (0: none): their residuals join the step's graph.
+    controls: int = 0
 
     @classmethod
     def of(cls, item: Shaped, batch_size: int) -> ShapeKey:
@@ -109,6 +118,7 @@ class ShapeKey:
             item.tiling,
             item.clip_skip,
             item.reference_count,
+            item.control_count,
         )
 
     def __str__(self) -> str:
@@ -118,6 +128,7 @@ class ShapeKey:
         text = f"{text} tiled" if self.tiling else text
         text = f"{text} clip skip {self.clip_skip}" if self.clip_skip > 1 else text
         text = f"{text} {self.references} ref{'s' if self.references > 1 else ''}" if self.references else text
+        text = f"{text} {self.controls} controlnet{'s' if self.controls > 1 else ''}" if self.controls else text
         return f"{text} {self.hires}" if self.hires else text
 
 
@@ -210,6 +221,7 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
                         tiling=cfg.tiling,
                         clip_skip=cfg.clip_skip,
                         references=spec.references,
+                        controls=spec.controls,
                     )
                 )
                 k += 1
@@ -227,7 +239,8 @@ def hires_fix(config, steps: int) -> HiresFix | None:
 def plan_batches(items: list[WorkItem], batch_size: int) -> list[Batch]:
     """Group items into full batches of one shape; a pipeline call also needs one step count and guidance (and
     for img2img one strength: the steps it runs; for hires fix one second pass; for an edit one set of
-    references, which the pipeline gives every row).
+    references, which the pipeline gives every row; for ControlNets one scale and start and end each, which
+    diffusers takes per call).
 
     Items keep index order inside each group; groups come in the order of their first item. The last
     batch of a group is padded to `batch_size`, so every call has a planned shape and nothing recompiles.
@@ -236,6 +249,7 @@ def plan_batches(items: list[WorkItem], batch_size: int) -> list[Batch]:
     for item in items:
         key = (item.height, item.width, item.cfg, item.task, item.chunks, item.tiling, item.clip_skip, item.steps)
         key = (*key, item.guidance_scale, item.strength, item.prompt_syntax, item.hires, item.references)
+        key = (*key, item.controls.call_key if item.controls else None)
         groups.setdefault(key, []).append(item)
     batches = []
     for members in groups.values():

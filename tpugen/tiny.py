@@ -6,21 +6,26 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tpugen.families import BUILTINS
+from tpugen.families import BUILTINS, CONTROLNETS
 from tpugen.settings import cache_root
 
 
+def _builtin(name: str):
+    return (BUILTINS.get(name) or CONTROLNETS[name])[0]
+
+
 def _target(name: str) -> Path:
-    return cache_root() / "models" / f"{name}-v{BUILTINS[name][0].build_version}"
+    return cache_root() / "models" / f"{name}-v{_builtin(name).build_version}"
 
 
 def is_built(name: str) -> bool:
-    """Whether the built-in is on disk already (builtin_path then builds nothing)."""
-    return (_target(name) / "model_index.json").is_file()
+    """Whether the built-in is on disk already (builtin_path then builds nothing): a pipeline's model_index.json,
+    a ControlNet's config.json."""
+    return (_target(name) / ("config.json" if name in CONTROLNETS else "model_index.json")).is_file()
 
 
 def builtin_path(name: str) -> Path:
-    """The saved pipeline directory of a built-in, building it on first use (atomically)."""
+    """The saved directory of a built-in (a pipeline, or a ControlNet), building it on first use (atomically)."""
     target = _target(name)
     if is_built(name):
         return target
@@ -29,11 +34,11 @@ def builtin_path(name: str) -> Path:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
         _without_progress_bars()  # save_pretrained's "Writing model shards" bar is not tpugen's output
-        BUILTINS[name][0].build(staging / "pipeline")
+        _builtin(name).build(staging / "pipeline")
         try:
             (staging / "pipeline").rename(target)
         except OSError:
-            if not (target / "model_index.json").is_file():  # lost a race to another builder: fine
+            if not is_built(name):  # lost a race to another builder: fine
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

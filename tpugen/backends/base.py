@@ -158,6 +158,10 @@ class Backend(Protocol):
 
     def device_for(self, component: str): ...
 
+    def trace_beside(self, module, name: str, hooks) -> None:
+        """A module that runs beside the denoiser at every step (a ControlNet), traced as the denoiser is
+        (compile.trace_once), as a named hook; nothing where the denoiser is not traced."""
+
     def bind_thread(self) -> None:
         """Called first in a thread that drives this backend (a server's device loop)."""
 
@@ -191,6 +195,9 @@ class OneDeviceBackend:
     def device_for(self, component: str):
         """The device a component computes on (under offload too, where it waits on the host between calls)."""
         return self.device
+
+    def trace_beside(self, module, name: str, hooks) -> None:
+        """Nothing is traced once on this backend (its compile mode, if any, covers the whole pipeline)."""
 
     def put_weight(self, component: str, name: str, live, host):
         # A transfer to the live weight's device: new device data, which compiled graphs take as an input like

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpugen.config.controls import CONTROL_KEYS, Controls, read_controls
 from tpugen.config.images import ImageSource, References, read_input_image
 from tpugen.config.messages import suggest
 from tpugen.config.request import DEFAULT_STRENGTH, entry_problems
@@ -25,10 +26,16 @@ class PromptSpec:
     sizes: tuple[tuple[int, int], ...]  # (height, width) pairs this prompt is rendered at
     source: ImageSource | None = None  # img2img and inpainting: the images it starts from (None: text only)
     references: References | None = None  # an edit by reference: the images it edits from (None: none)
+    controls: Controls | None = None  # its control images, one per ControlNet (None: it is not controlled)
 
     def files(self) -> list[tuple[str, str, str]]:
-        """(key, path, sha256) of each image file the prompt reads (its init image and mask, its references)."""
-        return [*(self.source.files() if self.source else ()), *(self.references.files() if self.references else ())]
+        """(key, path, sha256) of each image file the prompt reads (its init image and mask, its references, its
+        control images)."""
+        return [
+            *(self.source.files() if self.source else ()),
+            *(self.references.files() if self.references else ()),
+            *(self.controls.files() if self.controls else ()),
+        ]
 
 
 JSONL_KEYS = {
@@ -44,6 +51,7 @@ JSONL_KEYS = {
     "strength",
     "resize_mode",
     "reference_images",
+    *CONTROL_KEYS,
 }
 
 
@@ -138,6 +146,10 @@ def check_prompt_entry(
         if None in found:
             return None
         references = References(tuple(found), entry.get("resize_mode", 1))
+    before = len(problems)
+    controls = read_controls(entry, run, base_dir or Path.cwd(), where, problems)
+    if len(problems) > before:
+        return None
     return PromptSpec(
         prompt=prompt,
         negative_prompt=entry.get("negative_prompt", run.negative_prompt),
@@ -147,6 +159,7 @@ def check_prompt_entry(
         sizes=sizes,
         source=source,
         references=references,
+        controls=controls,
     )
 
 

@@ -22,8 +22,8 @@ from tpugen.config.rules import run_problems
 from tpugen.config.schema import RunConfig
 from tpugen.config.yamlio import dump_yaml, read_yaml
 from tpugen.errors import InputError
-from tpugen.families import FAMILIES, Family
-from tpugen.models import ModelSource, classify_model_id, family_of, model_defaults
+from tpugen.families import CONTROLNETS, FAMILIES, Family
+from tpugen.models import ModelSource, classify_controlnet_id, classify_model_id, family_of, model_defaults
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,7 @@ def resolve(
     problems.extend(_hires_problems(config, family))
     problems.extend(_img2img_problems(config, resolved_prompts, family))
     problems.extend(_reference_problems(config, resolved_prompts, family, serving=not prompts_required))
+    problems.extend(_controlnet_problems(config, base_dir, family))
     planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
         problems.append(
@@ -231,6 +232,39 @@ def _reference_problems(
     return problems
 
 
+def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family) -> list[str]:
+    """model.controlnets for a family tpugen drives no ControlNet for, or naming none it can find; each found one's
+    id made absolute where it is a folder."""
+    if not config.model.controlnets:
+        return []
+    if family.controlnet_refusal:
+        return [f"model.controlnets: {family.title} models: {family.controlnet_refusal}"]
+    execution = config.execution
+    for key, value, default in (
+        ("offload", execution.offload, "none"),
+        ("sharding", execution.sharding, "none"),
+        ("placement", execution.placement, "none"),
+    ):
+        if value != default:
+            return [
+                f"model.controlnets: with execution.{key}: {value}: not built yet (the ControlNets run on the "
+                "denoiser's one device); leave one of them out"
+            ]
+    if config.hires is not None:
+        return ["model.controlnets: with hires: the second pass would run without the ControlNets; leave hires out"]
+    problems = []
+    for n, controlnet in enumerate(config.model.controlnets):
+        source = classify_controlnet_id(controlnet.id, base_dir)
+        if isinstance(source, str):
+            problems.append(f"model.controlnets[{n}].id: {source}")
+        elif source.kind == "builtin" and CONTROLNETS[source.ref][1] is not family:
+            base = CONTROLNETS[source.ref][1].title
+            problems.append(f"model.controlnets[{n}].id: {source.ref} is for {base} models, not {family.title}")
+        elif source.kind == "local":
+            controlnet.id = source.ref
+    return problems
+
+
 def _serve_edit_problems(config: RunConfig, family: Family, serving: bool) -> list[str]:
     """A server warming edits by reference (serve.tasks edit) for a family that cannot, with more references
     than the family takes (serve.reference_counts), or at a warm size under the references' least side; a
@@ -316,6 +350,8 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec], embeddings: tuple[
         payload["model"]["loras"] = loras_by_content(payload["model"]["loras"])
     else:
         del payload["model"]["loras"]
+    if not payload["model"]["controlnets"]:
+        del payload["model"]["controlnets"]
     if payload["model"]["embeddings"]:
         payload["model"]["embeddings"] = embeddings_by_content(embeddings)
     else:
@@ -351,11 +387,13 @@ def _prompt_by_content(prompt: PromptSpec) -> dict:
     """A prompt as it counts in the hash: its input images by content (sha256), not where they are; a prompt
     without images as it was before prompts could have them."""
     fields = dict(prompt.__dict__)
-    source, references = fields.pop("source"), fields.pop("references")
+    source, references, controls = fields.pop("source"), fields.pop("references"), fields.pop("controls")
     if source is not None:
         fields["source"] = source.record()
     if references is not None:
         fields["references"] = references.record()
+    if controls is not None:
+        fields["controls"] = controls.record()
     return fields
 
 

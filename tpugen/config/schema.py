@@ -77,6 +77,33 @@ class LoraConfig(_Section):
         return value
 
 
+# A ControlNet's weight: the web UI's ControlNet extension's slider stops at 2.
+CONTROL_SCALE_MAX = 2.0
+
+
+class ControlNetConfig(_Section):
+    id: str = Field(
+        description=(
+            "A built-in ControlNet (tiny-shapes-controlnet, tiny-sd-controlnet; `tpugen models` lists them), a local "
+            "diffusers ControlNetModel folder (relative to the config file), or a hub id org/name."
+        )
+    )
+    scale: float = Field(
+        default=1.0,
+        description=(
+            "How strongly its residuals steer the denoiser, from 0 to 2 (the web UI's weight); a prompt's "
+            "control_scale overrides it."
+        ),
+    )
+
+    @field_validator("scale")
+    @classmethod
+    def _sensible_scale(cls, value: float) -> float:
+        if not 0 <= value <= CONTROL_SCALE_MAX:
+            raise ValueError(f"must be from 0 to {CONTROL_SCALE_MAX:g} (the web UI's weight), got {value:g}")
+        return value
+
+
 class ModelConfig(_Section):
     id: str = Field(
         description=(
@@ -121,6 +148,14 @@ class ModelConfig(_Section):
             "LoRAs fused into the weights on the host before the model moves to the device, in this order: "
             "the compiled graphs stay the base model's (no compile per LoRA), and a warm engine can switch "
             "them without compiling."
+        ),
+    )
+    controlnets: list[ControlNetConfig] = Field(
+        default=[],
+        description=(
+            "ControlNets run beside the denoiser, inside its step graph, for prompts that give a control_image (one "
+            "image per ControlNet, in this order); two or more run as diffusers' multi-ControlNet. Stable Diffusion "
+            "1.x/2.x models."
         ),
     )
     embeddings: list[str] = Field(

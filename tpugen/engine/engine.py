@@ -16,6 +16,7 @@ from tpugen.config import CacheConfig, CompileConfig, ExecutionConfig, ModelConf
 from tpugen.config.embeddings import Embedding, SkippedEmbedding
 from tpugen.config.loras import Lora, loras_key
 from tpugen.config.schema import StepCacheConfig
+from tpugen.engine.controls import read_controlnets
 from tpugen.engine.embeddings import load_embeddings
 from tpugen.engine.loras import LoraWeights, check_fit, file_shapes, loadable_components, unet_config_of
 from tpugen.engine.pipeline import LoadedPipeline, quiet_libraries, read_shared
@@ -196,8 +197,12 @@ class Engine:
             raise RunError(
                 f"out of memory on the device while {backend.placing or 'the model'} moved onto it: {advice}"
             ) from exc
-        loaded = LoadedPipeline(pipe, backend, family, label, scheduler_name)
+        controlnets = read_controlnets(spec.model)
+        for controlnet in controlnets:
+            controlnet.to(backend.device)
+        loaded = LoadedPipeline(pipe, backend, family, label, scheduler_name, controlnets)
         backend.prepare_on_device(pipe, family, spec.compile, loaded.hooks)
+        loaded.controlnet_hooks()
         loaded.use_step_cache(spec.compile.step_cache)
         loaded.out_of_memory_advice = advice
         # Whatever moving the weights left pending (FLUX.2's VAE has an int64 BatchNorm counter) is run now; left

@@ -13,13 +13,14 @@ from pathlib import Path
 
 from tpugen.backends.base import Counters
 from tpugen.config.request import MAX_STEPS, strength_to_run
+from tpugen.engine.controls import combined, install_scale_as_data
 from tpugen.engine.hooks import Hooks
 from tpugen.engine.step_cache import install_step_cache, prepare_call, reset_step_cache
 from tpugen.engine.step_clock import StepClock, StepTiming
 from tpugen.engine.tiling import circular_padding
 from tpugen.errors import RunError
 from tpugen.families import Family
-from tpugen.families.base import TIMESTEPS_ON_HOST
+from tpugen.families.base import TIMESTEPS_ON_HOST, timesteps_set_on_host
 from tpugen.memory import is_out_of_memory
 from tpugen.models import hub_failure
 from tpugen.plan import Batch
@@ -46,8 +47,13 @@ class LoadedPipeline:
     a named hook in `hooks`; removing them all leaves the pipeline as it was loaded.
     """
 
-    def __init__(self, pipe, backend, family: Family, model_label: str, scheduler_name: str) -> None:
+    def __init__(
+        self, pipe, backend, family: Family, model_label: str, scheduler_name: str, controlnets: list | None = None
+    ) -> None:
         self.pipe = pipe
+        # model.controlnets on the device: the controlled pipelines (task_pipe) are made from the loaded
+        # components with them, so they run inside the step graph beside the denoiser.
+        self.controlnets = list(controlnets or [])
         self.backend = backend
         self.family = family
         self.model_label = model_label
@@ -70,7 +76,7 @@ class LoadedPipeline:
         self.decodes_itself = not host_steps
         self._schedulers = {scheduler_name: pipe.scheduler}
         self._max_steps: dict[str, int] = {}  # by scheduler name: max_steps's answers
-        self._task_pipes: dict = {}  # img2img and inpaint pipelines made from pipe's components (task_pipe)
+        self._task_pipes: dict = {}  # img2img, inpaint and controlled pipelines made from pipe's components (task_pipe)
         self.default_scheduler = scheduler_name  # the one the model was loaded with (or the config named)
         self._sync_at_loop_start()
         family.install_hooks(pipe, backend.device, self.hooks)
@@ -121,33 +127,47 @@ class LoadedPipeline:
         pipe.__class__ = type(base.__name__, (base,), patches)
         return True
 
-    def task_pipe(self, task: str):
+    def task_pipe(self, task: str, controlled: bool = False):
         """The pipeline for a batch's task: the loaded one for txt2img; for img2img and inpaint diffusers' own
         pipeline of the family made from the same components (`AutoPipelineFor*.from_pipe`: no second load, the
-        same fused LoRAs and hooks), patched the same way, with the scheduler in use now. An edit by reference is
-        the loaded pipeline's own call, given the references as its `image` list."""
-        if task in ("txt2img", "edit"):
+        same fused LoRAs and hooks), patched the same way, with the scheduler in use now; `controlled`: diffusers'
+        ControlNet pipeline of the task, made so with the ControlNets loaded. An edit by reference is the loaded
+        pipeline's own call, given the references as its `image` list."""
+        if task in ("txt2img", "edit") and not controlled:
             return self.pipe
-        if task not in self._task_pipes:
+        if (task, controlled) not in self._task_pipes:
             import diffusers
 
-            auto = {"img2img": diffusers.AutoPipelineForImage2Image, "inpaint": diffusers.AutoPipelineForInpainting}[
-                task
-            ]
+            auto = {
+                "txt2img": diffusers.AutoPipelineForText2Image,
+                "img2img": diffusers.AutoPipelineForImage2Image,
+                "inpaint": diffusers.AutoPipelineForInpainting,
+            }[task]
+            extra = {"controlnet": combined(self.controlnets)} if controlled else {}
+            kind = f"ControlNet {task}" if controlled else task
             try:
-                made = auto.from_pipe(self.pipe)
+                made = auto.from_pipe(self.pipe, **extra)
             except (ValueError, KeyError) as exc:
                 raise RunError(
-                    f"{task}: diffusers 0.42 has no {task} pipeline for {type(self.pipe).__name__} ({exc})"
+                    f"{task}: diffusers 0.42 has no {kind} pipeline for {type(self.pipe).__name__} ({exc})"
                 ) from None
             made.set_progress_bar_config(disable=True)
             self._patch_loop_start(made)
             # The family's patches on a pipeline object (its components' it shares): on a Hooks of its own.
             self.family.pipeline_hooks(made, Hooks())
-            self._task_pipes[task] = made
-        made = self._task_pipes[task]
+            self._task_pipes[task, controlled] = made
+        made = self._task_pipes[task, controlled]
         made.scheduler = self.pipe.scheduler
         return made
+
+    def controlnet_hooks(self) -> None:
+        """The ControlNets' patches, once the backend's are on (prepare_on_device): each traced once as the
+        denoiser is, then its conditioning scale handed to it as data (outside the trace, which takes tensors)."""
+        for n, controlnet in enumerate(self.controlnets):
+            self.backend.trace_beside(
+                controlnet, f"controlnet {n}" if len(self.controlnets) > 1 else "controlnet", self.hooks
+            )
+        install_scale_as_data(self.controlnets, self.hooks)
 
     def _scheduler_hooks(self) -> None:
         """The scheduler's patches: the family's, and a loop that starts at step 0, so the scheduler never
@@ -155,6 +175,12 @@ class LoadedPipeline:
         inside the loop), as the PyTorch/XLA guide's scheduler fix does by passing the step index."""
         scheduler = self.pipe.scheduler
         self.family.scheduler_hooks(scheduler, self.hooks)
+        on_xla = str(self.backend.device).startswith("xla")
+        if self.controlnets and on_xla and TIMESTEPS_ON_HOST not in self.hooks.names():
+            # diffusers' SD pipelines keep their timesteps on the host under XLA, as the UNet's step graph needs;
+            # its ControlNet img2img and inpaint pipelines ask for them on the device, where the scheduler's
+            # step reads one back (DDIM's `prev_timestep >= 0`) and bakes it into a graph per step.
+            self.hooks.wrap(scheduler, "set_timesteps", TIMESTEPS_ON_HOST, timesteps_set_on_host)
         if hasattr(scheduler, "set_begin_index"):
             self.hooks.wrap(scheduler, "set_timesteps", FROM_STEP_ZERO, _from_step_zero(scheduler))
         if hasattr(scheduler, "sigmas") and hasattr(scheduler, "add_noise"):
@@ -287,9 +313,31 @@ class LoadedPipeline:
                 )
                 for s in sources
             ]
+        extra.update(self._control_arguments(batch, "control_image"))
         return self._img2img_arguments(
             pipe, batch, fitted, batch.strength, shape.height, shape.width, batch.steps, extra
         )
+
+    def _control_arguments(self, batch: Batch, image_key: str = "image") -> dict:
+        """A controlled batch's ControlNet arguments (none for another): each row's control images made on the
+        host (fitted to the batch's size, then preprocessed), under `image_key` (img2img and inpainting pipelines
+        take them as control_image); the units' scale, start and end, one per call (tpugen.plan.plan_batches)."""
+        if not batch.shape.controls:
+            return {}
+        from tpugen.engine.controls import control_image
+
+        shape, units = batch.shape, batch.items[0].controls.units
+        per_unit = [
+            [control_image(row.controls.units[n], shape.width, shape.height) for row in batch.rows]
+            for n in range(len(units))
+        ]
+        single = len(units) == 1
+        return {
+            image_key: per_unit[0] if single else per_unit,
+            "controlnet_conditioning_scale": units[0].scale if single else [u.scale for u in units],
+            "control_guidance_start": units[0].start if single else [u.start for u in units],
+            "control_guidance_end": units[0].end if single else [u.end for u in units],
+        }
 
     def _references(self, batch: Batch) -> list:
         """An edit's references (every row's: a batch has one set), read and fitted to the batch's size on the
@@ -383,12 +431,13 @@ class LoadedPipeline:
         self.running = "text encoders"
         self._clock, self.step_timing = StepClock(self.backend), None
         try:
-            pipe = self.task_pipe(batch.shape.task)
+            pipe = self.task_pipe(batch.shape.task, controlled=bool(batch.shape.controls))
             if batch.shape.task in ("txt2img", "edit"):
                 latents, generators = self._initial_noise(batch)
                 arguments = self._call_arguments(batch, latents, generators)
                 if batch.shape.task == "edit":
                     arguments["image"] = self._references(batch)
+                arguments.update(self._control_arguments(batch))
             else:
                 arguments = self._image_arguments(batch, pipe)
             if batch.hires is not None:

@@ -14,6 +14,7 @@ from PIL import Image
 from tpugen import __version__
 from tpugen.backends import versions
 from tpugen.config import ModelConfig, PromptSpec, ResolvedRun, RunConfig, dump_config, load_config
+from tpugen.config.controls import Controls
 from tpugen.config.images import ImageSource, References, sha256_of
 from tpugen.config.loras import loras_by_content
 from tpugen.config.prompts import planned_images, resolve_prompts
@@ -125,6 +126,11 @@ def image_record(
     source = source.record() if source else {}  # by content: the path is where it was, not what it was
     references = getattr(image, "references", None)
     source = {**source, **references.record()} if references else source
+    controls = getattr(image, "controls", None)
+    if controls:  # each unit's control image by content, and how it steered
+        controlnets = [c.id for c in model.controlnets]
+        units = [{"controlnet": name, **unit.record()} for name, unit in zip(controlnets, controls.units, strict=True)]
+        source = {**source, "controlnet_units": units}
     multiple = FAMILIES[run.family].size_multiple
     hires = {"hires": hires.record(image.height, image.width, multiple)} if hires else {}
     tiling = {"tiling": True} if getattr(image, "tiling", False) else {}  # an untiled image keeps the record it had
@@ -465,6 +471,7 @@ def recorded_prompts(record: dict) -> list[PromptSpec]:
                 "sizes": tuple(tuple(s) for s in p["sizes"]),
                 "source": ImageSource(**p["source"]) if p.get("source") else None,
                 "references": References.from_record(p["references"]) if p.get("references") else None,
+                "controls": Controls.from_record(p["controls"]) if p.get("controls") else None,
             }
         )
         for p in record["prompts"]

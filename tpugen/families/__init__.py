@@ -39,6 +39,7 @@ for _family in FAMILIES.values():
     for _cls in _family.pipeline_classes:
         _BY_CLASS.setdefault(_cls, []).append(_family)
 BUILTINS: dict[str, tuple[Builtin, Family]] = {b.name: (b, f) for f in FAMILIES.values() for b in f.builtins}
+CONTROLNETS: dict[str, tuple[Builtin, Family]] = {b.name: (b, f) for f in FAMILIES.values() for b in f.controlnets}
 KNOWN_MODELS: dict[str, tuple[KnownModel, Family]] = {m.id: (m, f) for f in FAMILIES.values() for m in f.known_models}
 
 
@@ -66,6 +67,7 @@ def covered_classes() -> str:
 
 __all__ = [
     "BUILTINS",
+    "CONTROLNETS",
     "FAMILIES",
     "KNOWN_MODELS",
     "Builtin",

@@ -154,6 +154,15 @@ class Family:
     # it can: its one CLIP encoder's hidden states of that layer, through the final layer norm).
     clip_skip_refusal: str | None = None
 
+    # The family's built-in ControlNets (model.controlnets ids), each built or read offline like a built-in model.
+    controlnets: tuple[Builtin, ...] = ()
+    # Why model.controlnets cannot run for this family (None: they can, through diffusers' ControlNet pipelines
+    # made from the loaded components: AutoPipelineFor*.from_pipe(pipe, controlnet=...)).
+    controlnet_refusal: str | None = (
+        "tpugen drives ControlNets for Stable Diffusion 1.x/2.x models so far (diffusers 0.42 also has them for "
+        "SDXL, Flux.1, Z-Image and Qwen-Image; they are not checked on tpugen yet)"
+    )
+
     def covers(self, index: dict) -> bool:
         """Whether a pipeline of one of this family's classes, with this model_index.json, is this family's (two
         families may share a class and differ by a flag of the pipeline's config)."""
@@ -301,7 +310,7 @@ class Family:
     def scheduler_hooks(self, scheduler, hooks) -> None:
         """This family's patches on a scheduler (installed again whenever the scheduler changes)."""
         if self.timesteps_on_host:
-            hooks.wrap(scheduler, "set_timesteps", TIMESTEPS_ON_HOST, _on_host)
+            hooks.wrap(scheduler, "set_timesteps", TIMESTEPS_ON_HOST, timesteps_set_on_host)
 
 
 # diffusers' UNet2DConditionModel default, for configs that leave it out (tpugen's own SD 1.5 config does).
@@ -335,7 +344,8 @@ class TransformerFamily(Family):
         return (height // side) * (width // side) + text_tokens + self.extra_text_tokens, config["num_attention_heads"]
 
 
-def _on_host(set_timesteps):
+def timesteps_set_on_host(set_timesteps):
+    """A scheduler's set_timesteps that keeps them on the host, whatever device its pipeline asks for."""
     import functools
 
     @functools.wraps(set_timesteps)  # diffusers inspects its signature (sigmas, mu)

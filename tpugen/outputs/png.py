@@ -74,6 +74,8 @@ def a1111_parameters(record: dict) -> str:
         fields["Lora hashes"] = ", ".join(
             f"{lora['name'].replace(':', '').replace(',', '')}: {lora['hash']}" for lora in record["loras"]
         )
+    for n, unit in enumerate(record.get("controlnet_units") or ()):
+        fields[f"ControlNet {n}"] = controlnet_unit_text(unit)
     if record.get("step_cache"):
         # Not an A1111 key (the web UI has no step cache): its images are not the uncached ones, so say which.
         cache = record["step_cache"]
@@ -82,6 +84,19 @@ def a1111_parameters(record: dict) -> str:
     fields["Version"] = f"tpugen {record['tpugen_version']}"
     lines.append(", ".join(f"{key}: {_a1111_value(value)}" for key, value in fields.items()))
     return "\n".join(lines)
+
+
+def controlnet_unit_text(unit: dict) -> str:
+    """A ControlNet unit as the web UI's ControlNet extension writes it into `parameters` (its value then quoted,
+    since it holds ':' and ','): the model by its folder's or built-in's name."""
+    model = unit["controlnet"].rstrip("/").split("/")[-1]
+    parts = {"Module": unit["module"], "Model": model, "Weight": unit["scale"], "Resize Mode": "Crop and Resize"}
+    if unit.get("threshold_a") is not None:
+        parts["Threshold A"] = unit["threshold_a"]
+    if unit.get("threshold_b") is not None:
+        parts["Threshold B"] = unit["threshold_b"]
+    parts.update({"Guidance Start": unit["start"], "Guidance End": unit["end"], "Control Mode": "Balanced"})
+    return ", ".join(f"{key}: {value}" for key, value in parts.items())
 
 
 def png_bytes(image: Image.Image, record: dict) -> bytes:

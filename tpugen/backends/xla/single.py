@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 
-from tpugen.backends.base import Counters, FlashAttention, OneDeviceBackend, TraceOnce
+from tpugen.backends.base import TRACE_ONCE_HOOK, Counters, FlashAttention, OneDeviceBackend, TraceOnce
 from tpugen.backends.xla.cache import start_cache
 from tpugen.backends.xla.devices import import_torch_xla
 from tpugen.backends.xla.flash import flash_reason, install_flash_attention, jax_installed
 from tpugen.backends.xla.patches import let_diffusers_offload_to_xla, solve_small_systems_on_xla
-from tpugen.backends.xla.trace import install_trace_once, trace_once_reason
+from tpugen.backends.xla.trace import TracedDenoiser, install_trace_once, trace_once_reason
 from tpugen.errors import one_line
 
 
@@ -90,6 +90,13 @@ class XlaBackend(OneDeviceBackend):
         else:
             self._traced = None
         self._trace_component = family.denoiser
+
+    def trace_beside(self, module, name: str, hooks) -> None:
+        """Traced once per shape key as the denoiser is, where it is (a trace dynamo refuses records that module
+        every step again, on its own)."""
+        if self._traced is not None:
+            beside = TracedDenoiser(module, self.device, name)
+            hooks.add(f"{TRACE_ONCE_HOOK} ({name})", beside.remove)
 
     @property
     def trace_once(self) -> TraceOnce | None:

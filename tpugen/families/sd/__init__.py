@@ -18,6 +18,18 @@ def _build_shapes(target):
     build(target)
 
 
+def _build_controlnet(target):
+    from tpugen.families.sd.tiny import build_controlnet
+
+    build_controlnet(target)
+
+
+def _build_shapes_controlnet(target):
+    from tpugen.families.sd.shapes.build import build_controlnet
+
+    build_controlnet(target)
+
+
 class StableDiffusion(Family):
     """Everything in Family is SD's own behaviour; this adds its models."""
 
@@ -33,6 +45,22 @@ class StableDiffusion(Family):
             _build_shapes,
             steps=20,
             guidance_scale=4.0,
+        ),
+    )
+    controlnet_refusal = None
+    controlnets = (
+        Builtin(
+            "tiny-sd-controlnet",
+            "a ControlNet for tiny-sd with tiny random weights, built offline: it steers, but toward nothing",
+            1,
+            _build_controlnet,
+        ),
+        Builtin(
+            "tiny-shapes-controlnet",
+            "a ControlNet for tiny-shapes, trained here, that ships with tpugen: a white shape on black (64x64) "
+            "places the shape the prompt asks for",
+            1,
+            _build_shapes_controlnet,
         ),
     )
     known_models = (

@@ -68,6 +68,11 @@ class BatchKey:
     def reference_count(self) -> int:
         return self.references.count if self.references else 0
 
+    @property
+    def control_count(self) -> int:
+        """A server's requests take no control images (model.controlnets are for runs)."""
+        return 0
+
     def shape(self, batch_size: int) -> ShapeKey:
         """The compiled shape a batch of this key runs at."""
         return ShapeKey.of(self, batch_size)

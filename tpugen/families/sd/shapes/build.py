@@ -35,6 +35,8 @@ UNET = dict(
     attention_head_dim=8,
     norm_num_groups=16,
 )
+# The ControlNet's conditioning embedding: two stride-2 convolutions, 64x64 control pixels to the 16x16 latents.
+CONTROL_EMBEDDING = (8, 16, 32)
 # SD 1.x's noise schedule.
 SCHEDULE = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000)
 
@@ -123,3 +125,14 @@ def build(target: Path, weights: Path = WEIGHTS) -> None:
         requires_safety_checker=False,
     )
     save(pipe, target, scratch)
+
+
+def build_controlnet(target: Path, weights: Path = WEIGHTS) -> None:
+    """The tiny-shapes ControlNet from its shipped fp16 weights, saved as float32 to `target`."""
+    import torch
+    from diffusers import ControlNetModel
+
+    check_weights(weights)
+    ControlNetModel.from_pretrained(weights / "controlnet", torch_dtype=torch.float32).save_pretrained(
+        target, safe_serialization=True
+    )

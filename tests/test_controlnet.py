@@ -1,0 +1,298 @@
+"""ControlNet: model.controlnets and a prompt's control images, run through diffusers' own ControlNet pipelines made
+from the loaded components, against those pipelines on the CPU; the built-in preprocessors against OpenCV."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+from conftest import generate_in_new_process, run_cli, tiny_config, write_config
+from PIL import Image, ImageDraw
+
+from tpugen.config import load_config
+from tpugen.config.controls import CONTROL_MODULES
+from tpugen.engine.controls import preprocess
+from tpugen.outputs.png import a1111_parameters
+from tpugen.plan import plan_run
+
+# Uncached tiny pipelines on XLA:CPU hold 2/255 of diffusers' eager CPU images (tests/test_img2img.py); so do these.
+WITHIN = 2
+
+
+def _control_images(tmp_path) -> None:
+    """disc.png (a white disc on black, low left), drawing.png (black strokes on white), photo.png (noise with a
+    red square: an init image)."""
+    disc = Image.new("RGB", (64, 64))
+    ImageDraw.Draw(disc).ellipse((8, 30, 30, 52), fill=(255, 255, 255))
+    disc.save(tmp_path / "disc.png")
+    drawing = Image.new("RGB", (96, 64), (255, 255, 255))
+    ImageDraw.Draw(drawing).line((10, 10, 80, 50), fill=(0, 0, 0), width=2)
+    drawing.save(tmp_path / "drawing.png")
+    rng = np.random.default_rng(0)
+    photo = (rng.random((64, 64, 3)) * 255).astype(np.uint8)
+    photo[16:48, 16:48] = (220, 30, 30)
+    Image.fromarray(photo).save(tmp_path / "photo.png")
+
+
+def _config(tmp_path, prompts, **overrides) -> dict:
+    return tiny_config(
+        tmp_path, model={"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}]}, prompts=prompts, **overrides
+    )
+
+
+# ---------------------------------------------------------------- the preprocessors (no device)
+
+
+def test_canny_is_opencvs_own_with_the_web_uis_thresholds():
+    import cv2
+
+    rng = np.random.default_rng(3)
+    picture = (rng.random((40, 56, 3)) * 255).astype(np.uint8)
+    picture[10:30, 12:40] = 250
+    image = Image.fromarray(picture)
+    for low, high in ((100, 200), (20, 60)):
+        made = np.asarray(preprocess(image, "canny", low, high))
+        edges = cv2.Canny(picture, low, high)
+        assert made.shape == (40, 56, 3) and (made == edges[:, :, None]).all()
+    # A white square on black has its edges, and nothing else, in white.
+    square = np.zeros((32, 32, 3), np.uint8)
+    square[8:24, 8:24] = 255
+    edges = np.asarray(preprocess(Image.fromarray(square), "canny", 100, 200))[:, :, 0]
+    assert edges[8:24, 7:9].any() and edges[12:20, 12:20].max() == 0 and edges[:4].max() == 0
+
+
+def test_the_other_preprocessors():
+    drawing = Image.new("RGB", (32, 32), (255, 255, 255))
+    ImageDraw.Draw(drawing).line((4, 16, 28, 16), fill=(0, 0, 0), width=1)
+    inverted = np.asarray(preprocess(drawing, "invert"))
+    assert inverted[16, 10].tolist() == [255, 255, 255] and inverted[4, 4].tolist() == [0, 0, 0]
+    scribble = np.asarray(preprocess(drawing, "scribble", 127))
+    assert scribble[15:18, 10].min() == 255 and scribble[4, 4].max() == 0  # thickened to 3 px, white on black
+    assert np.array_equal(np.asarray(preprocess(drawing, "none")), np.asarray(drawing))
+    checker = Image.fromarray((np.indices((32, 32)).sum(0) % 2 * 255).astype(np.uint8)).convert("RGB")
+    tiled = np.asarray(preprocess(checker, "tile", 4.0)).astype(int)
+    assert tiled.shape == (32, 32, 3) and abs(tiled.mean() - 127.5) < 3 and tiled.std() < 10  # detail gone
+    assert set(CONTROL_MODULES) == {"none", "canny", "invert", "scribble", "tile"}
+
+
+# ---------------------------------------------------------------- configs at the door (no device)
+
+
+@pytest.mark.parametrize(
+    "model, prompt, wanted",
+    [
+        ({}, {"control_image": "disc.png"}, "prompts[0]: control_image: the model has no ControlNet; name one in"),
+        (None, {"control_scale": 0.5}, "prompts[0]: control_scale is for a prompt with a control_image"),
+        (None, {"control_image": "disc.png", "control_module": "depth_midas"}, "'depth_midas' needs an annotator"),
+        (None, {"control_image": "disc.png", "control_module": "sketchy"}, "unknown module 'sketchy'; built in: none"),
+        (None, {"control_image": "disc.png", "control_start": 0.6, "control_end": 0.5}, "control_start (0.6) must"),
+        (None, {"control_image": "disc.png", "control_scale": 2.5}, "control_scale must be a number from 0 to 2"),
+        (None, {"control_image": ["disc.png", "disc.png"]}, "control_image: a list of 2; model.controlnets has 1"),
+        (None, {"control_image": "../" * 40 + "etc/passwd"}, "is not an image PIL can read"),
+        (None, {"control_image": "nothere.png"}, "prompts[0]: control_image: "),
+        (None, {"control_image": "disc.png", "control_module": "none", "control_threshold_a": 5}, "takes no"),
+        (
+            {"id": "tiny-sdxl", "controlnets": [{"id": "tiny-sd-controlnet"}]},
+            {"control_image": "disc.png"},
+            "model.controlnets: Stable Diffusion XL models: tpugen drives ControlNets for Stable Diffusion 1.x/2.x",
+        ),
+        (
+            {"id": "tiny-sd", "controlnets": [{"id": "./photo.png"}]},
+            {"control_image": "disc.png"},
+            "model.controlnets[0].id: ControlNet directory",
+        ),
+        (
+            {"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet", "scale": -1}]},
+            {"control_image": "disc.png"},
+            "model.controlnets[0].scale: must be from 0 to 2",
+        ),
+    ],
+)
+def test_bad_control_settings_are_one_line_each(tmp_path, model, prompt, wanted):
+    _control_images(tmp_path)
+    config = _config(tmp_path, [{"prompt": "a cat", **prompt}])
+    if model is not None:
+        config["model"] = {"id": "tiny-sd", **model}
+    result = run_cli("validate", write_config(tmp_path / "run.yaml", config))
+    assert result.exit_code == 2 and wanted in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 + result.stderr.count("\n  ")
+
+
+def test_offload_and_hires_with_controlnets_are_refused(tmp_path):
+    _control_images(tmp_path)
+    prompts = [{"prompt": "a cat", "control_image": "disc.png"}]
+    for extra, wanted in (
+        ({"execution": {"offload": "model"}}, "model.controlnets: with execution.offload: model: not built yet"),
+        ({"hires": {"scale": 2}}, "model.controlnets: with hires: the second pass would run without"),
+    ):
+        path = write_config(tmp_path / "run.yaml", _config(tmp_path, prompts, **extra))
+        result = run_cli("validate", path)
+        assert result.exit_code == 2 and wanted in result.stderr, result.stderr
+
+
+def test_units_plan_hash_and_parameters(tmp_path):
+    _control_images(tmp_path)
+    prompts = [
+        {"prompt": "a cat", "control_image": "disc.png"},
+        {"prompt": "a dog", "control_image": "drawing.png", "control_module": "scribble", "control_start": 0.5},
+        {"prompt": "a fox", "control_image": "disc.png", "seed": 3},
+        "a plain one",
+    ]
+    path = write_config(tmp_path / "run.yaml", _config(tmp_path, prompts))
+    run = load_config(path)
+    unit = run.prompts[1].controls.units[0]
+    assert (unit.module, unit.scale, unit.start, unit.end, unit.threshold_a) == ("scribble", 1.0, 0.5, 1.0, 127.0)
+    assert unit.image.sha256 == hashlib.sha256((tmp_path / "drawing.png").read_bytes()).hexdigest()
+    # A call has one scale, start and end: the second prompt is a batch of its own; the plain one another key.
+    plan = plan_run(run)
+    assert [(str(b.shape), [i.prompt for i in b.items]) for b in plan.batches] == [
+        ("64x64 b2 cfg 1 controlnet", ["a cat", "a fox"]),
+        ("64x64 b2 cfg 1 controlnet", ["a dog"]),
+        ("64x64 b2 cfg", ["a plain one"]),
+    ]
+    # The config hash counts the control image by content: another picture under the same name changes it.
+    before = run.config_hash
+    Image.new("RGB", (64, 64), (9, 9, 9)).save(tmp_path / "disc.png")
+    assert load_config(path).config_hash != before
+    # A run without ControlNets hashes as it did before they existed.
+    plain = write_config(tmp_path / "plain.yaml", tiny_config(tmp_path, prompts=["a cat"]))
+    assert "controlnets" not in json.dumps(load_config(plain).config.model_dump(exclude_defaults=True))
+    record = {
+        "prompt": "a dog",
+        "steps": 3,
+        "scheduler": "DDIM",
+        "guidance_scale": 7.5,
+        "seed": 1,
+        "width": 64,
+        "height": 64,
+        "model": "tiny-sd",
+        "tpugen_version": "0",
+        "controlnet_units": [{"controlnet": "tiny-sd-controlnet", **unit.record()}],
+    }
+    assert a1111_parameters(record).splitlines()[-1] == (
+        'Steps: 3, Sampler: DDIM, CFG scale: 7.5, Seed: 1, Size: 64x64, Model: tiny-sd, ControlNet 0: "Module: '
+        "scribble, Model: tiny-sd-controlnet, Weight: 1.0, Resize Mode: Crop and Resize, Threshold A: 127.0, "
+        'Guidance Start: 0.5, Guidance End: 1.0, Control Mode: Balanced", Version: tpugen 0'
+    )
+
+
+# ---------------------------------------------------------------- on the device
+
+
+def _diffusers_controlled(record: dict, control: Image.Image, init: Image.Image | None = None) -> np.ndarray:
+    """The image diffusers' own ControlNet pipeline (txt2img, or img2img from `init`) makes on the CPU, eager and
+    unpatched, from the record's prompt, seed and settings, with `control` as its control image."""
+    import torch
+    from diffusers import AutoPipelineForImage2Image, AutoPipelineForText2Image, ControlNetModel, DiffusionPipeline
+
+    from tpugen.tiny import builtin_path
+
+    base = DiffusionPipeline.from_pretrained(str(builtin_path("tiny-sd")))
+    controlnet = ControlNetModel.from_pretrained(str(builtin_path("tiny-sd-controlnet")))
+    auto = AutoPipelineForImage2Image if init is not None else AutoPipelineForText2Image
+    pipe = auto.from_pipe(base, controlnet=controlnet)
+    pipe.set_progress_bar_config(disable=True)
+    unit = record["controlnet_units"][0]
+    images = {"image": init, "control_image": control, "strength": record["strength"]} if init else {"image": control}
+    with torch.no_grad():
+        made = pipe(
+            prompt=record["prompt"],
+            negative_prompt=record["negative_prompt"],
+            height=64,
+            width=64,
+            num_inference_steps=record["steps"],
+            guidance_scale=record["guidance_scale"],
+            generator=torch.Generator("cpu").manual_seed(record["seed"]),
+            controlnet_conditioning_scale=unit["scale"],
+            control_guidance_start=unit["start"],
+            control_guidance_end=unit["end"],
+            output_type="np",
+            **images,
+        ).images[0]
+    return (made * 255).round().clip(0, 255).astype(np.uint8)
+
+
+@pytest.mark.xla
+def test_controlled_runs_are_diffusers_own_in_one_step_graph_with_no_compile_after_warmup(tmp_path):
+    import cv2
+
+    _control_images(tmp_path)
+    prompts = [
+        {"prompt": "a cat", "control_image": "disc.png"},
+        # Another scale and start: a batch of its own at the same shape key, its steps outside [0.5, 1] given a
+        # scale of 0 as data, so nothing compiles again.
+        {
+            "prompt": "a dog",
+            "control_image": "drawing.png",
+            "control_module": "canny",
+            "control_start": 0.5,
+            "control_scale": 0.7,
+        },
+        {"prompt": "a red square", "init_image": "photo.png", "strength": 0.7, "control_image": "disc.png"},
+    ]
+    # In a process of its own: the counts below are what each key compiles after the ones before it in this run.
+    proc, run_dir = generate_in_new_process(tmp_path, model=_config(tmp_path, [])["model"], prompts=prompts)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["compiles_after_warmup"] == 0
+    warm = {entry["shape_key"]: entry["graphs_per_phase"] for entry in report["warmup"]}
+    # The ControlNet runs inside the step graph: one graph for every step of the key, as without it.
+    assert warm == {
+        "64x64 b2 cfg 1 controlnet": {
+            "text encoding": 1,
+            "first denoising step": 1,
+            "later denoising steps": 0,
+            "decoding": 1,
+        },
+        # img2img's image encoding joins the text's graph; its steps and decoding are the key above's.
+        "64x64 b2 cfg img2img 1 controlnet": {
+            "text encoding": 1,
+            "first denoising step": 0,
+            "later denoising steps": 0,
+            "decoding": 0,
+        },
+    }
+    batches = report["timed_phase"]["batches"]
+    assert [b["transfers_to_host"] for b in batches] == [1, 1, 1] and [b["compiles"] for b in batches] == [0, 0, 0]
+
+    records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
+    disc = hashlib.sha256((tmp_path / "disc.png").read_bytes()).hexdigest()
+    assert records[0]["controlnet_units"][0]["image_sha256"] == disc
+    assert records[1]["controlnet_units"][0] | {"image_sha256": ""} == {
+        "controlnet": "tiny-sd-controlnet",
+        "image_sha256": "",
+        "module": "canny",
+        "scale": 0.7,
+        "start": 0.5,
+        "end": 1.0,
+        "threshold_a": 100.0,
+        "threshold_b": 200.0,
+    }
+    png = Image.open(run_dir / records[1]["file"])
+    assert ', ControlNet 0: "Module: canny, Model: tiny-sd-controlnet, Weight: 0.7,' in png.text["parameters"]
+
+    disc_image = Image.open(tmp_path / "disc.png").convert("RGB")
+    drawing = np.asarray(Image.open(tmp_path / "drawing.png").convert("RGB").resize((96, 64)))[:, 16:80]
+    canny = Image.fromarray(np.repeat(cv2.Canny(np.ascontiguousarray(drawing), 100, 200)[:, :, None], 3, axis=2))
+    expected = [
+        _diffusers_controlled(records[0], disc_image),
+        _diffusers_controlled(records[1], canny),
+        _diffusers_controlled(records[2], disc_image, Image.open(tmp_path / "photo.png").convert("RGB")),
+    ]
+    made = [np.asarray(Image.open(run_dir / r["file"]).convert("RGB"), np.int16) for r in records]
+    apart = [int(np.abs(m - e.astype(np.int16)).max()) for m, e in zip(made, expected, strict=True)]
+    assert max(apart) <= WITHIN, apart
+    # The control steers: the first image without its ControlNet's residuals is another image.
+    plain = _diffusers_controlled(
+        {**records[0], "controlnet_units": [{**records[0]["controlnet_units"][0], "scale": 0.0}]}, disc_image
+    )
+    assert np.abs(made[0] - plain.astype(np.int16)).mean() > 1
+
+    # resume refuses a run whose control image changed since it started, naming it; nothing is written.
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(tmp_path / "disc.png")
+    before = sorted(p.name for p in run_dir.iterdir())
+    result = run_cli("resume", run_dir)
+    assert result.exit_code == 2 and "prompt 0's control_image[0]" in result.stderr, result.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == before

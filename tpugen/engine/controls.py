@@ -1,0 +1,116 @@
+"""ControlNets on the device and their control images on the host: the ControlNets of model.controlnets read from
+disk, each step's conditioning scale handed to the device as data (one step graph for any scale, and for the steps
+a unit sits out), and the preprocessors that need no weights."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+
+from tpugen.config.controls import ControlUnit
+from tpugen.errors import RunError
+from tpugen.models import classify_controlnet_id, hub_failure
+
+SCALE_AS_DATA = "controlnet scale handed in as data"
+
+
+def read_controlnets(model, base_dir=None) -> list:
+    """The config's model.controlnets (their ids resolved at the door) read onto the host in the model's dtype."""
+    import torch
+    from diffusers import ControlNetModel
+
+    found = []
+    for n, controlnet in enumerate(model.controlnets):
+        source = classify_controlnet_id(controlnet.id, base_dir)
+        if isinstance(source, str):
+            raise RunError(f"model.controlnets[{n}].id: {source}")
+        if source.kind == "builtin":
+            from tpugen.tiny import builtin_path
+
+            location = str(builtin_path(source.ref))
+        else:
+            location = source.ref
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                found.append(ControlNetModel.from_pretrained(location, torch_dtype=getattr(torch, model.dtype)))
+        except Exception as exc:  # any loader failure becomes one line naming the ControlNet
+            why = hub_failure(exc, from_hub=source.kind == "hub")
+            raise RunError(f"model.controlnets[{n}].id: cannot load {controlnet.id!r}: {why}") from exc
+    return found
+
+
+def combined(controlnets: list):
+    """What diffusers' pipelines take as `controlnet`: the one ControlNet, or several as a MultiControlNetModel."""
+    if len(controlnets) == 1:
+        return controlnets[0]
+    from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+
+    return MultiControlNetModel(controlnets)
+
+
+def install_scale_as_data(controlnets: list, hooks) -> None:
+    """Each ControlNet's `conditioning_scale` (a Python number diffusers computes per step: the unit's scale, or 0
+    on the steps outside its start and end) moved to the device as a 0-d tensor. A number would be baked into the
+    step's graph by torch_xla where it is 0 or 1 (any other is data): another step graph for the steps a unit sits
+    out, and for a scale of 1 against any other."""
+    for n, controlnet in enumerate(controlnets):
+        hooks.wrap(controlnet, "forward", f"{SCALE_AS_DATA} ({n})", _scale_as_data)
+
+
+def _scale_as_data(forward):
+    @functools.wraps(forward)
+    def forward_with_scale_as_data(sample, *args, conditioning_scale=1.0, **kwargs):
+        import torch
+
+        if not isinstance(conditioning_scale, torch.Tensor) and sample.device.type != "cpu":
+            # Through a one-element tensor: a 0-d one moved to the device is a constant at 0 and 1, as a number is.
+            scale = torch.tensor([float(conditioning_scale)], dtype=sample.dtype)
+            conditioning_scale = scale.to(sample.device).reshape(())
+        return forward(sample, *args, conditioning_scale=conditioning_scale, **kwargs)
+
+    return forward_with_scale_as_data
+
+
+# ---------------------------------------------------------------- control images on the host
+
+
+def control_image(unit: ControlUnit, width: int, height: int):
+    """A unit's control image as the ControlNet takes it (PIL RGB, width x height): the image fitted to the size as
+    the web UI's ControlNet fits it by default (crop and resize), then its preprocessor."""
+    from tpugen.engine import images
+
+    return preprocess(images.load(unit.image.path, width, height, 1), unit.module, unit.threshold_a, unit.threshold_b)
+
+
+def preprocess(image, module: str, threshold_a: float | None = None, threshold_b: float | None = None):
+    """The control a preprocessor makes of a PIL image (tpugen.config.controls.CONTROL_MODULES), as PIL RGB."""
+    import numpy as np
+    from PIL import Image
+
+    rgb = np.asarray(image.convert("RGB"))
+    if module == "none":
+        out = rgb
+    elif module == "canny":
+        import cv2
+
+        edges = cv2.Canny(rgb, threshold_a if threshold_a is not None else 100, threshold_b or 200)
+        out = np.repeat(edges[:, :, None], 3, axis=2)
+    elif module == "invert":
+        out = 255 - rgb
+    elif module == "scribble":
+        import cv2
+
+        gray = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
+        strokes = np.where(gray < (threshold_a if threshold_a is not None else 127), 255, 0).astype(np.uint8)
+        strokes = cv2.dilate(strokes, np.ones((3, 3), np.uint8))
+        out = np.repeat(strokes[:, :, None], 3, axis=2)
+    elif module == "tile":
+        factor = threshold_a or 4.0
+        small = image.convert("RGB").resize(
+            (max(1, round(image.width / factor)), max(1, round(image.height / factor))), Image.Resampling.BOX
+        )
+        return small.resize(image.size, Image.Resampling.BICUBIC)
+    else:
+        raise ValueError(f"unknown ControlNet module {module!r}")
+    return Image.fromarray(np.ascontiguousarray(out))
