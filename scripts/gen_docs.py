@@ -288,6 +288,7 @@ def undescribed_cli_parameters() -> list[str]:
 HTTP_GROUPS = (
     ("Operations", ("/healthz", "/readyz", "/metrics", "/v1/server")),
     ("The AUTOMATIC1111 web UI API", ("/sdapi/", "/internal/")),
+    ("The web UI's ControlNet extension API", ("/controlnet/",)),
     ("The OpenAI images API", ("/v1/images/",)),
     ("tpugen runs", ("/v1/runs",)),
 )

@@ -269,6 +269,7 @@ def test_controlled_runs_are_diffusers_own_in_one_step_graph_with_no_compile_aft
         "end": 1.0,
         "threshold_a": 100.0,
         "threshold_b": 200.0,
+        "resize_mode": 1,
     }
     png = Image.open(run_dir / records[1]["file"])
     assert ', ControlNet 0: "Module: canny, Model: tiny-sd-controlnet, Weight: 0.7,' in png.text["parameters"]

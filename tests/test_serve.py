@@ -65,7 +65,7 @@ def test_a_text_body_over_one_mebibyte_is_refused_and_an_image_body_is_not(clien
     from PIL import Image
 
     response = client.post(
-        "/sdapi/v1/txt2img", content=b"{" + b" " * (1 << 20) + b"}", headers={"Content-Type": "application/json"}
+        "/v1/images/generations", content=b"{" + b" " * (1 << 20) + b"}", headers={"Content-Type": "application/json"}
     )
     assert response.status_code == 413 and response.json()["detail"] == ["the body is over 1024 KiB"]
     # A 1024x1024 init image of noise: a 3 MiB PNG, 4 MiB in base64 (fitted to the warm 64x64 on the host).

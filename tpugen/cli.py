@@ -367,8 +367,9 @@ def resume(
 @app.command()
 @_boundary
 def models() -> None:
-    """List the built-in tiny models and the pipeline families tpugen knows, with their defaults."""
-    from tpugen.families import BUILTINS, FAMILIES, KNOWN_MODELS
+    """List the built-in tiny models, the built-in ControlNets and the pipeline families tpugen knows, with their
+    defaults."""
+    from tpugen.families import BUILTINS, CONTROLNETS, FAMILIES, KNOWN_MODELS
     from tpugen.models import model_defaults
 
     typer.echo("models (built-in tiny ones build offline; tiny-shapes draws what it is told, the others draw noise):")
@@ -380,6 +381,9 @@ def models() -> None:
         typer.echo(
             f"  {model_id:45} {f.name:12} {size:10} {d['steps']:>3} steps  guidance {d['guidance_scale']:<4}  {note}"
         )
+    typer.echo("ControlNets (model.controlnets ids; built-in ones build offline):")
+    for name, (builtin, f) in CONTROLNETS.items():
+        typer.echo(f"  {name:45} {f.name:12} {builtin.description}")
     typer.echo("families (a pipeline is read by its model_index.json class; a class none of these covers is refused):")
     for f in FAMILIES.values():
         scheduler = "keeps its flow-matching scheduler" if f.flow_matching else "any model.scheduler name"

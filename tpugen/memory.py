@@ -363,7 +363,25 @@ def memory_plan_for(
     if counted is None:
         return None
     counts, how = counted
+    counts = {**counts, **controlnet_counts(model)}
     return plan_memory(counts, dtype=model.dtype, chip=chip, chip_gb=chip_gb, source=how)
+
+
+def controlnet_counts(model) -> dict[str, int]:
+    """Parameters of each ControlNet of model.controlnets whose files are on this machine (a local folder, a
+    built-in already built), from their safetensors headers: they sit on the device beside the denoiser."""
+    from tpugen.models import classify_controlnet_id
+    from tpugen.tiny import builtin_path, is_built
+
+    counts = {}
+    for n, controlnet in enumerate(model.controlnets):
+        source = classify_controlnet_id(controlnet.id)
+        if isinstance(source, str) or source.kind == "hub" or (source.kind == "builtin" and not is_built(source.ref)):
+            continue
+        folder = builtin_path(source.ref) if source.kind == "builtin" else Path(source.ref)
+        name = "controlnet" if len(model.controlnets) == 1 else f"controlnet {n}"
+        counts[name] = sum(safetensors_parameters(f) for f in sorted(folder.glob("*.safetensors")))
+    return counts
 
 
 # ---------------------------------------------------------------- the largest attention matrix (pure)

@@ -54,6 +54,7 @@ class ControlUnit:
     end: float = 1.0
     threshold_a: float | None = None
     threshold_b: float | None = None
+    resize_mode: int = 1  # how the image is fitted to the size (tpugen.config.request.RESIZE_MODES): crop and resize
 
     def record(self) -> dict:
         """What an image record says of it: the image by content."""
@@ -65,6 +66,7 @@ class ControlUnit:
             "end": self.end,
             "threshold_a": self.threshold_a,
             "threshold_b": self.threshold_b,
+            "resize_mode": self.resize_mode,
         }
 
     @property
@@ -104,6 +106,12 @@ class Controls:
             unit["image"] = InputImage(**unit["image"])
             units.append(ControlUnit(**unit))
         return cls(tuple(units))
+
+
+def control_name(controlnet_id: str) -> str:
+    """How records, the web UI's model list and its units name a ControlNet: a built-in's name, a folder's or hub
+    repo's last part."""
+    return controlnet_id.rstrip("/").split("/")[-1]
 
 
 def module_name(name: str) -> str | None:

@@ -77,10 +77,11 @@ def _scale_as_data(forward):
 
 def control_image(unit: ControlUnit, width: int, height: int):
     """A unit's control image as the ControlNet takes it (PIL RGB, width x height): the image fitted to the size as
-    the web UI's ControlNet fits it by default (crop and resize), then its preprocessor."""
+    the unit says (the web UI's ControlNet default: crop and resize), then its preprocessor."""
     from tpugen.engine import images
 
-    return preprocess(images.load(unit.image.path, width, height, 1), unit.module, unit.threshold_a, unit.threshold_b)
+    fitted = images.load(unit.image.path, width, height, unit.resize_mode)
+    return preprocess(fitted, unit.module, unit.threshold_a, unit.threshold_b)
 
 
 def preprocess(image, module: str, threshold_a: float | None = None, threshold_b: float | None = None):

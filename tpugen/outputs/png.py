@@ -89,8 +89,12 @@ def a1111_parameters(record: dict) -> str:
 def controlnet_unit_text(unit: dict) -> str:
     """A ControlNet unit as the web UI's ControlNet extension writes it into `parameters` (its value then quoted,
     since it holds ':' and ','): the model by its folder's or built-in's name."""
-    model = unit["controlnet"].rstrip("/").split("/")[-1]
-    parts = {"Module": unit["module"], "Model": model, "Weight": unit["scale"], "Resize Mode": "Crop and Resize"}
+    from tpugen.config.controls import control_name
+    from tpugen.config.request import RESIZE_MODES
+
+    resize = RESIZE_MODES[unit.get("resize_mode", 1)].title().replace(" And ", " and ")
+    parts = {"Module": unit["module"], "Model": control_name(unit["controlnet"]), "Weight": unit["scale"]}
+    parts["Resize Mode"] = resize
     if unit.get("threshold_a") is not None:
         parts["Threshold A"] = unit["threshold_a"]
     if unit.get("threshold_b") is not None:

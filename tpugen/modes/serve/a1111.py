@@ -19,9 +19,10 @@ from tpugen.config.loras import safetensors_header
 from tpugen.config.request import DEFAULT_STRENGTH, MAX_STEPS, seed_for, strength_ok
 from tpugen.errors import InputError
 from tpugen.modes.serve import sd_upscale
+from tpugen.modes.serve.controlnet_api import controls_for, script_problems
 from tpugen.modes.serve.progress import Job
 from tpugen.modes.serve.queue import ImageSpec
-from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse
+from tpugen.modes.serve.replies import base64_image, image_b64, image_record, json_response, parse
 from tpugen.modes.serve.service import Service
 from tpugen.outputs.png import a1111_parameters
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
@@ -98,7 +99,6 @@ class Txt2Img(BaseModel):
 MISSING_FEATURES = {
     "restore_faces": "face restoration is not built",
     "script_name": "scripts are not built",
-    "alwayson_scripts": "scripts are not built",
     "subseed_strength": "variation seeds are not built",
     "refiner_checkpoint": "a refiner is not built",
     "firstpass_image": "a hires fix from a given first-pass image is not built; send the image to img2img",
@@ -106,7 +106,8 @@ MISSING_FEATURES = {
 
 
 def missing_features(raw: dict) -> list[str]:
-    return [f"{field}: {why}" for field, why in MISSING_FEATURES.items() if raw.get(field)]
+    problems = [f"{field}: {why}" for field, why in MISSING_FEATURES.items() if raw.get(field)]
+    return problems + script_problems(raw.get("alwayson_scripts"))
 
 
 # The web UI's hr_upscaler names tpugen has (tpugen.config.hires.UPSCALERS), in lower case; unset: Latent.
@@ -267,6 +268,9 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
     seed = seed_for(body.seed)  # -1: a random one; another negative seed is refused with the request
     steps = body.steps if body.steps is not None else config.steps
     hires = collect(problems, hires_for, service, body, steps)
+    controls = collect(problems, controls_for, service, body.alwayson_scripts, base64_image)
+    if controls is not None and hires is not None:
+        problems.append("enable_hr: a hires fix with ControlNet units is not built (its second pass would run without)")
 
     def make(i: int) -> ImageSpec:
         return ImageSpec(
@@ -282,6 +286,7 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
             hires=hires,
             tiling=bool(body.tiling),  # unset: off, as the web UI's own default
             clip_skip=clip_skip or 1,
+            controls=controls,
         )
 
     images = collect(problems, service.image_specs, count, make)
@@ -420,21 +425,6 @@ def img2img_problems(raw: dict) -> list[str]:
     return problems
 
 
-def _decoded(text: str, where: str) -> bytes:
-    """A base64 image as the web UI's clients send it, with or without a data: URL prefix."""
-    import base64
-    import binascii
-
-    header, comma, data = text.partition(",")
-    if text.startswith("data:") and not comma:
-        raise InputError(f"{where}: a data: URL with no data after its header (data:image/png;base64,DATA)")
-    payload = data if text.startswith("data:") else text
-    try:
-        return base64.b64decode(payload, validate=False)
-    except (binascii.Error, ValueError):
-        raise InputError(f"{where}: not base64") from None
-
-
 def _init_problems(body: Img2Img) -> tuple[list[str], float]:
     """(what is wrong with an img2img request's init_images and denoising_strength, the strength: unset 0.75)."""
     problems = []
@@ -465,10 +455,10 @@ def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageSpec], di
     if problems or not txt:
         refuse(problems or ["init_images: missing"], service, None)
     first = txt[0]
-    init = collect(problems, pictures.open_bytes, _decoded(body.init_images[0], "init_images[0]"), "init_images[0]")
+    init = collect(problems, pictures.open_bytes, base64_image(body.init_images[0], "init_images[0]"), "init_images[0]")
     mask = None
     if body.mask:
-        mask = collect(problems, pictures.open_bytes, _decoded(body.mask, "mask"), "mask", mask=True)
+        mask = collect(problems, pictures.open_bytes, base64_image(body.mask, "mask"), "mask", mask=True)
     if problems:
         raise InputError(*problems)
     init = pictures.fit(init, first.width, first.height, body.resize_mode)
@@ -540,7 +530,7 @@ def edit_images(service: Service, body: Img2Img) -> list[ImageSpec]:
     txt = images_for(service, body) if not problems else None
     if problems or not txt:
         refuse(problems or ["init_images: missing"], service, None)
-    sent = [collect(problems, _decoded, text, f"init_images[{n}]") for n, text in enumerate(body.init_images)]
+    sent = [collect(problems, base64_image, text, f"init_images[{n}]") for n, text in enumerate(body.init_images)]
     resize_mode = body.resize_mode if "resize_mode" in body.model_fields_set else 1
     references = None
     if not problems:
@@ -578,6 +568,8 @@ def sd_upscale_images(service: Service, body: Img2Img):
         problems.append("mask: SD upscale redraws the whole image; send no mask with script_name sd upscale")
     if body.enable_hr:
         problems.append("enable_hr: a hires fix is not built with script_name sd upscale")
+    if body.alwayson_scripts:
+        problems.append("alwayson_scripts: ControlNet units are not built with script_name sd upscale")
     # One image per n_iter: the web UI's batch_size is the tiles it draws at a time, and this server batches them.
     one_each = body.model_copy(update={"batch_size": min(body.batch_size, 1)})
     upscales = images_for(service, one_each) if not problems else None
@@ -585,7 +577,7 @@ def sd_upscale_images(service: Service, body: Img2Img):
         refuse(problems or ["init_images: missing"], service, None)
     first = upscales[0]
     script = collect(problems, sd_upscale.read_args, body.script_args, first.width, first.height)
-    data = collect(problems, _decoded, body.init_images[0], "init_images[0]")
+    data = collect(problems, base64_image, body.init_images[0], "init_images[0]")
     init = collect(problems, pictures.open_bytes, data, "init_images[0]") if data is not None else None
     if problems:
         raise InputError(*problems)

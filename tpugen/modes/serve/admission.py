@@ -50,6 +50,7 @@ class Admission:
             prompt_syntax=reader.syntax,
             clip_skip=image.clip_skip,
             references=image.references,
+            controls=image.controls.call_key if image.controls else (),
         )
 
     def image_specs(self, count: int, make) -> list[ImageSpec]:
@@ -121,6 +122,8 @@ class Admission:
             what = f"hires fix {key.hires.shape_label.removeprefix('hires ')} is not warm ({warm.hires_summary()})"
         elif key.task not in warm.serve.tasks:
             what = f"{key.task} is not warm (serve.tasks: {', '.join(warm.serve.tasks)})"
+        elif key.control_count and not warm.controlnets:
+            what = "ControlNet units are not warm (the server's model.controlnets is empty)"
         elif key.references and key.references.count not in warm.reference_counts:
             counts = ", ".join(map(str, warm.reference_counts))
             count = key.references.count

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tpugen import __version__
 from tpugen.config.messages import format_error
 from tpugen.errors import InputError, TpugenError, one_line
-from tpugen.modes.serve import a1111, openai_api, ops, page, runs_api
+from tpugen.modes.serve import a1111, controlnet_api, openai_api, ops, page, runs_api
 from tpugen.modes.serve.browsers import SECURITY_HEADERS, host_problem, is_loopback, origin_problem
 from tpugen.modes.serve.queue import QueueFull
 from tpugen.modes.serve.replies import TooLarge, WrongType, body_limit, problem_response, too_large
@@ -131,6 +131,7 @@ def build_app(service: Service, api_key: str | None, host: str | None = None) ->
     app.include_router(ops.metrics_router, dependencies=secured)
     app.include_router(a1111.router, dependencies=secured)
     app.include_router(a1111.internal_router, dependencies=secured)
+    app.include_router(controlnet_api.router, dependencies=secured)
     app.include_router(openai_api.router, dependencies=secured)
     app.include_router(runs_api.router, dependencies=secured)
     app.include_router(page.router)

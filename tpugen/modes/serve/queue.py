@@ -15,6 +15,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tpugen.config.controls import Controls
 from tpugen.config.hires import HiresFix
 from tpugen.config.images import ImageSource, References
 from tpugen.config.request import ImageRequest
@@ -36,6 +37,7 @@ class ImageSpec(ImageRequest):
     tiling: bool = False  # seamless tiling (the web UI's tiling): tpugen.plan.WorkItem.tiling
     clip_skip: int = 1  # the web UI's CLIP_stop_at_last_layers: tpugen.plan.WorkItem.clip_skip
     references: References | None = None  # an edit by reference: the images it edits from (FLUX.2)
+    controls: Controls | None = None  # the web UI's ControlNet units: one per ControlNet the server runs
 
     @property
     def steps_in_all(self) -> int:
@@ -63,6 +65,8 @@ class BatchKey:
     clip_skip: int = 1  # tpugen.plan.WorkItem.clip_skip
     # An edit's references: the pipeline gives its one `image` list to every row, so a batch shares one set.
     references: References | None = None
+    # Each ControlNet unit's scale, start and end (tpugen.config.controls.Controls.call_key): a call has one.
+    controls: tuple = ()
 
     @property
     def reference_count(self) -> int:
@@ -70,8 +74,7 @@ class BatchKey:
 
     @property
     def control_count(self) -> int:
-        """A server's requests take no control images (model.controlnets are for runs)."""
-        return 0
+        return len(self.controls)
 
     def shape(self, batch_size: int) -> ShapeKey:
         """The compiled shape a batch of this key runs at."""
@@ -109,6 +112,7 @@ class ImageJob:
             prompt_syntax=key.prompt_syntax,
             clip_skip=key.clip_skip,
             references=image.references,
+            controls=image.controls,
         )
 
 

@@ -18,7 +18,13 @@ from tpugen.outputs.png import png_bytes
 MAX_BODY_BYTES = 1 << 20  # a request of text
 # Routes whose bodies carry images (base64 in JSON, or multipart): room for the largest input image tpugen takes
 # (MAX_INPUT_BYTES) in base64. A 1024x1024 PNG is 1.5 to 3 MB, past a text request's limit.
-IMAGE_ROUTES = ("/sdapi/v1/img2img", "/v1/images/edits", "/v1/runs")
+IMAGE_ROUTES = (
+    "/sdapi/v1/img2img",
+    "/sdapi/v1/txt2img",  # its ControlNet units carry images
+    "/controlnet/detect",
+    "/v1/images/edits",
+    "/v1/runs",
+)
 MAX_IMAGE_BODY_BYTES = MAX_INPUT_BYTES * 4 // 3 + (1 << 20)
 
 
@@ -45,6 +51,21 @@ class TooLarge(InputError):
 
 class WrongType(InputError):
     """A body sent as a type its route does not read (415): what a page on another site could send unasked."""
+
+
+def base64_image(text: str, where: str) -> bytes:
+    """A base64 image as the web UI's clients send it, with or without a data: URL prefix."""
+    import base64
+    import binascii
+
+    header, comma, data = text.partition(",")
+    if text.startswith("data:") and not comma:
+        raise InputError(f"{where}: a data: URL with no data after its header (data:image/png;base64,DATA)")
+    payload = data if text.startswith("data:") else text
+    try:
+        return base64.b64decode(payload, validate=False)
+    except (binascii.Error, ValueError):
+        raise InputError(f"{where}: not base64") from None
 
 
 def image_b64(pixels, record: dict) -> str:

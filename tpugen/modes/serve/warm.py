@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Callable
 
 from tpugen.config import ResolvedRun, run_sizes
+from tpugen.config.controls import Controls, ControlUnit, control_name
 from tpugen.config.hires import HiresFix
 from tpugen.config.images import ImageSource, InputImage, References
 from tpugen.config.schema import step_cache_options_text
@@ -38,6 +39,8 @@ class WarmEngines:
         self.chunk_counts = list(self.serve.prompt_chunks) if self.reader.chunked else [1]
         # The reference counts an edit is warm for (serve.reference_counts), where edits are warmed at all.
         self.reference_counts = list(self.serve.reference_counts) if "edit" in self.serve.tasks else []
+        # The server's ControlNets (model.controlnets): txt2img and img2img are warm with all of them as well.
+        self.controlnets = [c.id for c in config.model.controlnets]
         # Each (shape key, scheduler) warmup compiles, one at a time so /readyz can count them.
         plan = self.plan()
         self.keys = [(batch, scheduler) for scheduler in self.schedulers for batch in plan.batches]
@@ -86,14 +89,17 @@ class WarmEngines:
         config = self.run.config
         steps = warm_steps(config.compile.step_cache, config.steps)
         batches = []
-        kinds = [(task, None, 0) for task in self.serve.tasks if task != "edit"]
-        kinds += [("edit", None, count) for count in self.reference_counts]
+        kinds = [(task, None, 0, False) for task in self.serve.tasks if task != "edit"]
+        kinds += [("edit", None, count, False) for count in self.reference_counts]
         if config.hires is not None and "txt2img" in self.serve.tasks:  # the config's hires fix, for enable_hr
-            kinds.append(("txt2img", hires_fix(config.hires, steps), 0))
-        shapes = [(task, hires, refs, chunks) for task, hires, refs in kinds for chunks in self.chunk_counts]
+            kinds.append(("txt2img", hires_fix(config.hires, steps), 0, False))
+        if self.controlnets:  # the web UI's ControlNet units, on txt2img and img2img
+            kinds += [(task, None, 0, True) for task in self.serve.tasks if task in ("txt2img", "img2img")]
+        shapes = [(*kind, chunks) for kind in kinds for chunks in self.chunk_counts]
         tilings = (False, True) if self.serve.tiling else (False,)  # serve.tiling: every warm shape tiled too
-        for tiling, (task, hires, refs, chunks) in itertools.product(tilings, shapes):
+        for tiling, (task, hires, refs, controlled, chunks) in itertools.product(tilings, shapes):
             source, references = self._source(task), self._references(refs)
+            controls = self._controls() if controlled else None
             for height, width in self.sizes:
                 item = WorkItem(
                     0,
@@ -113,6 +119,7 @@ class WarmEngines:
                     tiling=tiling,
                     clip_skip=config.clip_skip,
                     references=references,
+                    controls=controls,
                 )
                 shape = ShapeKey.of(item, self.batch_size)
                 batches.append(Batch(len(batches), shape, (item,), self.batch_size - 1))
@@ -139,6 +146,12 @@ class WarmEngines:
         if not count:
             return None
         return References((InputImage(*self._grey()),) * count)
+
+    def _controls(self) -> Controls:
+        """The units a controlled warmup call gives: mid grey for each ControlNet (the graphs depend on their count
+        and the size alone; a unit's scale, start and end are data)."""
+        grey = InputImage(*self._grey())
+        return Controls(tuple(ControlUnit(grey) for _ in self.controlnets))
 
     def _grey(self) -> tuple[str, str]:
         """(path, sha256) of a mid-grey image stored for warmup calls to start or edit from."""
@@ -170,6 +183,8 @@ class WarmEngines:
             summary += f"; prompt chunks {', '.join(map(str, self.chunk_counts))}"
         if self.serve.tiling:
             summary += "; tiled and untiled"
+        if self.controlnets:
+            summary += f"; ControlNet units for {', '.join(control_name(c) for c in self.controlnets)}"
         if self.run.config.hires is not None and "txt2img" in self.serve.tasks:
             summary += f"; hires fix x{self.run.config.hires.scale:g} {self.run.config.hires.upscaler}"
         cache = self.run.config.compile.step_cache

@@ -1,0 +1,219 @@
+"""The web UI's ControlNet extension API through `tpugen serve`: units sent with `webuiapi`'s ControlNetUnit, warm
+from the start, the image a run config with the same control makes; /controlnet/model_list, module_list and
+detect; hostile units and detect requests a 422 (or 413/415), never a 500."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import httpx
+import numpy as np
+import pytest
+from conftest import run_cli, tiny_config, write_config
+from PIL import Image, ImageDraw
+from serve_support import AUTH, KEY, decode, metric, pixels, running_server, wait_ready
+
+pytestmark = pytest.mark.xla
+
+SMALL = {"height": 64, "width": 64, "batch_size": 1, "steps": 2}
+CONTROLNETS = [{"id": "tiny-sd-controlnet"}]
+FIELDS = {"prompt": "a red circle", "negative_prompt": "blurry", "seed": 11, "steps": 2, "cfg_scale": 7.5}
+
+
+def _disc() -> Image.Image:
+    disc = Image.new("RGB", (64, 64))
+    ImageDraw.Draw(disc).ellipse((20, 8, 50, 38), fill=(255, 255, 255))
+    return disc
+
+
+def _b64(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _unit(**changes) -> dict:
+    unit = {
+        "image": _b64(_disc()),
+        "module": "canny",
+        "model": "tiny-sd-controlnet",
+        "weight": 0.8,
+        "resize_mode": "Crop and Resize",
+        "threshold_a": 100,
+        "threshold_b": 200,
+        "guidance_start": 0.0,
+        "guidance_end": 1.0,
+        "control_mode": "Balanced",
+    }
+    return {**unit, **changes}
+
+
+@pytest.fixture(scope="module")
+def controlnet_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("controlnet-server")
+    config = tiny_config(tmp, **SMALL, output={"dir": str(tmp / "runs")})
+    config["model"]["controlnets"] = CONTROLNETS
+    del config["prompts"]
+    config["output"].pop("run_id")
+    config["serve"] = {"batch_window_ms": 0, "tasks": ["txt2img"]}
+    with running_server(write_config(tmp / "serve.yaml", config), tmp / "runs", KEY) as (url, service):
+        wait_ready(url, seconds=300)
+        yield url, service
+
+
+def test_a_webuiapi_unit_steers_warm_as_a_run_config_does(controlnet_server, tmp_path):
+    import webuiapi
+
+    url, service = controlnet_server
+    assert service.warm_summary().endswith("; ControlNet units for tiny-sd-controlnet")
+    assert sorted(service.engines[0].warm) == sorted([("64x64 b1 cfg", "DDIM"), ("64x64 b1 cfg 1 controlnet", "DDIM")])
+    host, port = url.removeprefix("http://").split(":")
+    api = webuiapi.WebUIApi(host=host, port=int(port), username="tpugen", password=KEY)
+    unit = webuiapi.ControlNetUnit(
+        image=_disc(),
+        module="canny",
+        model="tiny-sd-controlnet",
+        weight=0.8,
+        resize_mode="Crop and Resize",
+        threshold_a=100,
+        threshold_b=200,
+    )
+    common = dict(width=64, height=64, sampler_name="DDIM", **FIELDS)
+    controlled = api.txt2img(controlnet_units=[unit], **common)
+    # Not through webuiapi: its txt2img keeps the units in its default alwayson_scripts mapping for later calls.
+    with httpx.Client(base_url=url, headers=AUTH, timeout=120) as http:
+        answer = http.post("/sdapi/v1/txt2img", json={**FIELDS, "sampler_name": "DDIM"})
+    assert answer.status_code == 200, answer.text
+    plain_info, plain_image = json.loads(answer.json()["info"]), decode(answer.json()["images"][0])
+    info = controlled.info["infotexts"][0]
+    assert (
+        ', ControlNet 0: "Module: canny, Model: tiny-sd-controlnet, Weight: 0.8, Resize Mode: Crop and Resize, '
+        'Threshold A: 100.0, Threshold B: 200.0, Guidance Start: 0.0, Guidance End: 1.0, Control Mode: Balanced", '
+    ) in info
+    assert "ControlNet" not in plain_info["infotexts"][0]
+    made, unsteered = pixels(controlled.image), pixels(plain_image)
+    assert np.abs(made - unsteered).mean() > 1  # the unit steers
+    # A disabled unit is no unit: the plain image.
+    with httpx.Client(base_url=url, headers=AUTH, timeout=120) as http:
+        off = http.post(
+            "/sdapi/v1/txt2img",
+            json={**FIELDS, "alwayson_scripts": {"controlnet": {"args": [_unit(enabled=False)]}}},
+        )
+    assert off.status_code == 200 and (pixels(decode(off.json()["images"][0])) == unsteered).all()
+    assert metric(url, "tpugen_compiles_after_warmup_total") == 0
+
+    # A run config with the same control image makes the same pixels.
+    _disc().save(tmp_path / "disc.png")
+    prompt = {
+        "prompt": FIELDS["prompt"],
+        "seed": FIELDS["seed"],
+        "control_image": "disc.png",
+        "control_module": "canny",
+        "control_scale": 0.8,
+    }
+    run = tiny_config(tmp_path, **SMALL, prompts=[prompt], model={"id": "tiny-sd", "controlnets": CONTROLNETS})
+    assert run_cli("generate", write_config(tmp_path / "run.yaml", run), "--quiet").exit_code == 0
+    (image,) = (tmp_path / "outputs" / "run").glob("00000-*.png")
+    assert (pixels(Image.open(image)) == made).all()
+
+
+def test_the_controlnet_routes(controlnet_server):
+    import cv2
+
+    url, _ = controlnet_server
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        assert http.get("/controlnet/model_list").json() == {"model_list": ["tiny-sd-controlnet"]}
+        modules = http.get("/controlnet/module_list").json()
+        assert modules["module_list"] == ["none", "canny", "invert", "scribble", "tile"]
+        aliases = http.get("/controlnet/module_list", params={"alias_names": "true"}).json()["module_list"]
+        assert "tile_resample" in aliases and "invert (from white bg & black line)" in aliases
+        rng = np.random.default_rng(1)
+        picture = (rng.random((48, 80, 3)) * 255).astype(np.uint8)
+        answer = http.post(
+            "/controlnet/detect",
+            json={
+                "controlnet_module": "canny",
+                "controlnet_input_images": [_b64(Image.fromarray(picture))],
+                "controlnet_threshold_a": 50,
+                "controlnet_threshold_b": 120,
+            },
+        )
+        assert answer.status_code == 200 and answer.json()["info"] == "Success"
+        detected = np.asarray(decode(answer.json()["images"][0]))
+        assert detected.shape == (48, 80, 3) and (detected == cv2.Canny(picture, 50, 120)[:, :, None]).all()
+
+
+@pytest.mark.parametrize(
+    "scripts, wanted",
+    [
+        (
+            {"controlnet": {"args": [_unit(model="control_v11p_sd15_canny [d14c016b]")]}},
+            "'control_v11p_sd15_canny' is not loaded on this server; it has tiny-sd-controlnet",
+        ),
+        ({"adetailer": {"args": []}}, "alwayson_scripts: 'adetailer': this script is not built (ControlNet is)"),
+        ({"controlnet": {"args": "all of them"}}, "alwayson_scripts.controlnet: must be an object with args"),
+        ({"controlnet": {"args": [_unit(image="%%%not base64")]}}, "args[0].image: not base64"),
+        ({"controlnet": {"args": [_unit(image="bm90IGFuIGltYWdl")]}}, "args[0].image: is not an image PIL can read"),
+        ({"controlnet": {"args": [_unit(image="")]}}, "args[0].image: give the control image"),
+        ({"controlnet": {"args": [_unit(mask=_b64(_disc()))]}}, "args[0].mask: a unit's own mask is not built"),
+        ({"controlnet": {"args": [_unit(control_mode=2)]}}, "args[0].control_mode: '2' is not built; Balanced"),
+        ({"controlnet": {"args": [_unit(weight="heavy")]}}, "args[0].weight: must be a number"),
+        ({"controlnet": {"args": [_unit(weight=1e300)]}}, "args[0].weight: must be from 0 to 2"),
+        ({"controlnet": {"args": [_unit(guidance_start=0.9, guidance_end=0.2)]}}, "guidance_start (0.9) must be below"),
+        ({"controlnet": {"args": [_unit(module="depth_midas")]}}, "'depth_midas' needs an annotator model's weights"),
+        ({"controlnet": {"args": [_unit(resize_mode="Stretch")]}}, "args[0].resize_mode: 'Stretch'"),
+        ({"controlnet": {"args": [_unit(), _unit()]}}, "args[1].model: 'tiny-sd-controlnet' has a unit already"),
+        ({"controlnet": {"args": [_unit()] * 5}}, "args: 5 units; at most 4"),
+        ({"controlnet": {"args": ["a unit"]}}, "args[0]: must be an object (a ControlNet unit)"),
+        ("controlnet", "alwayson_scripts: must be an object of scripts by name"),
+    ],
+)
+def test_hostile_units_are_a_422_naming_them(controlnet_server, scripts, wanted):
+    url, _ = controlnet_server
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        answer = http.post("/sdapi/v1/txt2img", json={**FIELDS, "alwayson_scripts": scripts})
+    assert answer.status_code == 422, answer.text
+    assert any(wanted in line for line in answer.json()["detail"]), answer.json()["detail"]
+
+
+def test_hostile_detect_requests(controlnet_server):
+    url, _ = controlnet_server
+    one = _b64(_disc())
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        for body, wanted in (
+            ({"controlnet_module": "openpose", "controlnet_input_images": [one]}, "'openpose' needs an annotator"),
+            ({"controlnet_module": "canny", "controlnet_input_images": [one] * 5}, "5 images; give 1 to 4"),
+            ({"controlnet_module": "canny", "controlnet_input_images": []}, "0 images; give 1 to 4"),
+            ({"controlnet_module": "canny", "controlnet_input_images": ["bm90IGFuIGltYWdl"]}, "not an image PIL"),
+            ({"controlnet_module": "tile", "controlnet_input_images": [one], "controlnet_threshold_a": 0}, "factor"),
+            ({"controlnet_module": ["canny"], "controlnet_input_images": [one]}, "controlnet_module"),
+        ):
+            answer = http.post("/controlnet/detect", json=body)
+            assert answer.status_code == 422, answer.text
+            assert any(wanted in line for line in answer.json()["detail"]), answer.json()["detail"]
+        # A page on another site can send text/plain unasked: refused before anything is read.
+        form = http.post(
+            "/controlnet/detect", content=b"controlnet_module=canny", headers={"content-type": "text/plain"}
+        )
+        assert form.status_code == 415
+        # A body past the image routes' limit, declared or chunked, is a 413 before it is read whole.
+        huge = http.post(
+            "/controlnet/detect", content=b"{" + b" " * (90 << 20) + b"}", headers={"content-type": "application/json"}
+        )
+        assert huge.status_code == 413 and huge.json()["detail"][0].startswith("the body is over")
+    # Units on a request the server cannot steer (SD upscale) are refused, naming them.
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        answer = http.post(
+            "/sdapi/v1/img2img",
+            json={
+                **FIELDS,
+                "init_images": [one],
+                "script_name": "SD upscale",
+                "alwayson_scripts": {"controlnet": {"args": [_unit()]}},
+            },
+        )
+    assert answer.status_code == 422
+    assert any("ControlNet units are not built with script_name sd upscale" in line for line in answer.json()["detail"])
+    assert json.loads(json.dumps(answer.json()))  # a JSON body, one line per problem

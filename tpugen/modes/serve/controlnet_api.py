@@ -1,0 +1,233 @@
+"""The web UI's ControlNet extension API: units in a txt2img or img2img request's `alwayson_scripts`, and its
+/controlnet routes (the models and preprocessors this server has, and a preprocessor run alone)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+
+from tpugen.config.controls import CONTROL_MODULES, MODULE_ALIASES, Controls, ControlUnit, control_name, module_name
+from tpugen.config.controls import module_problem as why_not_module
+from tpugen.config.images import InputImage
+from tpugen.config.schema import CONTROL_SCALE_MAX
+from tpugen.errors import InputError
+from tpugen.modes.serve.replies import base64_image, json_response, parse
+from tpugen.modes.serve.service import Service
+
+router = APIRouter(prefix="/controlnet")
+
+# The extension's resize modes, by name and number (tpugen.config.request.RESIZE_MODES numbers them the same).
+RESIZE_NAMES = {"just resize": 0, "crop and resize": 1, "resize and fill": 2, "envelope (outer fit)": 2}
+# The control modes tpugen runs: the extension's Balanced (diffusers' guess_mode off).
+BALANCED = (0, "balanced")
+MAX_UNITS = 4  # more than the web UI's default of three unit tabs
+MAX_DETECT_IMAGES = 4
+SCRIPT = "controlnet"
+
+
+def script_problems(scripts: Any) -> list[str]:
+    """What a request's alwayson_scripts asks for that tpugen does not run: any script but ControlNet."""
+    if not scripts:
+        return []
+    if not isinstance(scripts, dict):
+        return ["alwayson_scripts: must be an object of scripts by name"]
+    return [
+        f"alwayson_scripts: {str(name)[:60]!r}: this script is not built (ControlNet is)"
+        for name in scripts
+        if str(name).lower() != SCRIPT
+    ]
+
+
+def _units(scripts: dict) -> list:
+    found = next((value for name, value in scripts.items() if str(name).lower() == SCRIPT), None)
+    if found is None:
+        return []
+    if not isinstance(found, dict) or not isinstance(found.get("args", []), list):
+        raise InputError("alwayson_scripts.controlnet: must be an object with args, a list of units")
+    return found.get("args", [])
+
+
+def _number(unit: dict, key: str, default: float, low: float, high: float, where: str, problems: list[str]) -> float:
+    value = unit.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        problems.append(f"{where}.{key}: must be a number, got {str(value)[:40]!r}")
+        return default
+    if not low <= value <= high:
+        problems.append(f"{where}.{key}: must be from {low:g} to {high:g}, got {value:g}")
+    return float(value)
+
+
+def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
+    """A request's ControlNet units (None: it sends none that are enabled), ordered as the server's ControlNets;
+    an InputError with every problem, one line each. `decode(text, where)`: a base64 image's bytes."""
+    units = _units(scripts or {})
+    if not units:
+        return None
+    if len(units) > MAX_UNITS:
+        raise InputError(f"alwayson_scripts.controlnet.args: {len(units)} units; at most {MAX_UNITS}")
+    loaded = [c.id for c in service.run.config.model.controlnets]
+    names = [control_name(c) for c in loaded]
+    problems: list[str] = []
+    by_model: dict[int, ControlUnit] = {}
+    for n, unit in enumerate(units):
+        where = f"alwayson_scripts.controlnet.args[{n}]"
+        if not isinstance(unit, dict):
+            problems.append(f"{where}: must be an object (a ControlNet unit)")
+            continue
+        if unit.get("enabled", True) is False:
+            continue
+        model = str(unit.get("model") or "None").split(" [")[0].strip()  # "name [hash]", as the web UI lists it
+        if model not in names:
+            have = ", ".join(names) or "none (model.controlnets)"
+            problems.append(f"{where}.model: {model[:80]!r} is not loaded on this server; it has {have}")
+            continue
+        module = unit.get("module") or "none"
+        named = module_name(module) if isinstance(module, str) else None
+        if named is None:
+            problems.append(f"{where}.module: {why_not_module(str(module)[:80])}")
+            continue
+        mode = unit.get("control_mode", 0)
+        if (mode.lower() if isinstance(mode, str) else mode) not in BALANCED:
+            problems.append(f"{where}.control_mode: {str(mode)[:60]!r} is not built; Balanced (0) is")
+        if unit.get("mask"):
+            problems.append(f"{where}.mask: a unit's own mask is not built; send none")
+        resize = unit.get("resize_mode", 1)
+        resize = RESIZE_NAMES.get(resize.lower()) if isinstance(resize, str) else resize
+        if resize not in (0, 1, 2) or isinstance(resize, bool):
+            problems.append(
+                f"{where}.resize_mode: {str(unit.get('resize_mode'))[:40]!r}; Just Resize, Crop and Resize or Resize and Fill (0, 1, 2)"
+            )
+            resize = 1
+        scale = _number(unit, "weight", 1.0, 0, CONTROL_SCALE_MAX, where, problems)
+        start = _number(unit, "guidance_start", 0.0, 0, 1, where, problems)
+        end = _number(unit, "guidance_end", 1.0, 0, 1, where, problems)
+        if start >= end:
+            problems.append(f"{where}: guidance_start ({start:g}) must be below guidance_end ({end:g})")
+        _, default_a, default_b = CONTROL_MODULES[named]
+        thresholds = [
+            _number(unit, key, default, 0, 10_000, where, problems) if default is not None else None
+            for key, default in (("threshold_a", default_a), ("threshold_b", default_b))
+        ]
+        if named == "tile" and not 1 <= thresholds[0] <= 64:
+            problems.append(f"{where}.threshold_a: tile's factor must be from 1 to 64, got {thresholds[0]:g}")
+        image = unit.get("image") or unit.get("input_image")
+        if isinstance(image, dict):  # the extension also takes {"image": ..., "mask": ...}
+            image = image.get("image")
+        if not isinstance(image, str) or not image:
+            problems.append(f"{where}.image: give the control image (base64 PNG or JPEG)")
+            continue
+        index = names.index(model)
+        if index in by_model:
+            problems.append(f"{where}.model: {model!r} has a unit already; one unit per ControlNet")
+            continue
+        if problems:
+            continue
+        try:
+            stored = InputImage(*service.input_image(decode(image, f"{where}.image"), f"{where}.image"))
+        except InputError as exc:
+            problems.extend(exc.lines)
+            continue
+        by_model[index] = ControlUnit(stored, named, scale, start, end, *thresholds, resize_mode=resize)
+    if not problems and by_model and len(by_model) < len(loaded):
+        missing = ", ".join(names[i] for i in range(len(loaded)) if i not in by_model)
+        problems.append(
+            f"alwayson_scripts.controlnet.args: this server runs its ControlNets together; send a unit for {missing} too"
+        )
+    if problems:
+        raise InputError(*problems)
+    return Controls(tuple(by_model[i] for i in range(len(loaded)))) if by_model else None
+
+
+# ---------------------------------------------------------------- /controlnet routes
+
+
+@router.get("/version")
+def version() -> dict:
+    """The extension's API version clients check before they send units."""
+    return {"version": 2}
+
+
+@router.get("/model_list")
+def model_list(request: Request) -> dict:
+    """The ControlNets this server has loaded (model.controlnets), by the names units give."""
+    service: Service = request.app.state.service
+    return {"model_list": [control_name(c.id) for c in service.run.config.model.controlnets]}
+
+
+@router.get("/module_list")
+def module_list(alias_names: bool = False) -> dict:
+    """The preprocessors tpugen runs (none needs weights), by tpugen's names or (alias_names) the extension's."""
+    aliases = {name: alias for alias, name in MODULE_ALIASES.items()}
+    names = [aliases.get(name, name) if alias_names else name for name in CONTROL_MODULES]
+    detail = {name: {"description": text} for name, (text, _, _) in CONTROL_MODULES.items()}
+    return {"module_list": names, "module_detail": detail}
+
+
+class Detect(BaseModel):
+    controlnet_module: str = "none"
+    controlnet_input_images: list[str] = []
+    controlnet_processor_res: int = 512
+    controlnet_threshold_a: float | None = None
+    controlnet_threshold_b: float | None = None
+
+
+@router.post("/detect")
+async def detect(request: Request):
+    """A preprocessor run on each image sent, at the image's own size: {"images": [base64 PNG], "info": ...}."""
+    service: Service = request.app.state.service
+    body = await parse(request, Detect)
+    return await anyio.to_thread.run_sync(detect_reply, service, body)
+
+
+def detect_reply(service: Service, body: Detect):
+    import base64
+    import io
+
+    from tpugen.config.images import open_checked
+    from tpugen.engine.controls import preprocess
+
+    problems = []
+    named = module_name(body.controlnet_module)
+    if named is None:
+        problems.append(f"controlnet_module: {why_not_module(body.controlnet_module[:80])}")
+    count = len(body.controlnet_input_images)
+    if not 1 <= count <= MAX_DETECT_IMAGES:
+        problems.append(f"controlnet_input_images: {count} images; give 1 to {MAX_DETECT_IMAGES}")
+    if problems:
+        raise InputError(*problems)
+    _, default_a, default_b = CONTROL_MODULES[named]
+    a = body.controlnet_threshold_a if default_a is not None else None
+    b = body.controlnet_threshold_b if default_b is not None else None
+    for key, value in (("controlnet_threshold_a", a), ("controlnet_threshold_b", b)):
+        if value is not None and not (math.isfinite(value) and 0 <= value <= 10_000):
+            problems.append(f"{key}: must be from 0 to 10000, got {value:g}")
+    if named == "tile" and a is not None and not 1 <= a <= 64:
+        problems.append(f"controlnet_threshold_a: tile's factor must be from 1 to 64, got {a:g}")
+    pictures = []
+    for n, text in enumerate(body.controlnet_input_images):
+        where = f"controlnet_input_images[{n}]"
+        try:
+            data = base64_image(text, where)
+        except InputError as exc:
+            problems.extend(exc.lines)
+            continue
+        image, why = open_checked(data, lambda opened: opened.convert("RGB"))
+        if why:
+            problems.append(f"{where}: {why}")
+        else:
+            pictures.append(image)
+    if problems:
+        raise InputError(*problems)
+    out = []
+    for picture in pictures:
+        made = preprocess(picture, named, a if a is not None else default_a, b if b is not None else default_b)
+        buffer = io.BytesIO()
+        made.save(buffer, format="PNG")
+        out.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+    return json_response({"images": out, "info": "Success"})
