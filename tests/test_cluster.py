@@ -240,6 +240,33 @@ def test_two_workers_make_the_images_of_one_chip(ray_cluster, single, tmp_path):
 
 
 @pytest.mark.xla
+def test_controlnet_units_on_two_workers_make_the_images_of_one_chip(ray_cluster, tmp_path):
+    """ControlNet on Ray: each worker loads model.controlnets beside the pipeline and reads the control images,
+    and the images are one chip's."""
+    from PIL import Image, ImageDraw
+
+    disc = Image.new("RGB", (64, 64))
+    ImageDraw.Draw(disc).ellipse((8, 8, 40, 40), fill=(255, 255, 255))
+    disc.save(tmp_path / "disc.png")
+    prompts = [
+        {"prompt": "a small cat", "control_image": str(tmp_path / "disc.png")},
+        {"prompt": "a small dog", "control_image": str(tmp_path / "disc.png"), "control_module": "invert"},
+    ]
+    model = {"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}]}
+    one_chip = generate(tmp_path / "single", prompts=prompts, batch_size=1, model=model)
+    config = ray_config(tmp_path / "ray", ray_cluster["address"])
+    config.update(prompts=prompts, model=model, steps=3)
+    proc, run_dir = start_driver(tmp_path / "ray", config)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert_same_images(run_dir, one_chip, OTHER_DEVICE_COUNT)
+    records = read_manifest(run_dir / "manifest.jsonl")
+    assert [r["controlnet_units"][0]["module"] for r in records] == ["none", "invert"]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["compiles_after_warmup"] == 0 and sum(w["batches_done"] for w in report["ray"]["per_worker"]) == 2
+
+
+@pytest.mark.xla
 def test_a_killed_worker_costs_only_its_batches_in_flight(ray_cluster, single, tmp_path):
     proc, run_dir = start_driver(tmp_path, ray_config(tmp_path, ray_cluster["address"]))
     state = workers_when(

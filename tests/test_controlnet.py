@@ -99,6 +99,11 @@ def test_the_other_preprocessors():
             "model.controlnets: Stable Diffusion XL models: tpugen drives ControlNets for Stable Diffusion 1.x/2.x",
         ),
         (
+            {"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}] * 2},
+            {"control_image": ["disc.png", "disc.png"], "init_image": "photo.png"},
+            "control_image: with an init image, one ControlNet at a time",
+        ),
+        (
             {"id": "tiny-sd", "controlnets": [{"id": "./photo.png"}]},
             {"control_image": "disc.png"},
             "model.controlnets[0].id: ControlNet directory",
@@ -118,6 +123,12 @@ def test_bad_control_settings_are_one_line_each(tmp_path, model, prompt, wanted)
     result = run_cli("validate", write_config(tmp_path / "run.yaml", config))
     assert result.exit_code == 2 and wanted in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 + result.stderr.count("\n  ")
+
+
+def test_models_lists_the_built_in_controlnets():
+    listed = run_cli("models").output
+    assert "tiny-sd-controlnet" in listed and "tiny-shapes-controlnet" in listed
+    assert listed.index("ControlNets (model.controlnets ids") < listed.index("tiny-shapes-controlnet")
 
 
 def test_offload_and_hires_with_controlnets_are_refused(tmp_path):
@@ -297,3 +308,63 @@ def test_controlled_runs_are_diffusers_own_in_one_step_graph_with_no_compile_aft
     result = run_cli("resume", run_dir)
     assert result.exit_code == 2 and "prompt 0's control_image[0]" in result.stderr, result.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
+@pytest.mark.xla
+def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_path):
+    import cv2
+    import torch
+    from diffusers import AutoPipelineForText2Image, ControlNetModel, DiffusionPipeline
+
+    from tpugen.tiny import builtin_path
+
+    _control_images(tmp_path)
+    two = {"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}, {"id": "tiny-sd-controlnet", "scale": 0.5}]}
+    units = {"control_image": ["disc.png", "drawing.png"], "control_module": ["none", "canny"]}
+    prompts = [
+        {"prompt": "a cat", **units},
+        {"prompt": "a dog", **units, "control_start": [0.0, 0.5], "control_end": [0.5, 1.0]},
+    ]
+    # compile.trace_once on (tiny_config turns it off): the UNet and both ControlNets under dynamo.
+    proc, run_dir = generate_in_new_process(
+        tmp_path, model=two, prompts=prompts, batch_size=1, compile={"trace_once": True}
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["device"]["trace_once"]["state"] == "on"
+    assert report["device"]["trace_once"]["beside"] == ["controlnet 0", "controlnet 1"]
+    assert [e["shape_key"] for e in report["warmup"]] == ["64x64 b1 cfg 2 controlnets"]
+    # The second prompt's units sit out half the steps each: their scales are data, nothing compiles again.
+    assert report["compiles_after_warmup"] == 0
+    assert [b["transfers_to_host"] for b in report["timed_phase"]["batches"]] == [1, 1]
+
+    base = DiffusionPipeline.from_pretrained(str(builtin_path("tiny-sd")))
+    controlnet = ControlNetModel.from_pretrained(str(builtin_path("tiny-sd-controlnet")))
+    pipe = AutoPipelineForText2Image.from_pipe(base, controlnet=[controlnet, controlnet])
+    pipe.set_progress_bar_config(disable=True)
+    drawing = np.asarray(Image.open(tmp_path / "drawing.png").convert("RGB"))[:, 16:80]
+    canny = Image.fromarray(np.repeat(cv2.Canny(np.ascontiguousarray(drawing), 100, 200)[:, :, None], 3, axis=2))
+    controls = [Image.open(tmp_path / "disc.png").convert("RGB"), canny]
+    records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
+    assert [u["scale"] for u in records[0]["controlnet_units"]] == [1.0, 0.5]
+    for record in records:
+        starts = [u["start"] for u in record["controlnet_units"]]
+        ends = [u["end"] for u in record["controlnet_units"]]
+        with torch.no_grad():
+            expected = pipe(
+                prompt=record["prompt"],
+                negative_prompt=record["negative_prompt"],
+                image=controls,
+                height=64,
+                width=64,
+                num_inference_steps=record["steps"],
+                guidance_scale=record["guidance_scale"],
+                generator=torch.Generator("cpu").manual_seed(record["seed"]),
+                controlnet_conditioning_scale=[1.0, 0.5],
+                control_guidance_start=starts,
+                control_guidance_end=ends,
+                output_type="np",
+            ).images[0]
+        expected = (expected * 255).round().clip(0, 255).astype(np.int16)
+        made = np.asarray(Image.open(run_dir / record["file"]).convert("RGB"), np.int16)
+        assert int(np.abs(made - expected).max()) <= WITHIN, record["file"]

@@ -123,7 +123,11 @@ def planned_trace(config, family_) -> str | None:
         scanned=compile_config.scan_blocks,
     )
     if reason is None:
-        return f"trace once: on ({family_.denoiser} traced by dynamo once per shape key), unless dynamo refuses it"
+        count = len(config.model.controlnets)
+        beside = " and its ControlNet" if count == 1 else f" and its {count} ControlNets" if count else ""
+        return (
+            f"trace once: on ({family_.denoiser}{beside} traced by dynamo once per shape key), unless dynamo refuses it"
+        )
     return f"trace once: off, the {family_.denoiser} is recorded every step -- {reason}"
 
 

@@ -91,10 +91,16 @@ class TraceOnce:
     component: str  # the pipeline component traced once (the family's denoiser)
     reason: str | None = None  # why it is off; None while it is on
     failed_attempt: dict | None = None  # the call whose trace failed: its shape key and error
+    beside: tuple[str, ...] = ()  # modules traced once beside it, each step (ControlNets), while their traces hold
 
     @property
     def on(self) -> bool:
         return self.reason is None
+
+    @property
+    def traced(self) -> str:
+        """What is traced, in words: the denoiser, and what runs beside it."""
+        return " and ".join((self.component, *self.beside))
 
     def as_dict(self) -> dict:
         return {
@@ -106,6 +112,7 @@ class TraceOnce:
             else None,
             "reason": self.reason,
             "failed_attempt": self.failed_attempt,
+            "beside": list(self.beside),
         }
 
 

@@ -278,7 +278,7 @@ class Engine:
         if trace is None or not trace.setting:
             return
         if trace.on:
-            display.phase(f"trace once: on ({trace.component} traced by dynamo once per shape key)")
+            display.phase(f"trace once: on ({trace.traced} traced by dynamo once per shape key)")
             return
         line = f"trace once: off, the {trace.component} is recorded every step -- {trace.reason}"
         (display.warning if trace.failed_attempt else display.phase)(line)

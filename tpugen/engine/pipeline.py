@@ -327,13 +327,14 @@ class LoadedPipeline:
         from tpugen.engine.controls import control_image
 
         shape, units = batch.shape, batch.items[0].controls.units
-        per_unit = [
-            [control_image(row.controls.units[n], shape.width, shape.height) for row in batch.rows]
-            for n in range(len(units))
+        # Per row, each unit's image: diffusers' multi-ControlNet txt2img pipeline takes one list per row (and
+        # transposes it); its img2img and inpaint ones take one per ControlNet (MULTI_IMG2IMG: refused at the door).
+        per_row = [
+            [control_image(unit, shape.width, shape.height) for unit in row.controls.units] for row in batch.rows
         ]
         single = len(units) == 1
         return {
-            image_key: per_unit[0] if single else per_unit,
+            image_key: [images[0] for images in per_row] if single else per_row,
             "controlnet_conditioning_scale": units[0].scale if single else [u.scale for u in units],
             "control_guidance_start": units[0].start if single else [u.start for u in units],
             "control_guidance_end": units[0].end if single else [u.end for u in units],

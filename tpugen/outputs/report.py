@@ -349,7 +349,8 @@ def _trace_lines(trace: dict | None) -> list[str]:
     if not trace or not trace.get("setting"):
         return []
     if trace["state"] == "on":
-        return [f"- trace once: on ({trace['component']}: {trace['how']})"]
+        beside = "".join(f"; {name} too, beside it" for name in trace.get("beside") or ())
+        return [f"- trace once: on ({trace['component']}: {trace['how']}{beside})"]
     lines = [f"- trace once: off, the {trace['component']} was recorded every step -- {trace['reason']}"]
     failed = trace.get("failed_attempt")
     if failed:

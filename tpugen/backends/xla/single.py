@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from tpugen.backends.base import TRACE_ONCE_HOOK, Counters, FlashAttention, OneDeviceBackend, TraceOnce
@@ -21,6 +22,7 @@ class XlaBackend(OneDeviceBackend):
     placed = False  # components on several devices (PlacedBackend)
     offloaded = False  # execution.offload: model
     _traced = None  # the denoiser under dynamo (compile.trace_once), once prepare_on_device installed it
+    _beside: tuple = ()  # modules traced beside it (trace_beside: ControlNets)
 
     def __init__(
         self, cache_enabled: bool | str = "auto", cache_dir: str | None = None, *, device_index: int | None = None
@@ -97,6 +99,7 @@ class XlaBackend(OneDeviceBackend):
         if self._traced is not None:
             beside = TracedDenoiser(module, self.device, name)
             hooks.add(f"{TRACE_ONCE_HOOK} ({name})", beside.remove)
+            self._beside = (*self._beside, beside)
 
     @property
     def trace_once(self) -> TraceOnce | None:
@@ -104,7 +107,9 @@ class XlaBackend(OneDeviceBackend):
         if not hasattr(self, "_trace_setting"):
             return None
         if self._traced is not None:
-            return self._traced.state(self._trace_setting)
+            state = self._traced.state(self._trace_setting)
+            beside = tuple(traced.component for traced in self._beside if traced.failure is None)
+            return dataclasses.replace(state, beside=beside) if state.on else state
         return TraceOnce(self._trace_setting, self._trace_component, self._trace_reason)
 
     def flash_partition_spec(self, pipe, route) -> tuple | None:

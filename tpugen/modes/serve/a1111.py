@@ -13,6 +13,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
+from tpugen.config.controls import MULTI_IMG2IMG
 from tpugen.config.hires import MAX_HIRES_SCALE, UPSCALERS, HiresFix, hires_problems
 from tpugen.config.images import ImageSource
 from tpugen.config.loras import safetensors_header
@@ -455,6 +456,8 @@ def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageSpec], di
     if problems or not txt:
         refuse(problems or ["init_images: missing"], service, None)
     first = txt[0]
+    if first.controls and first.controls.count > 1:
+        raise InputError(f"alwayson_scripts.controlnet.args: {MULTI_IMG2IMG}")
     init = collect(problems, pictures.open_bytes, base64_image(body.init_images[0], "init_images[0]"), "init_images[0]")
     mask = None
     if body.mask:

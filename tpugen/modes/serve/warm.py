@@ -93,8 +93,9 @@ class WarmEngines:
         kinds += [("edit", None, count, False) for count in self.reference_counts]
         if config.hires is not None and "txt2img" in self.serve.tasks:  # the config's hires fix, for enable_hr
             kinds.append(("txt2img", hires_fix(config.hires, steps), 0, False))
-        if self.controlnets:  # the web UI's ControlNet units, on txt2img and img2img
-            kinds += [(task, None, 0, True) for task in self.serve.tasks if task in ("txt2img", "img2img")]
+        if self.controlnets:  # the web UI's ControlNet units, on txt2img (and img2img with one ControlNet)
+            controlled = ("txt2img", "img2img") if len(self.controlnets) == 1 else ("txt2img",)
+            kinds += [(task, None, 0, True) for task in self.serve.tasks if task in controlled]
         shapes = [(*kind, chunks) for kind in kinds for chunks in self.chunk_counts]
         tilings = (False, True) if self.serve.tiling else (False,)  # serve.tiling: every warm shape tiled too
         for tiling, (task, hires, refs, controlled, chunks) in itertools.product(tilings, shapes):
