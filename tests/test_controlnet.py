@@ -89,10 +89,12 @@ def test_the_other_preprocessors():
         (None, {"control_image": "disc.png", "control_module": "sketchy"}, "unknown module 'sketchy'; built in: none"),
         (None, {"control_image": "disc.png", "control_start": 0.6, "control_end": 0.5}, "control_start (0.6) must"),
         (None, {"control_image": "disc.png", "control_scale": 2.5}, "control_scale must be a number from 0 to 2"),
+        (None, {"control_image": "disc.png", "control_scale": 10**400}, "control_scale must be a number from 0 to 2"),
         (None, {"control_image": ["disc.png", "disc.png"]}, "control_image: a list of 2; model.controlnets has 1"),
         (None, {"control_image": "../" * 40 + "etc/passwd"}, "is not an image PIL can read"),
         (None, {"control_image": "nothere.png"}, "prompts[0]: control_image: "),
         (None, {"control_image": "disc.png", "control_module": "none", "control_threshold_a": 5}, "takes no"),
+        (None, {"control_image": "disc.png", "control_module": "tile", "control_threshold_a": 0}, "factor must be"),
         (
             {"id": "tiny-sdxl", "controlnets": [{"id": "tiny-sd-controlnet"}]},
             {"control_image": "disc.png"},
@@ -368,3 +370,17 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
         expected = (expected * 255).round().clip(0, 255).astype(np.int16)
         made = np.asarray(Image.open(run_dir / record["file"]).convert("RGB"), np.int16)
         assert int(np.abs(made - expected).max()) <= WITHIN, record["file"]
+
+
+def test_a_run_record_holds_the_units_and_a_plain_prompt_as_before(tmp_path):
+    from tpugen.engine.session import _prompts_data, recorded_prompts
+
+    _control_images(tmp_path)
+    prompts = [
+        {"prompt": "a cat", "control_image": "disc.png", "control_module": "none", "control_threshold_a": None},
+        "a plain one",
+    ]
+    run = load_config(write_config(tmp_path / "run.yaml", _config(tmp_path, prompts)))
+    data = json.loads(json.dumps(_prompts_data(run.prompts)))
+    assert "controls" in data[0] and "controls" not in data[1]  # a run from before ControlNets resumes as it was
+    assert recorded_prompts({"prompts": data}) == run.prompts

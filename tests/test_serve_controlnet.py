@@ -161,6 +161,10 @@ def test_the_controlnet_routes(controlnet_server):
         ({"controlnet": {"args": [_unit(control_mode=2)]}}, "args[0].control_mode: '2' is not built; Balanced"),
         ({"controlnet": {"args": [_unit(weight="heavy")]}}, "args[0].weight: must be a number"),
         ({"controlnet": {"args": [_unit(weight=1e300)]}}, "args[0].weight: must be from 0 to 2"),
+        ({"controlnet": {"args": [_unit(weight=10**400)]}}, "args[0].weight: must be a number"),
+        ({"controlnet": {"args": [_unit(threshold_a=[1])]}}, "args[0].threshold_a: must be a number"),
+        ({"controlnet": {"args": [_unit(enabled="false")]}}, "args[0].enabled: must be true or false, got 'false'"),
+        ({"controlnet": {"args": [_unit(model=["a list"])]}}, "args[0].model: \"['a list']\" is not loaded"),
         ({"controlnet": {"args": [_unit(guidance_start=0.9, guidance_end=0.2)]}}, "guidance_start (0.9) must be below"),
         ({"controlnet": {"args": [_unit(module="depth_midas")]}}, "'depth_midas' needs an annotator model's weights"),
         ({"controlnet": {"args": [_unit(resize_mode="Stretch")]}}, "args[0].resize_mode: 'Stretch'"),
@@ -217,3 +221,66 @@ def test_hostile_detect_requests(controlnet_server):
     assert answer.status_code == 422
     assert any("ControlNet units are not built with script_name sd upscale" in line for line in answer.json()["detail"])
     assert json.loads(json.dumps(answer.json()))  # a JSON body, one line per problem
+
+
+def test_the_extensions_minus_one_thresholds_are_the_preprocessors_own(controlnet_server):
+    url, _ = controlnet_server
+    with httpx.Client(base_url=url, headers=AUTH, timeout=120) as http:
+        answers = [
+            http.post("/sdapi/v1/txt2img", json={**FIELDS, "alwayson_scripts": {"controlnet": {"args": [unit]}}})
+            for unit in (_unit(), _unit(threshold_a=-1, threshold_b=-1, processor_res=-1))
+        ]
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    made = [pixels(decode(a.json()["images"][0])) for a in answers]
+    assert (made[0] == made[1]).all()
+
+
+def test_a_run_sent_with_control_images_travels_them_and_a_path_is_refused(controlnet_server, tmp_path):
+    import hashlib
+
+    from typer.testing import CliRunner
+
+    from tpugen.cli import app
+
+    url, service = controlnet_server
+    _disc().save(tmp_path / "disc.png")
+    prompts = [{"prompt": "a red circle", "control_image": "disc.png", "control_module": "invert"}]
+    config = tiny_config(tmp_path, **SMALL, prompts=prompts, output={"dir": str(tmp_path / "local"), "run_id": "cn"})
+    config["model"]["controlnets"] = CONTROLNETS
+    path = write_config(tmp_path / "c.yaml", config)
+    result = CliRunner().invoke(app, ["generate", str(path), "--server", url, "--quiet"], env={"TPUGEN_API_KEY": KEY})
+    assert result.exit_code == 0, result.output
+    local = tmp_path / "local" / "cn"
+    report = json.loads((local / "report.json").read_text())
+    assert report["complete"] is True and report["compiles_after_warmup"] == 0
+    (image,) = sorted(local.glob("[0-9]*.png"))
+    (unit,) = json.loads(Image.open(image).text["tpugen"])["controlnet_units"]
+    assert unit["image_sha256"] == hashlib.sha256((tmp_path / "disc.png").read_bytes()).hexdigest()
+    assert unit["module"] == "invert"
+    # A path is never read on the server: the run is refused naming the key, and nothing starts.
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        body = {"prompts": [{"prompt": "a", "control_image": "/etc/passwd"}], "output": {"run_id": "cn-path"}}
+        answer = http.post("/v1/runs", json=body)
+        assert answer.status_code == 422, answer.text
+        (line,) = answer.json()["detail"]
+        assert line.startswith("prompts[0].control_image: ") and "data:" in line
+        assert http.get("/v1/runs/cn-path").status_code == 404
+        # Other ControlNets than the server's are refused, naming its own.
+        other = {**body, "prompts": ["a"], "model": {"controlnets": [{"id": "tiny-sd-controlnet", "scale": 0.5}]}}
+        answer = http.post("/v1/runs", json=other)
+        assert answer.status_code == 422
+        assert answer.json()["detail"] == [
+            "model.controlnets: the server runs tiny-sd-controlnet (scale 1); leave it out or equal"
+        ]
+        # Inpainting the masked area alone with units is refused (the control is not cropped with it).
+        answer = http.post(
+            "/sdapi/v1/img2img",
+            json={
+                **FIELDS,
+                "init_images": [_b64(_disc())],
+                "mask": _b64(_disc()),
+                "inpaint_full_res": True,
+                "alwayson_scripts": {"controlnet": {"args": [_unit()]}},
+            },
+        )
+        assert answer.status_code == 422 and "inpaint_full_res: inpainting the masked area alone" in answer.text

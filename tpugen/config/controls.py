@@ -148,13 +148,14 @@ def _each(value, count: int, key: str, problems: list[str], where: str) -> list 
     return [value] * count
 
 
-def _number(value, low: float, high: float) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and low <= value <= high
-    )
+def number_in(value, low: float, high: float) -> bool:
+    """A number (not a bool) from low to high: an integer past any float (JSON allows 1 and 400 zeros) is not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and low <= value <= high
+    except OverflowError:
+        return False
 
 
 def read_controls(entry: dict, run: RunConfig, base_dir: Path, where: str, problems: list[str]) -> Controls | None:
@@ -189,7 +190,8 @@ def read_controls(entry: dict, run: RunConfig, base_dir: Path, where: str, probl
         module = lists.get("control_module", ["none"] * count)[n]
         named = module_name(module) if isinstance(module, str) else None
         if named is None:
-            problems.append(f"{where}: control_module: {module_problem(str(module))}")
+            at_module = f"{where}: control_module[{n}]" if count > 1 else f"{where}: control_module"
+            problems.append(f"{at_module}: {module_problem(str(module)[:80])}")
             continue
         scale = lists.get("control_scale", [run.model.controlnets[n].scale] * count)[n]
         start = lists.get("control_start", [0.0] * count)[n]
@@ -201,7 +203,7 @@ def read_controls(entry: dict, run: RunConfig, base_dir: Path, where: str, probl
                 ("control_start", start, 0, 1, "a number from 0 to 1"),
                 ("control_end", end, 0, 1, "a number from 0 to 1"),
             )
-            if not _number(value, low, high)
+            if not number_in(value, low, high)
         ]
         if not bad and start >= end:
             bad.append(f"control_start ({start:g}) must be below control_end ({end:g})")
@@ -209,9 +211,9 @@ def read_controls(entry: dict, run: RunConfig, base_dir: Path, where: str, probl
         thresholds = []
         for key, default in (("control_threshold_a", default_a), ("control_threshold_b", default_b)):
             value = lists.get(key, [default] * count)[n]
-            if key in lists and default is None:
+            if key in lists and default is None and value is not None:
                 bad.append(f"{key}: module {named} takes no {key.removeprefix('control_')}")
-            elif value is not None and not _number(value, 0, 10_000):
+            elif value is not None and not number_in(value, 0, 10_000):
                 bad.append(f"{key} must be a number from 0 to 10000, got {value!r}")
             thresholds.append(None if value is None else float(value))
         if named == "tile" and thresholds[0] is not None and not 1 <= thresholds[0] <= 64:

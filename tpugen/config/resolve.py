@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from tpugen.config.controls import control_name
 from tpugen.config.embeddings import Embedding, embeddings_by_content, resolve_embeddings
 from tpugen.config.hires import hires_problems
 from tpugen.config.loras import Lora, loras_by_content, resolve_loras
@@ -111,7 +112,7 @@ def resolve(
     problems.extend(_hires_problems(config, family))
     problems.extend(_img2img_problems(config, resolved_prompts, family))
     problems.extend(_reference_problems(config, resolved_prompts, family, serving=not prompts_required))
-    problems.extend(_controlnet_problems(config, base_dir, family))
+    problems.extend(_controlnet_problems(config, base_dir, family, serving=not prompts_required))
     planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
         problems.append(
@@ -232,9 +233,10 @@ def _reference_problems(
     return problems
 
 
-def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family) -> list[str]:
+def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, serving: bool = False) -> list[str]:
     """model.controlnets for a family tpugen drives no ControlNet for, or naming none it can find; each found one's
-    id made absolute where it is a folder."""
+    id made absolute where it is a folder. A server's (`serving`) names each by its last part (the web UI's units
+    name them so): two of one name are refused."""
     if not config.model.controlnets:
         return []
     if family.controlnet_refusal:
@@ -262,6 +264,13 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family) -> l
             problems.append(f"model.controlnets[{n}].id: {source.ref} is for {base} models, not {family.title}")
         elif source.kind == "local":
             controlnet.id = source.ref
+    names = [control_name(c.id) for c in config.model.controlnets]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if serving and twice:
+        problems.append(
+            f"model.controlnets: two are named {twice!r}; a server's ControlNet units name them, so each needs a "
+            "name of its own (rename a folder)"
+        )
     return problems
 
 

@@ -95,7 +95,8 @@ def preprocess(image, module: str, threshold_a: float | None = None, threshold_b
     elif module == "canny":
         import cv2
 
-        edges = cv2.Canny(rgb, threshold_a if threshold_a is not None else 100, threshold_b or 200)
+        low = threshold_a if threshold_a is not None else 100
+        edges = cv2.Canny(rgb, low, threshold_b if threshold_b is not None else 200)
         out = np.repeat(edges[:, :, None], 3, axis=2)
     elif module == "invert":
         out = 255 - rgb
@@ -107,7 +108,7 @@ def preprocess(image, module: str, threshold_a: float | None = None, threshold_b
         strokes = cv2.dilate(strokes, np.ones((3, 3), np.uint8))
         out = np.repeat(strokes[:, :, None], 3, axis=2)
     elif module == "tile":
-        factor = threshold_a or 4.0
+        factor = threshold_a if threshold_a is not None else 4.0
         small = image.convert("RGB").resize(
             (max(1, round(image.width / factor)), max(1, round(image.height / factor))), Image.Resampling.BOX
         )

@@ -428,9 +428,10 @@ def _config_data(run: ResolvedRun) -> dict:
 
 
 def _prompts_data(prompts: list[PromptSpec]) -> list[dict]:
-    """The prompts as a run record holds them; a prompt without references as before prompts could have them."""
+    """The prompts as a run record holds them; a prompt without references or control images as before prompts
+    could have them."""
     data = [asdict(p) for p in prompts]
-    return _plain([{k: v for k, v in p.items() if k != "references" or v is not None} for p in data])
+    return _plain([{k: v for k, v in p.items() if k not in ("references", "controls") or v is not None} for p in data])
 
 
 def write_run_record(run_dir: Path, run: ResolvedRun, run_id: str, *, exclusive: bool = False) -> None:

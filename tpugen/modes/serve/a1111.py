@@ -458,6 +458,11 @@ def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageSpec], di
     first = txt[0]
     if first.controls and first.controls.count > 1:
         raise InputError(f"alwayson_scripts.controlnet.args: {MULTI_IMG2IMG}")
+    if first.controls and body.mask and body.inpaint_full_res:
+        raise InputError(
+            "inpaint_full_res: inpainting the masked area alone with ControlNet units is not built (the control "
+            "would not be cropped with it); send inpaint_full_res: false"
+        )
     init = collect(problems, pictures.open_bytes, base64_image(body.init_images[0], "init_images[0]"), "init_images[0]")
     mask = None
     if body.mask:

@@ -124,6 +124,8 @@ class Admission:
             what = f"{key.task} is not warm (serve.tasks: {', '.join(warm.serve.tasks)})"
         elif key.control_count and not warm.controlnets:
             what = "ControlNet units are not warm (the server's model.controlnets is empty)"
+        elif key.control_count and key.task not in warm.controlled_tasks:
+            what = f"ControlNet units on {key.task} are not warm (warm with them: {', '.join(warm.controlled_tasks)})"
         elif key.references and key.references.count not in warm.reference_counts:
             counts = ", ".join(map(str, warm.reference_counts))
             count = key.references.count

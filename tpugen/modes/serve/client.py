@@ -71,6 +71,19 @@ def run_payload(run: ResolvedRun, run_id: str) -> dict:
                 data_uri(image.path, image.sha256, f"{where}[{n}]") for n, image in enumerate(spec.references.images)
             ]
             entry["resize_mode"] = spec.references.resize_mode
+        if spec.controls is not None:
+            where = f"prompts[{number}].control_image"
+            units = spec.controls.units
+            images = [data_uri(u.image.path, u.image.sha256, f"{where}[{n}]") for n, u in enumerate(units)]
+            # Always sent, one per ControlNet: the server's defaults are not the client's to guess.
+            entry["control_image"] = images
+            entry["control_module"] = [u.module for u in units]
+            entry["control_scale"] = [u.scale for u in units]
+            entry["control_start"] = [u.start for u in units]
+            entry["control_end"] = [u.end for u in units]
+            for key in ("threshold_a", "threshold_b"):
+                if any(getattr(u, key) is not None for u in units):
+                    entry[f"control_{key}"] = [getattr(u, key) for u in units]
         entries.append(entry if len(entry) > 1 else spec.prompt)
     data["prompts"] = entries
     # A LoRA file here is named on the server by its file stem (in its serve.lora_dir); its sha256 pins it.

@@ -10,7 +10,15 @@ import anyio
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from tpugen.config.controls import CONTROL_MODULES, MODULE_ALIASES, Controls, ControlUnit, control_name, module_name
+from tpugen.config.controls import (
+    CONTROL_MODULES,
+    MODULE_ALIASES,
+    Controls,
+    ControlUnit,
+    control_name,
+    module_name,
+    number_in,
+)
 from tpugen.config.controls import module_problem as why_not_module
 from tpugen.config.images import InputImage
 from tpugen.config.schema import CONTROL_SCALE_MAX
@@ -51,12 +59,18 @@ def _units(scripts: dict) -> list:
     return found.get("args", [])
 
 
-def _number(unit: dict, key: str, default: float, low: float, high: float, where: str, problems: list[str]) -> float:
+def _number(
+    unit: dict, key: str, default: float, low: float, high: float, where: str, problems: list[str], *, unset=False
+) -> float:
+    """A unit's number, or `default` where it is unset (null; with `unset`, any negative number too: the
+    extension's -1, "the preprocessor's own")."""
     value = unit.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not number_in(value, -math.inf, math.inf):
         problems.append(f"{where}.{key}: must be a number, got {str(value)[:40]!r}")
+        return default
+    if unset and value < 0:
         return default
     if not low <= value <= high:
         problems.append(f"{where}.{key}: must be from {low:g} to {high:g}, got {value:g}")
@@ -80,7 +94,11 @@ def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
         if not isinstance(unit, dict):
             problems.append(f"{where}: must be an object (a ControlNet unit)")
             continue
-        if unit.get("enabled", True) is False:
+        enabled = unit.get("enabled", True)
+        if not isinstance(enabled, bool):
+            problems.append(f"{where}.enabled: must be true or false, got {str(enabled)[:40]!r}")
+            continue
+        if not enabled:
             continue
         model = str(unit.get("model") or "None").split(" [")[0].strip()  # "name [hash]", as the web UI lists it
         if model not in names:
@@ -111,7 +129,7 @@ def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
             problems.append(f"{where}: guidance_start ({start:g}) must be below guidance_end ({end:g})")
         _, default_a, default_b = CONTROL_MODULES[named]
         thresholds = [
-            _number(unit, key, default, 0, 10_000, where, problems) if default is not None else None
+            _number(unit, key, default, 0, 10_000, where, problems, unset=True) if default is not None else None
             for key, default in (("threshold_a", default_a), ("threshold_b", default_b))
         ]
         if named == "tile" and not 1 <= thresholds[0] <= 64:
@@ -202,32 +220,26 @@ def detect_reply(service: Service, body: Detect):
     if problems:
         raise InputError(*problems)
     _, default_a, default_b = CONTROL_MODULES[named]
-    a = body.controlnet_threshold_a if default_a is not None else None
-    b = body.controlnet_threshold_b if default_b is not None else None
+    # Unset, null or negative (the extension's -1): the preprocessor's own default.
+    a, b = body.controlnet_threshold_a, body.controlnet_threshold_b
+    a = a if default_a is not None and a is not None and a >= 0 else default_a
+    b = b if default_b is not None and b is not None and b >= 0 else default_b
     for key, value in (("controlnet_threshold_a", a), ("controlnet_threshold_b", b)):
-        if value is not None and not (math.isfinite(value) and 0 <= value <= 10_000):
+        if value is not None and not number_in(value, 0, 10_000):
             problems.append(f"{key}: must be from 0 to 10000, got {value:g}")
-    if named == "tile" and a is not None and not 1 <= a <= 64:
+    if named == "tile" and not 1 <= a <= 64:
         problems.append(f"controlnet_threshold_a: tile's factor must be from 1 to 64, got {a:g}")
-    pictures = []
-    for n, text in enumerate(body.controlnet_input_images):
-        where = f"controlnet_input_images[{n}]"
-        try:
-            data = base64_image(text, where)
-        except InputError as exc:
-            problems.extend(exc.lines)
-            continue
-        image, why = open_checked(data, lambda opened: opened.convert("RGB"))
-        if why:
-            problems.append(f"{where}: {why}")
-        else:
-            pictures.append(image)
     if problems:
         raise InputError(*problems)
+    # One image at a time, decoded, run and encoded, so a request holds one decoded image (up to 8192 x 8192).
     out = []
-    for picture in pictures:
-        made = preprocess(picture, named, a if a is not None else default_a, b if b is not None else default_b)
+    for n, text in enumerate(body.controlnet_input_images):
+        where = f"controlnet_input_images[{n}]"
+        image, why = open_checked(base64_image(text, where), lambda opened: opened.convert("RGB"))
+        if why:
+            raise InputError(f"{where}: {why}")
         buffer = io.BytesIO()
-        made.save(buffer, format="PNG")
+        preprocess(image, named, a, b).save(buffer, format="PNG")
+        del image
         out.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
     return json_response({"images": out, "info": "Success"})

@@ -40,6 +40,8 @@ def resolve_run(data: dict, server_run: ResolvedRun, output_root: Path, store: I
                 problems.append("model.allow_remote_code: a run sent to the server cannot run a model's code")
             elif section == "compile" and key == "step_cache":
                 problems.extend(step_cache_problem(value, served.compile.step_cache))
+            elif section == "model" and key == "controlnets":
+                problems.extend(controlnets_problem(value, served.model.controlnets))
             elif key not in ours or ours[key] != value:
                 problems.append(
                     f"{section}.{key}: the server runs {section}.{key}: {ours.get(key)!r}; leave it out or equal"
@@ -67,7 +69,7 @@ def resolve_run(data: dict, server_run: ResolvedRun, output_root: Path, store: I
 
 def run_prompts(prompts, problems: list[str], store: ImageStore) -> list | None:
     """A run's prompts with each input image sent (a base64 data: URI: init_image, mask_image, each of
-    reference_images) stored by its content (`store`) and named by its path; a path is refused, since the server
+    reference_images and control_image) stored by its content (`store`) and named by its path; a path is refused, since the server
     reads none a client names. None: no list of prompts (resolve says what is wrong with it)."""
     if not isinstance(prompts, list):
         return None
@@ -86,6 +88,12 @@ def run_prompts(prompts, problems: list[str], store: ImageStore) -> list | None:
             for key in ("init_image", "mask_image"):
                 if key in entry:
                     entry[key] = stored_path(entry[key], f"prompts[{number}].{key}")
+            controls = entry.get("control_image")
+            if isinstance(controls, str):
+                entry["control_image"] = stored_path(controls, f"prompts[{number}].control_image")
+            elif isinstance(controls, list) and len(controls) <= MAX_REFERENCES:
+                where = f"prompts[{number}].control_image"
+                entry["control_image"] = [stored_path(value, f"{where}[{n}]") for n, value in enumerate(controls)]
             references = entry.get("reference_images")
             # Not a list of at most MAX_REFERENCES: resolve says what it must be, without storing any.
             if isinstance(references, list) and len(references) <= MAX_REFERENCES:
@@ -93,6 +101,27 @@ def run_prompts(prompts, problems: list[str], store: ImageStore) -> list | None:
                 entry["reference_images"] = [stored_path(value, f"{where}[{n}]") for n, value in enumerate(references)]
         stored.append(entry)
     return stored
+
+
+def controlnets_problem(given, ours) -> list[str]:
+    """A run's model.controlnets against the server's: the same ControlNets by name (a client's folder is named by
+    its last part, as the server's are), in the same order, at the same scales once defaults are filled in."""
+    from pydantic import ValidationError
+
+    from tpugen.config.controls import control_name
+    from tpugen.config.schema import ControlNetConfig
+
+    wanted = [(control_name(c.id), c.scale) for c in ours]
+    try:
+        if (
+            isinstance(given, list)
+            and [(control_name(c.id), c.scale) for c in (ControlNetConfig(**g) for g in given)] == wanted
+        ):
+            return []
+    except (ValidationError, TypeError):
+        pass
+    runs = ", ".join(f"{name} (scale {scale:g})" for name, scale in wanted) or "none"
+    return [f"model.controlnets: the server runs {runs}; leave it out or equal"]
 
 
 def step_cache_problem(given, ours: StepCacheConfig) -> list[str]:

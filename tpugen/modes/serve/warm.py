@@ -41,6 +41,8 @@ class WarmEngines:
         self.reference_counts = list(self.serve.reference_counts) if "edit" in self.serve.tasks else []
         # The server's ControlNets (model.controlnets): txt2img and img2img are warm with all of them as well.
         self.controlnets = [c.id for c in config.model.controlnets]
+        controlled = ("txt2img", "img2img") if len(self.controlnets) == 1 else ("txt2img",)
+        self.controlled_tasks = [task for task in self.serve.tasks if task in controlled] if self.controlnets else []
         # Each (shape key, scheduler) warmup compiles, one at a time so /readyz can count them.
         plan = self.plan()
         self.keys = [(batch, scheduler) for scheduler in self.schedulers for batch in plan.batches]
@@ -93,9 +95,8 @@ class WarmEngines:
         kinds += [("edit", None, count, False) for count in self.reference_counts]
         if config.hires is not None and "txt2img" in self.serve.tasks:  # the config's hires fix, for enable_hr
             kinds.append(("txt2img", hires_fix(config.hires, steps), 0, False))
-        if self.controlnets:  # the web UI's ControlNet units, on txt2img (and img2img with one ControlNet)
-            controlled = ("txt2img", "img2img") if len(self.controlnets) == 1 else ("txt2img",)
-            kinds += [(task, None, 0, True) for task in self.serve.tasks if task in controlled]
+        # The web UI's ControlNet units, on txt2img (and img2img with one ControlNet).
+        kinds += [(task, None, 0, True) for task in self.controlled_tasks]
         shapes = [(*kind, chunks) for kind in kinds for chunks in self.chunk_counts]
         tilings = (False, True) if self.serve.tiling else (False,)  # serve.tiling: every warm shape tiled too
         for tiling, (task, hires, refs, controlled, chunks) in itertools.product(tilings, shapes):
