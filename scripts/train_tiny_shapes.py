@@ -220,6 +220,19 @@ def write_weights(out: Path, vae, unet, text_encoder, tok) -> None:
     print(f"wrote {out}: {total / 1e6:.2f} MB", flush=True)
 
 
+def frozen_shipped():
+    """The shipped pipeline's UNet, autoencoder and text encoder, frozen, and its tokenizer: what a LoRA or a
+    ControlNet trains on."""
+    from diffusers import StableDiffusionPipeline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        parts.build(Path(tmp) / "pipe")
+        pipe = StableDiffusionPipeline.from_pretrained(Path(tmp) / "pipe")
+    for model in (pipe.unet, pipe.vae, pipe.text_encoder):
+        model.requires_grad_(False)
+    return pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer
+
+
 def train_lora(args, gen) -> None:
     """A LoRA (rank 4, the UNet's attention projections) on the shipped weights that draws every shape red,
     whatever colour the prompt asks for: trained on the same prompts with red shapes, saved in diffusers' format."""
@@ -227,12 +240,7 @@ def train_lora(args, gen) -> None:
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft import LoraConfig, get_peft_model_state_dict
 
-    with tempfile.TemporaryDirectory() as tmp:
-        parts.build(Path(tmp) / "pipe")
-        pipe = StableDiffusionPipeline.from_pretrained(Path(tmp) / "pipe")
-    unet, vae, text_encoder, tok = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer
-    for model in (unet, vae, text_encoder):
-        model.requires_grad_(False)
+    unet, vae, text_encoder, tok = frozen_shipped()
     unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=list(args.targets)))
     params = [p for p in unet.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lora_lr)
@@ -276,14 +284,9 @@ def train_controlnet(args, gen) -> None:
     64x64, so the shape is drawn where the mask is, as the prompt describes it. Made from the UNet's own encoder
     (ControlNetModel.from_unet: its zero convolutions start it as a no-op), its conditioning embedding
     downsampling by 4 as the autoencoder does; prompts held out (held_out) are never drawn."""
-    from diffusers import ControlNetModel, StableDiffusionPipeline
+    from diffusers import ControlNetModel
 
-    with tempfile.TemporaryDirectory() as tmp:
-        parts.build(Path(tmp) / "pipe")
-        pipe = StableDiffusionPipeline.from_pretrained(Path(tmp) / "pipe")
-    unet, vae, text_encoder, tok = pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer
-    for model in (unet, vae, text_encoder):
-        model.requires_grad_(False)
+    unet, vae, text_encoder, tok = frozen_shipped()
     torch.manual_seed(args.seed + 3)
     controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=parts.CONTROL_EMBEDDING)
     controlnet.train()
