@@ -482,7 +482,7 @@ SLOWEST_FILES = [
 # process build them. The tests that use one go to one process together, as one unit of work, first (in this
 # order), so each is built once; every other test still goes alone. Found from the tests' own fixtures at
 # collection, so a new test joins its group by asking for the fixture.
-SHARED_FIXTURES = ("ray_cluster", "server", "xla_run", "cpu_run", "controlnet_server")
+SHARED_FIXTURES = ("ray_cluster", "server", "xla_run", "cpu_run", "controlnet_server", "plain_run")
 GROUPS_FILE = "TPUGEN_TEST_GROUPS_FILE"  # where the test processes tell the scheduler which test is in which group
 
 

@@ -81,8 +81,9 @@ def test_a_webuiapi_unit_steers_warm_as_a_run_config_does(controlnet_server, tmp
         threshold_b=200,
     )
     common = dict(width=64, height=64, sampler_name="DDIM", **FIELDS)
-    controlled = api.txt2img(controlnet_units=[unit], **common)
-    # Not through webuiapi: its txt2img keeps the units in its default alwayson_scripts mapping for later calls.
+    # A fresh alwayson_scripts: webuiapi's txt2img puts the units into its default mapping, shared by every later
+    # call in the process (another test's WebUIApi then sent them to a server without ControlNets).
+    controlled = api.txt2img(controlnet_units=[unit], alwayson_scripts={}, **common)
     with httpx.Client(base_url=url, headers=AUTH, timeout=120) as http:
         answer = http.post("/sdapi/v1/txt2img", json={**FIELDS, "sampler_name": "DDIM"})
     assert answer.status_code == 200, answer.text

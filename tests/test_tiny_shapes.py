@@ -76,10 +76,36 @@ def judged(tmp_path, asked, **overrides) -> list:
     return [judge(Image.open(run_dir / r["file"])) for r in records]
 
 
+SETTINGS = dict(negative_prompt="", steps=20, guidance_scale=4.0)
+
+
+def held_out_entries(count: int = 24) -> list[dict]:
+    """`count` prompts the tiny-shapes ControlNet never trained on (control_held_out; its 12, in turn), each with a
+    seed of its own: what the model draws unsteered (plain_run) and steered (the ControlNet's test)."""
+    from tpugen.families.sd.shapes import control_held_out
+
+    held = [prompt(c, s, b) for c in COLOURS for s in SHAPES for b in COLOURS if b != c]
+    held = [text for text in held if control_held_out(text)]
+    return [{"prompt": held[n % len(held)], "seed": 100 + n} for n in range(count)]
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """tiny-shapes' pictures of held_out_entries in one batch, no ControlNet: judged for what they show, and the
+    unsteered side of the ControlNet's placement test."""
+    from conftest import generate
+
+    entries = held_out_entries()
+    folder = tmp_path_factory.mktemp("plain")
+    return generate(folder, prompts=entries, model={"id": "tiny-shapes"}, batch_size=len(entries), **SETTINGS)
+
+
 @pytest.mark.xla
-def test_tiny_shapes_draws_the_colour_background_and_shape_it_is_told(tmp_path):
-    asked = asked_prompts()
-    result = score(judged(tmp_path, asked), asked)
+def test_tiny_shapes_draws_the_colour_background_and_shape_it_is_told(plain_run):
+    records = [json.loads(line) for line in (plain_run / "manifest.jsonl").read_text().splitlines()]
+    asked = [tuple(r["prompt"].split()[i] for i in (1, 2, 5)) for r in records]
+    assert [r["prompt"] for r in records] == [e["prompt"] for e in held_out_entries()]
+    result = score([judge(Image.open(plain_run / r["file"])) for r in records], asked)
     print("judged:", result)  # the table for the record (pytest -s)
     assert result["colour"] >= 0.9 and result["background"] >= 0.9 and result["shape"] >= 0.7, result
 
@@ -137,39 +163,32 @@ def _mask_centre(mask: np.ndarray) -> tuple[float, float]:
     return float(rows.mean()), float(cols.mean())
 
 
-def placed_controls(tmp_path, count: int = 24, seed: int = 5) -> list[dict]:
-    """`count` prompts the tiny-shapes ControlNet never trained on (control_held_out), each with a control image of
-    its own: the prompt's shape in white on black, 18 to 30 px across, anywhere at least 4 px inside the frame."""
-    from tpugen.families.sd.shapes import control_held_out
-
-    held = [prompt(c, s, b) for c in COLOURS for s in SHAPES for b in COLOURS if b != c]
-    held = [text for text in held if control_held_out(text)]
-    rng = random.Random(seed)
+def placed_controls(tmp_path) -> list[dict]:
+    """held_out_entries, each with a control image of its own: the prompt's shape in white on black, 18 to 30 px
+    across, anywhere at least 4 px inside the frame."""
+    rng = random.Random(5)
     entries = []
-    for number in range(count):
-        text = held[number % len(held)]
-        shape = text.split()[2]
+    for number, entry in enumerate(held_out_entries()):
+        shape = entry["prompt"].split()[2]
         size = rng.randint(18, 30)
         left, top = rng.randint(4, 60 - size), rng.randint(4, 60 - size)
         mask = _drawn("white", shape, "black", left, top, size).convert("L").point(lambda v: 255 if v > 127 else 0)
         mask.convert("RGB").save(tmp_path / f"control{number}.png")
-        entries.append({"prompt": text, "control_image": str(tmp_path / f"control{number}.png"), "seed": 100 + number})
+        entries.append({**entry, "control_image": str(tmp_path / f"control{number}.png")})
     return entries
 
 
 @pytest.mark.xla
-def test_the_tiny_shapes_controlnet_puts_the_shape_where_its_control_is(tmp_path):
+def test_the_tiny_shapes_controlnet_puts_the_shape_where_its_control_is(tmp_path, plain_run):
     """The ControlNet the training script makes (--controlnet), through model.controlnets: on prompts it never
     trained on and places it never saw, the drawn shape's centre lands within 8 px of the control's in at least
     80% of the images; the same prompts and seeds without it land there far less often."""
     from conftest import generate
 
     entries = placed_controls(tmp_path)
-    settings = dict(negative_prompt="", steps=20, guidance_scale=4.0, batch_size=len(entries))
     model = {"id": "tiny-shapes", "controlnets": [{"id": "tiny-shapes-controlnet"}]}
-    steered = generate(tmp_path / "steered", prompts=entries, model=model, **settings)
-    plain = [{k: v for k, v in e.items() if k != "control_image"} for e in entries]
-    unsteered = generate(tmp_path / "plain", prompts=plain, model={"id": "tiny-shapes"}, **settings)
+    steered = generate(tmp_path / "steered", prompts=entries, model=model, batch_size=len(entries), **SETTINGS)
+    unsteered = plain_run  # the same prompts and seeds, without the ControlNet
 
     def distances(run_dir) -> list[float]:
         records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]

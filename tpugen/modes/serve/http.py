@@ -189,6 +189,8 @@ def build_app(service: Service, api_key: str | None, host: str | None = None) ->
 
     app.add_exception_handler(Exception, lambda request, exc: unforeseen(exc))
 
+    controlnets = bool(service.run.config.model.controlnets)
+
     @app.middleware("http")
     async def guard(request: Request, call_next):
         path = request.url.path
@@ -202,8 +204,8 @@ def build_app(service: Service, api_key: str | None, host: str | None = None) ->
         elif not service.engines and path not in OPEN_PATHS + ENGINE_FREE_PATHS and not reading_runs:
             line = service.failure or f"the server is loading {service.run.config.model.id}; GET /readyz says when"
             response = problem_response(503, [line], {"Retry-After": "5"})
-        elif int(request.headers.get("content-length") or 0) > body_limit(path):
-            response = problem_response(413, [too_large(body_limit(path))], {"Connection": "close"})
+        elif int(request.headers.get("content-length") or 0) > (limit := body_limit(path, controlnets)):
+            response = problem_response(413, [too_large(limit)], {"Connection": "close"})
         else:
             try:
                 response = await call_next(request)
@@ -221,6 +223,7 @@ def build_app(service: Service, api_key: str | None, host: str | None = None) ->
         allowed_hosts=list(serve.allowed_hosts),
         allowed_origins=list(serve.allowed_origins),
         read_timeout_s=serve.read_timeout_s,
+        controlnets=controlnets,
     )
     # Added last, so outermost: every response, the guard's and the error handlers' included, carries the id.
     app.add_middleware(RequestIds)
@@ -240,8 +243,10 @@ class Guarded:
         allowed_hosts: list[str],
         allowed_origins: list[str],
         read_timeout_s: float = 30.0,
+        controlnets: bool = False,
     ) -> None:
         self.app = app
+        self.controlnets = controlnets  # the server has ControlNets: txt2img takes image-sized bodies
         self.loopback_only = loopback_only
         self.allowed_hosts = allowed_hosts
         self.allowed_origins = allowed_origins
@@ -269,7 +274,7 @@ class Guarded:
         if problem is not None:
             return await problem_response(status, [problem])(scope, receive, with_headers)
 
-        limit, seen, whole = body_limit(scope["path"]), 0, False
+        limit, seen, whole = body_limit(scope["path"], self.controlnets), 0, False
 
         async def counted():
             nonlocal seen, whole

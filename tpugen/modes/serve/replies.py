@@ -18,19 +18,17 @@ from tpugen.outputs.png import png_bytes
 MAX_BODY_BYTES = 1 << 20  # a request of text
 # Routes whose bodies carry images (base64 in JSON, or multipart): room for the largest input image tpugen takes
 # (MAX_INPUT_BYTES) in base64. A 1024x1024 PNG is 1.5 to 3 MB, past a text request's limit.
-IMAGE_ROUTES = (
-    "/sdapi/v1/img2img",
-    "/sdapi/v1/txt2img",  # its ControlNet units carry images
-    "/controlnet/detect",
-    "/v1/images/edits",
-    "/v1/runs",
-)
+IMAGE_ROUTES = ("/sdapi/v1/img2img", "/controlnet/detect", "/v1/images/edits", "/v1/runs")
+# Image routes on a server with ControlNets (model.controlnets) only: txt2img's units carry images there.
+CONTROLNET_IMAGE_ROUTES = ("/sdapi/v1/txt2img",)
 MAX_IMAGE_BODY_BYTES = MAX_INPUT_BYTES * 4 // 3 + (1 << 20)
 
 
-def body_limit(path: str) -> int:
-    """The largest body a route takes: an image route's, or a text request's."""
-    return MAX_IMAGE_BODY_BYTES if path in IMAGE_ROUTES else MAX_BODY_BYTES
+def body_limit(path: str, controlnets: bool = False) -> int:
+    """The largest body a route takes: an image route's, or a text request's; `controlnets`: on a server with
+    ControlNets, whose txt2img units carry images."""
+    image = path in IMAGE_ROUTES or (controlnets and path in CONTROLNET_IMAGE_ROUTES)
+    return MAX_IMAGE_BODY_BYTES if image else MAX_BODY_BYTES
 
 
 def too_large(limit: int) -> str:
