@@ -26,50 +26,48 @@ class ModelSource:
     ref: str  # built-in name, absolute directory, or hub id
 
 
-def classify_model_id(model_id: str, base_dir: Path | None = None) -> ModelSource | str:
-    """Where `model_id` points, or a one-line reason it points nowhere. Touches only the filesystem."""
-    if model_id in BUILTINS:
-        return ModelSource("builtin", model_id)
-    candidate = Path(model_id).expanduser()
+def _classify(ref: str, base_dir: Path | None, builtins, noun: str, local_problem) -> ModelSource | str:
+    """Where an id points: one of `builtins`, a local folder (`local_problem(folder)` says what is wrong with it, or
+    None), or a hub id; else a one-line reason naming what it is not (`noun`)."""
+    if ref in builtins:
+        return ModelSource("builtin", ref)
+    candidate = Path(ref).expanduser()
     if not candidate.is_absolute() and base_dir is not None:
         candidate = base_dir / candidate
-    if model_id.startswith((".", "/", "~")) or model_id.count("/") > 1 or candidate.exists():
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1 or candidate.exists():
         if not candidate.is_dir():
-            return f"model directory {str(candidate)!r} does not exist"
-        if not (candidate / "model_index.json").is_file():
-            return f"{str(candidate)!r} has no model_index.json (not a diffusers pipeline directory)"
-        return ModelSource("local", str(candidate.resolve()))
-    if is_hub_id(model_id):
-        return ModelSource("hub", model_id)
-    return (
-        f"{model_id!r} is not a built-in ({', '.join(BUILTINS)}), an existing directory, "
-        "or a hub id of the form org/name"
-    )
+            return f"{noun} directory {str(candidate)!r} does not exist"
+        return local_problem(candidate) or ModelSource("local", str(candidate.resolve()))
+    if is_hub_id(ref):
+        return ModelSource("hub", ref)
+    named = "built-in" if noun == "model" else f"built-in {noun}"
+    return f"{ref!r} is not a {named} ({', '.join(builtins)}), an existing directory, or a hub id of the form org/name"
+
+
+def classify_model_id(model_id: str, base_dir: Path | None = None) -> ModelSource | str:
+    """Where `model_id` points, or a one-line reason it points nowhere. Touches only the filesystem."""
+
+    def problem(folder: Path) -> str | None:
+        if not (folder / "model_index.json").is_file():
+            return f"{str(folder)!r} has no model_index.json (not a diffusers pipeline directory)"
+        return None
+
+    return _classify(model_id, base_dir, BUILTINS, "model", problem)
 
 
 def classify_controlnet_id(controlnet_id: str, base_dir: Path | None = None) -> ModelSource | str:
     """Where a ControlNet's id points (a built-in, a local ControlNetModel folder, a hub id), or a one-line reason it
     points nowhere. Touches only the filesystem."""
-    if controlnet_id in CONTROLNETS:
-        return ModelSource("builtin", controlnet_id)
-    candidate = Path(controlnet_id).expanduser()
-    if not candidate.is_absolute() and base_dir is not None:
-        candidate = base_dir / candidate
-    if controlnet_id.startswith((".", "/", "~")) or controlnet_id.count("/") > 1 or candidate.exists():
-        if not candidate.is_dir():
-            return f"ControlNet directory {str(candidate)!r} does not exist"
-        found = _class_in(candidate / "config.json")
+
+    def problem(folder: Path) -> str | None:
+        found = _class_in(folder / "config.json")
         if not isinstance(found, tuple):
             return found
         if "ControlNet" not in found[0]:
-            return f"{str(candidate)!r} holds a {found[0] or 'model with no _class_name'}, not a ControlNet"
-        return ModelSource("local", str(candidate.resolve()))
-    if is_hub_id(controlnet_id):
-        return ModelSource("hub", controlnet_id)
-    return (
-        f"{controlnet_id!r} is not a built-in ControlNet ({', '.join(CONTROLNETS)}), an existing directory, "
-        "or a hub id of the form org/name"
-    )
+            return f"{str(folder)!r} holds a {found[0] or 'model with no _class_name'}, not a ControlNet"
+        return None
+
+    return _classify(controlnet_id, base_dir, CONTROLNETS, "ControlNet", problem)
 
 
 # ---------------------------------------------------------------- which family a model is
