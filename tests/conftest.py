@@ -590,6 +590,7 @@ def _memory_maps() -> int | None:
 
 
 _processes: dict[str, int] = {}  # memory maps at the end, by test process ("main" without xdist)
+_forks: dict[str, dict[str, int]] = {}  # what each test process's zygote did: forked, or the script and why
 _graphs_held: dict[str, int] = {}  # compiled graphs torch_xla's cache held then (its cap: 2,048), by test process
 
 
@@ -643,19 +644,24 @@ def pytest_testnodedown(node, error) -> None:
         _graphs_held[node.gateway.id] = output["compiled_graphs"]
     for path, maps in output.get("file_maps", {}).items():
         _file_maps[path] = _file_maps.get(path, 0) + maps
+    if output.get("zygote"):
+        _forks[node.gateway.id] = output["zygote"]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Every process's memory maps at its end; past the budget the suite fails, before it grows into a crash."""
+    forks = zygote.tally()
     zygote.stop()
     config = session.config
     if hasattr(config, "workeroutput"):  # an xdist worker: tell the controller
+        config.workeroutput["zygote"] = forks
         config.workeroutput["memory_maps"] = _memory_maps()
         config.workeroutput["compiled_graphs"] = _compiled_graphs()
         config.workeroutput["file_maps"] = _file_maps
         return
     if not _processes:  # no workers: this one process ran the tests
+        _forks["main"] = forks
         maps = _memory_maps()
         if maps is not None:
             _processes["main"] = maps
@@ -680,6 +686,9 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         over = f" -- OVER the budget of {MAPS_BUDGET}" if maps > MAPS_BUDGET else ""
         held = f" ({_graphs_held[process]} compiled graphs held)" if process in _graphs_held else ""
         terminalreporter.write_line(f"memory maps of test process {process} at the end: {maps}{held}{over}")
+    for process, counts in sorted(_forks.items()):  # a "script" line: an environment that drifted from the zygote's
+        done = ", ".join(f"{how} {n}" for how, n in sorted(counts.items()))
+        terminalreporter.write_line(f"processes started by test process {process}'s zygote: {done}")
     if any(maps > MAPS_BUDGET for maps in _processes.values()):
         terminalreporter.write_line(
             f"the suite fails: a test process ended with more than {MAPS_BUDGET} memory maps (TPUGEN_TEST_MAPS_BUDGET)"

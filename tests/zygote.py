@@ -78,6 +78,7 @@ PRELOAD_NAMES = {  # lazily exported names, imported by resolving them
 }
 
 _server: subprocess.Popen | None = None
+_TALLY_PATH = ""  # in the zygote: where it writes down what it did with each request
 
 
 def command(program: str = "tpugen") -> list[str]:
@@ -123,6 +124,8 @@ def _preload() -> None:
 
 
 def _serve(path: str) -> None:
+    global _TALLY_PATH
+    _TALLY_PATH = _tally_path(path)
     _preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
@@ -177,7 +180,9 @@ def _fork(listener: socket.socket, connection: socket.socket, children: dict) ->
         connection.close()
         return None
     request = json.loads(message)
-    if _read_at_start(request["env"]) != _read_at_start(os.environ):
+    differing = _differing(request["env"], os.environ)
+    _tally(request["program"], differing)
+    if differing:
         for fd in fds:
             os.close(fd)
         connection.send(f"exec {Path(sys.executable).parent / request['program']}".encode())
@@ -201,6 +206,35 @@ def _fork(listener: socket.socket, connection: socket.socket, children: dict) ->
 
 def _read_at_start(env) -> dict:
     return {key: value for key, value in env.items() if key.startswith(READ_AT_START) or key in READ_AT_IMPORT}
+
+
+def _differing(env, own) -> list[str]:
+    """The variables read at start or import whose value in a client's environment differs from the zygote's."""
+    theirs, ours = _read_at_start(env), _read_at_start(own)
+    return sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key))
+
+
+def _tally(program: str, differing: list[str]) -> None:
+    """One line per request in the zygote's tally (read by `tally()`): forked, or the console script and why."""
+    how = "script " + ",".join(differing) if differing else "forked"
+    with open(_TALLY_PATH, "a") as out:
+        out.write(f"{program} {how}\n")
+
+
+def tally() -> dict[str, int]:
+    """What this process's zygote did so far: {"tpugen forked": n, "pytest script PYTHONPATH": m, ...}."""
+    counts: dict[str, int] = {}
+    try:
+        lines = Path(_tally_path(BASE_ENV[SOCKET_ENV])).read_text().splitlines()
+    except OSError:
+        return counts
+    for line in lines:
+        counts[line] = counts.get(line, 0) + 1
+    return counts
+
+
+def _tally_path(socket_path: str) -> str:
+    return socket_path + ".tally"
 
 
 def _child(request: dict, fds: list[int]) -> None:
