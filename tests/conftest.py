@@ -612,6 +612,9 @@ def pytest_runtest_logreport(report) -> None:
 
 
 _file_maps: dict[str, int] = {}  # memory maps each test file left its process holding (compiled graphs, mostly)
+# Variables a test left changed that the zygote compares (tests/zygote.py: drifted), each with the first test after
+# which it differed: from then on every forked process of that test process runs the console script instead.
+_drifts: dict[str, str] = {}
 _maps_seen: list[int] = []
 
 
@@ -623,9 +626,12 @@ def pytest_sessionstart(session) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After a file's last test (and its module fixtures' teardown): the maps it added to this process."""
+    """After a file's last test (and its module fixtures' teardown): the maps it added to this process, and any
+    variable the zygote compares that it left changed (tests/zygote.py: drifted)."""
     result = yield
     if nextitem is None or nextitem.path != item.path:
+        for key in zygote.drifted():
+            _drifts.setdefault(key, item.nodeid)
         maps = _memory_maps()
         if maps is not None:
             before = _maps_seen[-1] if _maps_seen else maps
@@ -646,6 +652,8 @@ def pytest_testnodedown(node, error) -> None:
         _file_maps[path] = _file_maps.get(path, 0) + maps
     if output.get("zygote"):
         _forks[node.gateway.id] = output["zygote"]
+    for key, nodeid in output.get("drifts", {}).items():
+        _drifts.setdefault(key, nodeid)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -656,6 +664,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     config = session.config
     if hasattr(config, "workeroutput"):  # an xdist worker: tell the controller
         config.workeroutput["zygote"] = forks
+        config.workeroutput["drifts"] = _drifts
         config.workeroutput["memory_maps"] = _memory_maps()
         config.workeroutput["compiled_graphs"] = _compiled_graphs()
         config.workeroutput["file_maps"] = _file_maps
@@ -667,7 +676,8 @@ def pytest_sessionfinish(session, exitstatus) -> None:
             _processes["main"] = maps
         if (graphs := _compiled_graphs()) is not None:
             _graphs_held["main"] = graphs
-    if any(maps > MAPS_BUDGET for maps in _processes.values()) and session.exitstatus == 0:
+    over = any(maps > MAPS_BUDGET for maps in _processes.values())
+    if (over or _drifts) and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -689,6 +699,11 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     for process, counts in sorted(_forks.items()):  # a "script" line: an environment that drifted from the zygote's
         done = ", ".join(f"{how} {n}" for how, n in sorted(counts.items()))
         terminalreporter.write_line(f"processes started by test process {process}'s zygote: {done}")
+    for key, nodeid in sorted(_drifts.items()):
+        terminalreporter.write_line(
+            f"the suite fails: {key} changed in a test process after {nodeid} and stayed so: its later forked "
+            "processes ran the console script (tests/zygote.py: drifted)"
+        )
     if any(maps > MAPS_BUDGET for maps in _processes.values()):
         terminalreporter.write_line(
             f"the suite fails: a test process ended with more than {MAPS_BUDGET} memory maps (TPUGEN_TEST_MAPS_BUDGET)"

@@ -76,6 +76,25 @@ def test_an_environment_read_at_import_gets_a_fresh_interpreter(tmp_path):
     assert plain.returncode == 0 and plain.stderr == ""
 
 
+def test_what_libraries_leave_in_the_environment_keeps_the_fork(tmp_path, monkeypatch):
+    # cv2's import prepends a folder that does not exist to LD_LIBRARY_PATH, and Ray's init sets PYTHONBREAKPOINT
+    # (read when breakpoint() is called): neither changes what a fresh process would do, so both still fork.
+    import cv2  # noqa: F401
+
+    missing = str(tmp_path / "no-such-folder")
+    monkeypatch.setenv("LD_LIBRARY_PATH", missing + ":" + os.environ.get("LD_LIBRARY_PATH", ""))
+    monkeypatch.setenv("PYTHONBREAKPOINT", "ray.util.rpdb._driver_set_trace")
+    assert zygote.drifted() == []
+    before = zygote.tally().get("tpugen forked", 0)
+    done = subprocess.run([forked_tpugen(), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and zygote.tally().get("tpugen forked", 0) == before + 1
+    # A folder that exists can change which libraries load: a fresh interpreter, and the suite would say so.
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"{tmp_path}:{missing}")
+    assert zygote.drifted() == ["LD_LIBRARY_PATH"]
+    done = subprocess.run([forked_tpugen(), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and zygote.tally().get("tpugen script LD_LIBRARY_PATH", 0) >= 1
+
+
 def _children_of_zygote() -> list[int]:
     """The processes the zygote forked and that still run."""
     server = zygote._server

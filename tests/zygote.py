@@ -37,6 +37,8 @@ OFF_ENV = "TPUGEN_TEST_FORKED"  # 0: the tests run the console script wherever t
 # switch, what transformers and accelerate check for torch_xla): a client whose value differs from the zygote's
 # runs the real console script, as a child forked after those imports would not see its own.
 READ_AT_START = ("PYTHON", "LD_")  # prefixes
+# Read when used, not at start: the child has the client's value in os.environ (Ray's init sets PYTHONBREAKPOINT).
+READ_WHEN_USED = {"PYTHONBREAKPOINT"}
 READ_AT_IMPORT = {
     *("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_OFFLINE"),
     *("TRANSFORMERS_CACHE", "TRANSFORMERS_OFFLINE", "DIFFUSERS_CACHE", "TORCH_HOME", "XDG_CACHE_HOME"),
@@ -205,13 +207,31 @@ def _fork(listener: socket.socket, connection: socket.socket, children: dict) ->
 
 
 def _read_at_start(env) -> dict:
-    return {key: value for key, value in env.items() if key.startswith(READ_AT_START) or key in READ_AT_IMPORT}
+    """The variables of `env` a process reads when it starts or imports the preloaded modules, as they act: the
+    loader's library path by the folders in it that exist (importing cv2 prepends one that does not, to every
+    later child's environment)."""
+    read = {
+        key: value
+        for key, value in env.items()
+        if (key.startswith(READ_AT_START) or key in READ_AT_IMPORT) and key not in READ_WHEN_USED
+    }
+    if "LD_LIBRARY_PATH" in read:
+        folders = [folder for folder in read.pop("LD_LIBRARY_PATH").split(":") if folder and os.path.isdir(folder)]
+        if folders:
+            read["LD_LIBRARY_PATH"] = ":".join(folders)
+    return read
 
 
 def _differing(env, own) -> list[str]:
     """The variables read at start or import whose value in a client's environment differs from the zygote's."""
     theirs, ours = _read_at_start(env), _read_at_start(own)
     return sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key))
+
+
+def drifted() -> list[str]:
+    """The variables read at start or import that this (test) process now holds otherwise than when it started its
+    zygote's environment: every client it starts with them becomes the console script, ~15 s slower."""
+    return _differing(os.environ, BASE_ENV)
 
 
 def _tally(program: str, differing: list[str]) -> None:

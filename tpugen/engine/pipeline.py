@@ -329,9 +329,14 @@ class LoadedPipeline:
         shape, units = batch.shape, batch.items[0].controls.units
         # Per row, each unit's image: diffusers' multi-ControlNet txt2img pipeline takes one list per row (and
         # transposes it); its img2img and inpaint ones take one per ControlNet (MULTI_IMG2IMG: refused at the door).
-        per_row = [
-            [control_image(unit, shape.width, shape.height) for unit in row.controls.units] for row in batch.rows
-        ]
+        made: dict = {}  # each distinct unit's control made once (padding rows repeat the last item's units)
+
+        def control(unit):
+            if unit not in made:
+                made[unit] = control_image(unit, shape.width, shape.height)
+            return made[unit]
+
+        per_row = [[control(unit) for unit in row.controls.units] for row in batch.rows]
         single = len(units) == 1
         return {
             image_key: [images[0] for images in per_row] if single else per_row,
