@@ -609,6 +609,12 @@ def pytest_runtest_logreport(report) -> None:
     """Seconds per test file (setup, call and teardown), summed in the process that reports (xdist's controller)."""
     path = report.nodeid.split("::")[0]
     _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+    timeline = os.environ.get("TPUGEN_TEST_TIMELINE")  # a file: each phase of each test, where and when it ran
+    if timeline:
+        node = getattr(report, "node", None)
+        where = node.gateway.id if node is not None else "main"
+        with open(timeline, "a") as out:
+            out.write(json.dumps([where, report.nodeid, report.when, report.start, report.stop]) + "\n")
 
 
 _file_maps: dict[str, int] = {}  # memory maps each test file left its process holding (compiled graphs, mostly)
@@ -696,7 +702,9 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         over = f" -- OVER the budget of {MAPS_BUDGET}" if maps > MAPS_BUDGET else ""
         held = f" ({_graphs_held[process]} compiled graphs held)" if process in _graphs_held else ""
         terminalreporter.write_line(f"memory maps of test process {process} at the end: {maps}{held}{over}")
-    for process, counts in sorted(_forks.items()):  # a "script" line: an environment that drifted from the zygote's
+    for process, counts in sorted(
+        (p, c) for p, c in _forks.items() if c
+    ):  # a "script" line: an environment that drifted from the zygote's
         done = ", ".join(f"{how} {n}" for how, n in sorted(counts.items()))
         terminalreporter.write_line(f"processes started by test process {process}'s zygote: {done}")
     for key, nodeid in sorted(_drifts.items()):

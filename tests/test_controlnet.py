@@ -23,10 +23,13 @@ WITHIN = 2
 
 def _control_images(tmp_path) -> None:
     """disc.png (a white disc on black, low left), drawing.png (black strokes on white), photo.png (noise with a
-    red square: an init image)."""
+    red square: an init image), sdxl-controlnet/ (an SDXL ControlNet's config, no weights)."""
     disc = Image.new("RGB", (64, 64))
     ImageDraw.Draw(disc).ellipse((8, 30, 30, 52), fill=(255, 255, 255))
     disc.save(tmp_path / "disc.png")
+    (tmp_path / "sdxl-controlnet").mkdir()
+    sdxl = {"_class_name": "ControlNetModel", "addition_embed_type": "text_time", "cross_attention_dim": 2048}
+    (tmp_path / "sdxl-controlnet" / "config.json").write_text(json.dumps(sdxl))
     drawing = Image.new("RGB", (96, 64), (255, 255, 255))
     ImageDraw.Draw(drawing).line((10, 10, 80, 50), fill=(0, 0, 0), width=2)
     drawing.save(tmp_path / "drawing.png")
@@ -96,9 +99,19 @@ def test_the_other_preprocessors():
         (None, {"control_image": "disc.png", "control_module": "none", "control_threshold_a": 5}, "takes no"),
         (None, {"control_image": "disc.png", "control_module": "tile", "control_threshold_a": 0}, "factor must be"),
         (
+            {"id": "tiny-flux", "controlnets": [{"id": "tiny-sd-controlnet"}]},
+            {"control_image": "disc.png"},
+            "model.controlnets: Flux.1 (schnell, dev) models: tpugen drives ControlNets for Stable Diffusion 1.x/2.x and SDXL",
+        ),
+        (
             {"id": "tiny-sdxl", "controlnets": [{"id": "tiny-sd-controlnet"}]},
             {"control_image": "disc.png"},
-            "model.controlnets: Stable Diffusion XL models: tpugen drives ControlNets for Stable Diffusion 1.x/2.x",
+            "model.controlnets[0].id: tiny-sd-controlnet is for Stable Diffusion 1.x/2.x models, not Stable Diffusion XL",
+        ),
+        (  # a folder of an SDXL ControlNet (its config says text-time embeddings) under an SD model
+            {"id": "tiny-sd", "controlnets": [{"id": "./sdxl-controlnet"}]},
+            {"control_image": "disc.png"},
+            "is another family's ControlNet (its config's addition_embed_type is 'text_time'; a Stable Diffusion",
         ),
         (
             {"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}] * 2},
@@ -129,7 +142,7 @@ def test_bad_control_settings_are_one_line_each(tmp_path, model, prompt, wanted)
 
 def test_models_lists_the_built_in_controlnets():
     listed = run_cli("models").output
-    assert "tiny-sd-controlnet" in listed and "tiny-shapes-controlnet" in listed
+    assert all(name in listed for name in ("tiny-sd-controlnet", "tiny-shapes-controlnet", "tiny-sdxl-controlnet"))
     assert listed.index("ControlNets (model.controlnets ids") < listed.index("tiny-shapes-controlnet")
 
 
@@ -194,16 +207,19 @@ def test_units_plan_hash_and_parameters(tmp_path):
 # ---------------------------------------------------------------- on the device
 
 
-def _diffusers_controlled(record: dict, control: Image.Image, init: Image.Image | None = None) -> np.ndarray:
+def _diffusers_controlled(
+    record: dict, control: Image.Image, init: Image.Image | None = None, model: str = "tiny-sd"
+) -> np.ndarray:
     """The image diffusers' own ControlNet pipeline (txt2img, or img2img from `init`) makes on the CPU, eager and
-    unpatched, from the record's prompt, seed and settings, with `control` as its control image."""
+    unpatched, from the record's prompt, seed and settings, with `control` as its control image; `model`'s
+    built-in ControlNet is `model`-controlnet."""
     import torch
     from diffusers import AutoPipelineForImage2Image, AutoPipelineForText2Image, ControlNetModel, DiffusionPipeline
 
     from tpugen.tiny import builtin_path
 
-    base = DiffusionPipeline.from_pretrained(str(builtin_path("tiny-sd")))
-    controlnet = ControlNetModel.from_pretrained(str(builtin_path("tiny-sd-controlnet")))
+    base = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
+    controlnet = ControlNetModel.from_pretrained(str(builtin_path(f"{model}-controlnet")))
     auto = AutoPipelineForImage2Image if init is not None else AutoPipelineForText2Image
     pipe = auto.from_pipe(base, controlnet=controlnet)
     pipe.set_progress_bar_config(disable=True)
@@ -310,6 +326,55 @@ def test_controlled_runs_are_diffusers_own_in_one_step_graph_with_no_compile_aft
     result = run_cli("resume", run_dir)
     assert result.exit_code == 2 and "prompt 0's control_image[0]" in result.stderr, result.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
+@pytest.mark.xla
+def test_sdxl_controlled_runs_are_diffusers_own_in_one_step_graph(tmp_path):
+    _control_images(tmp_path)
+    model = {"id": "tiny-sdxl", "controlnets": [{"id": "tiny-sdxl-controlnet"}]}
+    prompts = [
+        {"prompt": "a cat", "control_image": "disc.png"},
+        {"prompt": "a dog", "control_image": "disc.png", "control_start": 0.5, "control_scale": 0.7},  # same key
+        {"prompt": "a red square", "init_image": "photo.png", "strength": 0.7, "control_image": "disc.png"},
+    ]
+    proc, run_dir = generate_in_new_process(tmp_path, model=model, prompts=prompts, batch_size=1)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["compiles_after_warmup"] == 0
+    warm = {entry["shape_key"]: entry["graphs_per_phase"] for entry in report["warmup"]}
+    assert warm == {
+        "64x64 b1 cfg 1 controlnet": {
+            "text encoding": 1,
+            "first denoising step": 1,
+            "later denoising steps": 0,
+            "decoding": 1,
+        },
+        "64x64 b1 cfg img2img 1 controlnet": {
+            "text encoding": 1,
+            "first denoising step": 0,
+            "later denoising steps": 0,
+            "decoding": 0,
+        },
+    }
+    batches = report["timed_phase"]["batches"]
+    assert [b["transfers_to_host"] for b in batches] == [1, 1, 1] and [b["compiles"] for b in batches] == [0, 0, 0]
+    records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
+    disc = Image.open(tmp_path / "disc.png").convert("RGB")
+    photo = Image.open(tmp_path / "photo.png").convert("RGB")
+    expected = [
+        _diffusers_controlled(records[0], disc, model="tiny-sdxl"),
+        _diffusers_controlled(records[1], disc, model="tiny-sdxl"),
+        _diffusers_controlled(records[2], disc, photo, model="tiny-sdxl"),
+    ]
+    made = [np.asarray(Image.open(run_dir / r["file"]).convert("RGB"), np.int16) for r in records]
+    apart = [int(np.abs(m - e.astype(np.int16)).max()) for m, e in zip(made, expected, strict=True)]
+    assert max(apart) <= WITHIN, apart
+    plain = _diffusers_controlled(
+        {**records[0], "controlnet_units": [{**records[0]["controlnet_units"][0], "scale": 0.0}]},
+        disc,
+        model="tiny-sdxl",
+    )
+    assert np.abs(made[0] - plain.astype(np.int16)).mean() > 1
 
 
 @pytest.mark.xla

@@ -264,6 +264,12 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
             problems.append(f"model.controlnets[{n}].id: {source.ref} is for {base} models, not {family.title}")
         elif source.kind == "local":
             controlnet.id = source.ref
+            embed = _json_or_empty(Path(source.ref) / "config.json").get("addition_embed_type")
+            if embed != family.controlnet_addition_embed:
+                problems.append(
+                    f"model.controlnets[{n}].id: {source.ref!r} is another family's ControlNet (its config's "
+                    f"addition_embed_type is {embed!r}; a {family.title} one's is {family.controlnet_addition_embed!r})"
+                )
     names = [control_name(c.id) for c in config.model.controlnets]
     twice = next((name for name in names if names.count(name) > 1), None)
     if serving and twice:
@@ -272,6 +278,15 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
             "name of its own (rename a folder)"
         )
     return problems
+
+
+def _json_or_empty(path: Path) -> dict:
+    """A JSON object file's contents ({} where it cannot be read as one)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _serve_edit_problems(config: RunConfig, family: Family, serving: bool) -> list[str]:

@@ -158,9 +158,12 @@ class Family:
     controlnets: tuple[Builtin, ...] = ()
     # Why model.controlnets cannot run for this family (None: they can, through diffusers' ControlNet pipelines
     # made from the loaded components: AutoPipelineFor*.from_pipe(pipe, controlnet=...)).
+    # What this family's ControlNets' config.json says of the added embeddings (SDXL's text-time ones): a local
+    # ControlNet folder that says otherwise is another family's, refused at the door.
+    controlnet_addition_embed: str | None = None
     controlnet_refusal: str | None = (
-        "tpugen drives ControlNets for Stable Diffusion 1.x/2.x models so far (diffusers 0.42 also has them for "
-        "SDXL, Flux.1, Z-Image and Qwen-Image; they are not checked on tpugen yet)"
+        "tpugen drives ControlNets for Stable Diffusion 1.x/2.x and SDXL models so far (diffusers 0.42 also has "
+        "them for Flux.1, Z-Image and Qwen-Image; they are not checked on tpugen yet)"
     )
 
     def covers(self, index: dict) -> bool:

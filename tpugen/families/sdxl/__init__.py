@@ -33,6 +33,12 @@ def _build(target):
     build(target)
 
 
+def _build_controlnet(target):
+    from tpugen.families.sdxl.tiny import build_controlnet
+
+    build_controlnet(target)
+
+
 class StableDiffusionXL(Family):
     name = "sdxl"
     title = "Stable Diffusion XL"
@@ -46,6 +52,16 @@ class StableDiffusionXL(Family):
             "SDXL architecture (two CLIP encoders, text-time embeddings) with tiny random weights; noise",
             1,
             _build,
+        ),
+    )
+    controlnet_refusal = None
+    controlnet_addition_embed = "text_time"
+    controlnets = (
+        Builtin(
+            "tiny-sdxl-controlnet",
+            "a ControlNet for tiny-sdxl with tiny random weights, built offline: it steers, but toward nothing",
+            1,
+            _build_controlnet,
         ),
     )
     known_models = (

@@ -6,6 +6,18 @@ from pathlib import Path
 
 from tpugen.families.parts import TINY_UNET, clip_text_config, clip_tokenizer, save, tiny_vae
 
+TINY_SDXL_UNET = dict(
+    TINY_UNET,
+    attention_head_dim=(2, 4),
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=8,
+    transformer_layers_per_block=(1, 2),
+    # 6 size/crop numbers embedded in 8 each, plus the second encoder's pooled projection (32)
+    projection_class_embeddings_input_dim=80,
+    cross_attention_dim=64,  # both encoders' hidden states side by side
+)
+
 
 def build(target: Path) -> None:
     import torch
@@ -15,17 +27,7 @@ def build(target: Path) -> None:
     scratch = target.parent / (target.name + ".vocab")
     tokenizer, ids = clip_tokenizer(scratch)
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        **TINY_UNET,
-        attention_head_dim=(2, 4),
-        use_linear_projection=True,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=8,
-        transformer_layers_per_block=(1, 2),
-        # 6 size/crop numbers embedded in 8 each, plus the second encoder's pooled projection (32)
-        projection_class_embeddings_input_dim=80,
-        cross_attention_dim=64,  # both encoders' hidden states side by side
-    )
+    unet = UNet2DConditionModel(**TINY_SDXL_UNET)
     torch.manual_seed(1)
     vae = tiny_vae(4)
     torch.manual_seed(2)
@@ -46,3 +48,20 @@ def build(target: Path) -> None:
         add_watermarker=False,
     )
     save(pipe, target, scratch)
+
+
+def build_controlnet(target: Path) -> None:
+    """tiny-sdxl's ControlNet: its UNet's encoder with the text-time embeddings (ControlNetModel.from_unet) and
+    random weights, the zero convolutions out made small and random so that it steers."""
+    import torch
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**TINY_SDXL_UNET)
+    torch.manual_seed(4)
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 8, 16, 16))
+    with torch.no_grad():
+        for block in [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block]:
+            block.weight.normal_(0, 0.05)
+        controlnet.controlnet_cond_embedding.conv_out.weight.normal_(0, 0.05)
+    controlnet.save_pretrained(target, safe_serialization=True)
