@@ -23,17 +23,14 @@ os.environ.setdefault("TPUGEN_CACHE", tempfile.mkdtemp(prefix="tpugen-test-cache
 # Each executable's code in one object, not split for parallel codegen (which two busy cores cannot use): a
 # quarter (tiny-sd) to nearly half (tiny-flux) fewer memory maps per executable, compile time the same or less
 # (2026-12-04: tiny-sd's 3 graphs added 1,050 maps against 770, tiny-flux's 620 against 345, 2.0-2.4 s either way).
-# One thread a process for XLA:CPU's Eigen ops and torch's OpenMP ones: the suite runs a test process a core, and
-# each process's pools spinning for a second core only took CPU from the other (2026-12-04, side by side, the
-# families', img2img and hires tests in two processes: 146 and 140 s with the pools, 125 and 116 s without; CPU
-# time 17% less). Graph counts do not change; images stay within the tests' 2/255 of diffusers'.
+# Tried and left out (2026-12-04): one thread a process (--xla_cpu_multi_thread_eigen=false, OMP_NUM_THREADS=1).
+# Three test files in two processes took 125 and 116 s against 146 and 140, but the whole suite took 22 min 24 s
+# against 22 min 17 s, and each executable held ~40% more memory maps (one process ended at 54,696 of the 55,000).
 TEST_XLA_FLAGS = (
     "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
-    " --xla_cpu_multi_thread_eigen=false"
 )
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 # No test reaches the hub (none is reachable from CI, and a refused connection is retried for 20 s).
 os.environ["HF_HUB_OFFLINE"] = "1"
 
