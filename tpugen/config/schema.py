@@ -84,7 +84,8 @@ CONTROL_SCALE_MAX = 2.0
 class ControlNetConfig(_Section):
     id: str = Field(
         description=(
-            "A built-in ControlNet (tiny-shapes-controlnet, tiny-sd-controlnet; `tpugen models` lists them), a local "
+            "A built-in ControlNet (tiny-shapes-controlnet, tiny-sd-controlnet, tiny-sdxl-controlnet; `tpugen models` "
+            "lists them), a local "
             "diffusers ControlNetModel folder (relative to the config file), or a hub id org/name."
         )
     )
@@ -155,7 +156,7 @@ class ModelConfig(_Section):
         description=(
             "ControlNets run beside the denoiser, inside its step graph, for prompts that give a control_image (one "
             "image per ControlNet, in this order); two or more run as diffusers' multi-ControlNet. Stable Diffusion "
-            "1.x/2.x models."
+            "1.x/2.x and SDXL models (a ControlNet of the model's family)."
         ),
     )
     embeddings: list[str] = Field(

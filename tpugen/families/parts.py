@@ -105,6 +105,24 @@ def t5_encoder(vocab_size: int, d_model: int):
     )
 
 
+def save_tiny_controlnet(unet_config: dict, target: Path, seed: int) -> None:
+    """A tiny ControlNet of the UNet `unet_config` builds (its encoder: ControlNetModel.from_unet) with random
+    weights from `seed`, its conditioning embedding downsampling by 8 as the VAE does; the zero convolutions out
+    made small and random, since zero ones would make it a no-op and a test could not see it steer."""
+    import torch
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**unet_config)
+    torch.manual_seed(seed)
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 8, 16, 16))
+    with torch.no_grad():
+        for block in [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block]:
+            block.weight.normal_(0, 0.05)
+        controlnet.controlnet_cond_embedding.conv_out.weight.normal_(0, 0.05)
+    controlnet.save_pretrained(target, safe_serialization=True)
+
+
 def tiny_vae(latent_channels: int, **extra):
     from diffusers import AutoencoderKL
 

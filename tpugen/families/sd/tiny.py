@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tpugen.families.parts import TINY_UNET, clip_text_config, clip_tokenizer, save, tiny_vae
+from tpugen.families.parts import TINY_UNET, clip_text_config, clip_tokenizer, save, save_tiny_controlnet, tiny_vae
 
 
 def build(target: Path) -> None:
@@ -46,18 +46,5 @@ def build(target: Path) -> None:
 
 
 def build_controlnet(target: Path) -> None:
-    """tiny-sd's ControlNet: its UNet's encoder (ControlNetModel.from_unet, zero convolutions out) with random
-    weights, its conditioning embedding downsampling by 8 as the VAE does."""
-    import torch
-    from diffusers import ControlNetModel, UNet2DConditionModel
-
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(**TINY_UNET, cross_attention_dim=32, attention_head_dim=8)
-    torch.manual_seed(3)
-    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 8, 16, 16))
-    # Zero convolutions would make it a no-op: small random ones make a test see that it steers.
-    with torch.no_grad():
-        for block in [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block]:
-            block.weight.normal_(0, 0.05)
-        controlnet.controlnet_cond_embedding.conv_out.weight.normal_(0, 0.05)
-    controlnet.save_pretrained(target, safe_serialization=True)
+    """tiny-sd's ControlNet: its UNet's encoder with random weights."""
+    save_tiny_controlnet(dict(TINY_UNET, cross_attention_dim=32, attention_head_dim=8), target, seed=3)

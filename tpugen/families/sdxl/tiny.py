@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tpugen.families.parts import TINY_UNET, clip_text_config, clip_tokenizer, save, tiny_vae
+from tpugen.families.parts import TINY_UNET, clip_text_config, clip_tokenizer, save, save_tiny_controlnet, tiny_vae
 
 TINY_SDXL_UNET = dict(
     TINY_UNET,
@@ -51,17 +51,5 @@ def build(target: Path) -> None:
 
 
 def build_controlnet(target: Path) -> None:
-    """tiny-sdxl's ControlNet: its UNet's encoder with the text-time embeddings (ControlNetModel.from_unet) and
-    random weights, the zero convolutions out made small and random so that it steers."""
-    import torch
-    from diffusers import ControlNetModel, UNet2DConditionModel
-
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(**TINY_SDXL_UNET)
-    torch.manual_seed(4)
-    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 8, 16, 16))
-    with torch.no_grad():
-        for block in [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block]:
-            block.weight.normal_(0, 0.05)
-        controlnet.controlnet_cond_embedding.conv_out.weight.normal_(0, 0.05)
-    controlnet.save_pretrained(target, safe_serialization=True)
+    """tiny-sdxl's ControlNet: its UNet's encoder, with the text-time embeddings, and random weights."""
+    save_tiny_controlnet(TINY_SDXL_UNET, target, seed=4)
