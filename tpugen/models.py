@@ -97,6 +97,13 @@ def not_covered(model_id: str, class_name: str) -> str:
     return f"{model_id!r} is a {class_name or 'pipeline with no _class_name'}; tpugen knows {covered_classes()}"
 
 
+def local_config(path: Path) -> dict:
+    """A local model's or component's config file (model_index.json, config.json) as a mapping; {} where it cannot
+    be read as one."""
+    found = _class_in(path)
+    return found[1] if isinstance(found, tuple) else {}
+
+
 def _class_in(index: Path) -> tuple[str, dict] | str:
     """(model_index.json's class name, the whole index) or why it cannot be read."""
     try:

@@ -24,7 +24,14 @@ from tpugen.config.schema import RunConfig
 from tpugen.config.yamlio import dump_yaml, read_yaml
 from tpugen.errors import InputError
 from tpugen.families import CONTROLNETS, FAMILIES, Family
-from tpugen.models import ModelSource, classify_controlnet_id, classify_model_id, family_of, model_defaults
+from tpugen.models import (
+    ModelSource,
+    classify_controlnet_id,
+    classify_model_id,
+    family_of,
+    local_config,
+    model_defaults,
+)
 
 
 @dataclass(frozen=True)
@@ -264,7 +271,7 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
             problems.append(f"model.controlnets[{n}].id: {source.ref} is for {base} models, not {family.title}")
         elif source.kind == "local":
             controlnet.id = source.ref
-            embed = _json_or_empty(Path(source.ref) / "config.json").get("addition_embed_type")
+            embed = local_config(Path(source.ref) / "config.json").get("addition_embed_type")
             if embed != family.controlnet_addition_embed:
                 problems.append(
                     f"model.controlnets[{n}].id: {source.ref!r} is another family's ControlNet (its config's "
@@ -278,15 +285,6 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
             "name of its own (rename a folder)"
         )
     return problems
-
-
-def _json_or_empty(path: Path) -> dict:
-    """A JSON object file's contents ({} where it cannot be read as one)."""
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
 
 
 def _serve_edit_problems(config: RunConfig, family: Family, serving: bool) -> list[str]:

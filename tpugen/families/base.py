@@ -156,11 +156,11 @@ class Family:
 
     # The family's built-in ControlNets (model.controlnets ids), each built or read offline like a built-in model.
     controlnets: tuple[Builtin, ...] = ()
-    # Why model.controlnets cannot run for this family (None: they can, through diffusers' ControlNet pipelines
-    # made from the loaded components: AutoPipelineFor*.from_pipe(pipe, controlnet=...)).
     # What this family's ControlNets' config.json says of the added embeddings (SDXL's text-time ones): a local
     # ControlNet folder that says otherwise is another family's, refused at the door.
     controlnet_addition_embed: str | None = None
+    # Why model.controlnets cannot run for this family (None: they can, through diffusers' ControlNet pipelines
+    # made from the loaded components: AutoPipelineFor*.from_pipe(pipe, controlnet=...)).
     controlnet_refusal: str | None = (
         "tpugen drives ControlNets for Stable Diffusion 1.x/2.x and SDXL models so far (diffusers 0.42 also has "
         "them for Flux.1, Z-Image and Qwen-Image; they are not checked on tpugen yet)"
