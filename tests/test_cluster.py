@@ -15,7 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import OTHER_DEVICE_COUNT, TPUGEN, assert_same_images, generate, run_cli, tiny_config, write_config
+from conftest import (
+    OTHER_DEVICE_COUNT,
+    assert_same_images,
+    forked_python,
+    forked_tpugen,
+    generate,
+    run_cli,
+    tiny_config,
+    write_config,
+)
 
 from tpugen.modes.ray.resources import Node, actor_options, worker_count, worker_resources
 from tpugen.outputs.manifest import read_manifest
@@ -170,7 +179,13 @@ def ray_cluster():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def ray_config(tmp: Path, address: str, **ray) -> dict:
+def ray_config(tmp: Path, address: str, forked_workers: bool = True, **ray) -> dict:
+    """A run on the tests' cluster. Its Ray workers are forked from the tests' zygote (tests/zygote.py) through
+    Ray's own runtime_env py_executable, which Ray starts each worker process with: ~10 s of imports less each,
+    a worker process otherwise as Ray starts it (its argv, environment and descriptors; Ray kills and restarts
+    it by its pid). forked_workers=False: the Python Ray starts by default."""
+    if forked_workers:
+        ray = {"runtime_env": {"py_executable": forked_python()[0]}, **ray}
     return tiny_config(
         tmp,
         prompts=PROMPTS,
@@ -185,7 +200,7 @@ def start_driver(tmp: Path, config: dict, *args: str) -> tuple[subprocess.Popen,
     tmp.mkdir(parents=True, exist_ok=True)
     path = write_config(tmp / "ray.yaml", config)
     proc = subprocess.Popen(
-        [TPUGEN, "generate", str(path), "--quiet", *args],
+        [forked_tpugen(), "generate", str(path), "--quiet", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -222,7 +237,7 @@ def single(tmp_path_factory) -> Path:
 @pytest.mark.xla
 def test_two_workers_make_the_images_of_one_chip(ray_cluster, single, tmp_path):
     # Through Ray Client (ray://): the tests below join by the GCS address.
-    proc, run_dir = start_driver(tmp_path, ray_config(tmp_path, ray_cluster["client"]))
+    proc, run_dir = start_driver(tmp_path, ray_config(tmp_path, ray_cluster["client"], forked_workers=False))
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     assert sorted(p.name for p in run_dir.glob("[0-9]*.png")) == NAMES
@@ -319,7 +334,7 @@ def test_every_worker_lost_stops_in_one_line_and_resume_finishes(ray_cluster, si
     # This session runs one worker: execution.ray names where the work runs, so a resume may change it.
     resume = subprocess.Popen(
         [
-            TPUGEN,
+            forked_tpugen(),
             "generate",
             str(tmp_path / "ray.yaml"),
             "--resume",
@@ -338,7 +353,11 @@ def test_every_worker_lost_stops_in_one_line_and_resume_finishes(ray_cluster, si
     assert json.loads((run_dir / "report.json").read_text())["complete"] is False
 
     resumed = subprocess.run(
-        [TPUGEN, "resume", str(run_dir), "--quiet"], capture_output=True, text=True, env=_ray_env(), timeout=600
+        [forked_tpugen(), "resume", str(run_dir), "--quiet"],
+        capture_output=True,
+        text=True,
+        env=_ray_env(),
+        timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr
     assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == list(range(len(PROMPTS)))
@@ -438,7 +457,16 @@ def run_faulty_driver(tmp: Path, config: dict, fault: str, timeout: float = 150)
     still running after `timeout` is killed (its workers go with it) and the test fails."""
     tmp.mkdir(parents=True, exist_ok=True)
     path = write_config(tmp / "ray.yaml", config)
-    command = [sys.executable, "-c", FAULTY_DRIVER, str(tmp / "fault.marker"), fault, "generate", str(path), "--quiet"]
+    command = [
+        *forked_python(),
+        "-c",
+        FAULTY_DRIVER,
+        str(tmp / "fault.marker"),
+        fault,
+        "generate",
+        str(path),
+        "--quiet",
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_ray_env())
     try:
         _, err = proc.communicate(timeout=timeout)

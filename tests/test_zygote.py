@@ -3,10 +3,13 @@ environment it was given, a signal's exit, and a fresh interpreter where the env
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import zygote
@@ -93,6 +96,42 @@ def test_what_libraries_leave_in_the_environment_keeps_the_fork(tmp_path, monkey
     assert zygote.drifted() == ["LD_LIBRARY_PATH"]
     done = subprocess.run([forked_tpugen(), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and zygote.tally().get("tpugen script LD_LIBRARY_PATH", 0) >= 1
+
+
+SCRIPT = """
+import json, os, sys
+import tpugen, yaml
+print(json.dumps({
+    "name": __name__, "argv": sys.argv, "path0": sys.path[0], "added": sys.argv[1] in sys.path,
+    "tpugen": tpugen.__file__, "yaml": yaml.__file__, "own_group": os.getpgid(0) == os.getpid(),
+    "threads": __import__("torch").get_num_threads(),
+}))
+"""
+
+
+def test_a_script_runs_as_python_would_run_it_and_a_harmless_pythonpath_keeps_the_fork(tmp_path):
+    # How Ray starts a worker through runtime_env py_executable: `python SCRIPT ARGS`, in a process group of its
+    # own, PYTHONPATH naming the worktree (whose tpugen is the one imported) and OMP_NUM_THREADS set.
+    script = tmp_path / "tool.py"
+    script.write_text(SCRIPT)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    python = zygote.command("python")
+    before = zygote.tally().get("python forked", 0)
+    run = dict(capture_output=True, text=True, timeout=120, env=env, start_new_session=True)
+    forked = subprocess.run([*python, str(script), root, "--flag"], **run)
+    real = subprocess.run([sys.executable, str(script), root, "--flag"], **run)
+    assert forked.returncode == real.returncode == 0, forked.stderr
+    assert json.loads(forked.stdout) == json.loads(real.stdout)
+    assert json.loads(real.stdout)["own_group"] and json.loads(real.stdout)["threads"] == 1
+    assert zygote.tally().get("python forked", 0) == before + 1
+    # A folder that would hide a module the zygote imported (another yaml) needs a fresh interpreter.
+    (tmp_path / "yaml").mkdir()
+    (tmp_path / "yaml" / "__init__.py").write_text("")
+    env["PYTHONPATH"] = f"{tmp_path}:{root}"
+    forked = subprocess.run([*python, str(script), str(tmp_path)], **run)
+    assert forked.returncode == 0 and json.loads(forked.stdout)["yaml"] == str(tmp_path / "yaml" / "__init__.py")
+    assert zygote.tally().get("python script PYTHONPATH", 0) >= 1
 
 
 def _children_of_zygote() -> list[int]:

@@ -39,6 +39,7 @@ OFF_ENV = "TPUGEN_TEST_FORKED"  # 0: the tests run the console script wherever t
 READ_AT_START = ("PYTHON", "LD_")  # prefixes
 # Read when used, not at start: the child has the client's value in os.environ (Ray's init sets PYTHONBREAKPOINT).
 READ_WHEN_USED = {"PYTHONBREAKPOINT"}
+STARTUP_HOOKS = {"sitecustomize", "usercustomize"}  # modules Python imports as it starts, where it finds them
 READ_AT_IMPORT = {
     *("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_OFFLINE"),
     *("TRANSFORMERS_CACHE", "TRANSFORMERS_OFFLINE", "DIFFUSERS_CACHE", "TORCH_HOME", "XDG_CACHE_HOME"),
@@ -223,9 +224,57 @@ def _read_at_start(env) -> dict:
 
 
 def _differing(env, own) -> list[str]:
-    """The variables read at start or import whose value in a client's environment differs from the zygote's."""
+    """The variables read at start or import whose value in a client's environment differs from the zygote's.
+    PYTHONPATH differs only where the folders it adds would change a module the zygote imported (the child puts
+    them on its sys.path itself): the tests' Ray cluster adds the worktree, whose tpugen is the one imported."""
     theirs, ours = _read_at_start(env), _read_at_start(own)
-    return sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key))
+    differing = {key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key)}
+    if "PYTHONPATH" in differing and not _shadowed(_path_added(env, own)):
+        differing.discard("PYTHONPATH")
+    return sorted(differing)
+
+
+def _path_added(env, own) -> list[str]:
+    """The folders a client's PYTHONPATH puts before the zygote's own, or None where it leaves out one of those."""
+    theirs, ours = (
+        [folder for folder in (environment.get("PYTHONPATH") or "").split(os.pathsep) if folder]
+        for environment in (env, own)
+    )
+    if any(folder not in theirs for folder in ours):
+        return None
+    return [folder for folder in theirs if folder not in ours]
+
+
+def _shadowed(folders: list[str] | None) -> bool:
+    """Whether a module already imported here (a top-level one) would be found first in one of `folders` by a fresh
+    interpreter, and is not the one imported. A folder without __init__.py is a namespace portion, which never
+    hides a module found elsewhere."""
+    if folders is None:
+        return True
+    for folder in folders:
+        try:
+            entries = os.listdir(folder)
+        except OSError:
+            continue  # a folder that is not there adds nothing
+        for entry in entries:
+            path = os.path.join(folder, entry)
+            name, _, suffix = entry.partition(".")
+            if suffix and not (suffix == "py" or suffix.endswith("so")):
+                continue
+            if not suffix and not os.path.isfile(os.path.join(path, "__init__.py")):
+                continue
+            if name in STARTUP_HOOKS:  # imported by a fresh interpreter as it starts: never by a forked child
+                return True
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            origin = getattr(module, "__file__", None)
+            if origin is None or not (
+                os.path.realpath(origin) == os.path.realpath(path)
+                or os.path.realpath(origin).startswith(os.path.realpath(path) + os.sep)
+            ):
+                return True
+    return False
 
 
 def drifted() -> list[str]:
@@ -257,6 +306,25 @@ def _tally_path(socket_path: str) -> str:
     return socket_path + ".tally"
 
 
+def _python(argv: list[str]) -> int:
+    """`python -c CODE ARGS...` or `python SCRIPT ARGS...` (how Ray starts a worker: runtime_env py_executable): the
+    code or the script as __main__, sys.argv and sys.path[0] as Python sets them."""
+    import runpy
+
+    if argv[:1] == ["-c"]:
+        _, source, *rest = argv
+        sys.argv = ["-c", *rest]
+        sys.path[0] = ""
+        exec(compile(source, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        return 0
+    assert argv and not argv[0].startswith("-"), f"the forked python runs -c CODE or a script only, not {argv!r}"
+    script, *rest = argv
+    sys.argv = [script, *rest]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
 def _child(request: dict, fds: list[int]) -> None:
     """In the forked child: become the client's process, run tpugen's entry point, exit as its script would."""
     import atexit
@@ -264,15 +332,25 @@ def _child(request: dict, fds: list[int]) -> None:
     import traceback
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if request.get("leader"):
+        # Its client leads a process group of its own, so this child does: Ray kills a worker's process group
+        # when the worker ends, which would otherwise be the zygote's and the test process's.
+        os.setpgid(0, 0)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    added = _path_added(request["env"], os.environ) or []  # folders _differing found harmless
     os.environ.clear()
     os.environ.update(request["env"])
+    sys.path[1:1] = [folder for folder in added if folder not in sys.path]  # where PYTHONPATH's go, after [0]
+    import torch
     import torch_xla
 
     torch_xla._setup_xla_flags()  # what importing torch_xla adds to a fresh process's environment
     torch_xla._setup_default_env()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # read by OpenMP when torch loaded it: here, the zygote's
+        torch.set_num_threads(int(threads))
     os.chdir(request["cwd"])
     sys.argv = [request["program"], *request["argv"]]
     code = 1
@@ -281,12 +359,8 @@ def _child(request: dict, fds: list[int]) -> None:
             import pytest
 
             code = int(pytest.main(request["argv"]))
-        elif request["program"] == "python":  # python -c CODE ARGS...: the code as __main__, argv as Python sets it
-            flag, source, *rest = request["argv"]
-            assert flag == "-c", f"the forked python runs -c CODE only, not {flag!r}"
-            sys.argv = ["-c", *rest]
-            exec(compile(source, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-            code = 0
+        elif request["program"] == "python":
+            code = _python(request["argv"])
         else:
             from tpugen.cli import main
 
