@@ -99,9 +99,24 @@ def test_the_other_preprocessors():
         (None, {"control_image": "disc.png", "control_module": "none", "control_threshold_a": 5}, "takes no"),
         (None, {"control_image": "disc.png", "control_module": "tile", "control_threshold_a": 0}, "factor must be"),
         (
+            {"id": "tiny-z-image", "controlnets": [{"id": "tiny-sd-controlnet"}]},
+            {"control_image": "disc.png"},
+            "models: tpugen drives ControlNets for Stable Diffusion 1.x/2.x, SDXL and Flux.1 models so far",
+        ),
+        (
             {"id": "tiny-flux", "controlnets": [{"id": "tiny-sd-controlnet"}]},
             {"control_image": "disc.png"},
-            "model.controlnets: Flux.1 (schnell, dev) models: tpugen drives ControlNets for Stable Diffusion 1.x/2.x and SDXL",
+            "tiny-sd-controlnet is for Stable Diffusion 1.x/2.x models, not Flux.1 (schnell, dev)",
+        ),
+        (  # an SD-style ControlNet folder under a Flux.1 model
+            {"id": "tiny-flux", "controlnets": [{"id": "./sdxl-controlnet"}]},
+            {"control_image": "disc.png"},
+            "is a ControlNetModel; Flux.1 (schnell, dev) models take a FluxControlNetModel",
+        ),
+        (
+            {"id": "tiny-flux", "controlnets": [{"id": "tiny-flux-controlnet"}] * 2},
+            {"control_image": ["disc.png", "disc.png"]},
+            "model.controlnets: Flux.1 (schnell, dev) models: one ControlNet at a time so far",
         ),
         (
             {"id": "tiny-sdxl", "controlnets": [{"id": "tiny-sd-controlnet"}]},
@@ -142,7 +157,8 @@ def test_bad_control_settings_are_one_line_each(tmp_path, model, prompt, wanted)
 
 def test_models_lists_the_built_in_controlnets():
     listed = run_cli("models").output
-    assert all(name in listed for name in ("tiny-sd-controlnet", "tiny-shapes-controlnet", "tiny-sdxl-controlnet"))
+    builtins = ("tiny-sd-controlnet", "tiny-shapes-controlnet", "tiny-sdxl-controlnet", "tiny-flux-controlnet")
+    assert all(name in listed for name in builtins)
     assert listed.index("ControlNets (model.controlnets ids") < listed.index("tiny-shapes-controlnet")
 
 
@@ -213,22 +229,30 @@ def _diffusers_controlled(
     """The image diffusers' own ControlNet pipeline (txt2img, or img2img from `init`) makes on the CPU, eager and
     unpatched, from the record's prompt, seed and settings, with `control` as its control image; `model`'s
     built-in ControlNet is `model`-controlnet."""
+    import diffusers
     import torch
-    from diffusers import AutoPipelineForImage2Image, AutoPipelineForText2Image, ControlNetModel, DiffusionPipeline
+    from diffusers import AutoPipelineForImage2Image, AutoPipelineForText2Image, DiffusionPipeline
 
+    from tpugen.families import CONTROLNETS
     from tpugen.tiny import builtin_path
 
+    family = CONTROLNETS[f"{model}-controlnet"][1]
     base = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
-    controlnet = ControlNetModel.from_pretrained(str(builtin_path(f"{model}-controlnet")))
+    controlnet_class = getattr(diffusers, family.controlnet_class)
+    controlnet = controlnet_class.from_pretrained(str(builtin_path(f"{model}-controlnet")))
     auto = AutoPipelineForImage2Image if init is not None else AutoPipelineForText2Image
     pipe = auto.from_pipe(base, controlnet=controlnet)
     pipe.set_progress_bar_config(disable=True)
     unit = record["controlnet_units"][0]
-    images = {"image": init, "control_image": control, "strength": record["strength"]} if init else {"image": control}
+    images = (
+        {"image": init, "control_image": control, "strength": record["strength"]}
+        if init
+        else {family.controlnet_image_argument: control}
+    )
     with torch.no_grad():
         made = pipe(
             prompt=record["prompt"],
-            negative_prompt=record["negative_prompt"],
+            **({"negative_prompt": record["negative_prompt"]} if family.negative_prompt else {}),
             height=64,
             width=64,
             num_inference_steps=record["steps"],
@@ -373,6 +397,57 @@ def test_sdxl_controlled_runs_are_diffusers_own_in_one_step_graph(tmp_path):
         {**records[0], "controlnet_units": [{**records[0]["controlnet_units"][0], "scale": 0.0}]},
         disc,
         model="tiny-sdxl",
+    )
+    assert np.abs(made[0] - plain.astype(np.int16)).mean() > 1
+
+
+@pytest.mark.xla
+def test_flux_controlled_runs_are_diffusers_own_with_no_compile_after_warmup(tmp_path):
+    # Flux.1's ControlNet takes its control image as VAE latents, encoded once before the loop.
+    _control_images(tmp_path)
+    model = {"id": "tiny-flux", "controlnets": [{"id": "tiny-flux-controlnet"}]}
+    prompts = [
+        {"prompt": "a cat", "control_image": "disc.png"},
+        {"prompt": "a dog", "control_image": "disc.png", "control_start": 0.5, "control_scale": 0.7},  # same key
+        {"prompt": "a red square", "init_image": "photo.png", "strength": 0.7, "control_image": "disc.png"},
+    ]
+    proc, run_dir = generate_in_new_process(tmp_path, model=model, prompts=prompts, batch_size=1)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["compiles_after_warmup"] == 0
+    warm = {entry["shape_key"]: entry["graphs_per_phase"] for entry in report["warmup"]}
+    # The control image's VAE encoding joins the text encoding's graph (both before the loop, one read after).
+    assert warm == {
+        "64x64 b1 nocfg 1 controlnet": {
+            "text encoding": 1,
+            "first denoising step": 1,
+            "later denoising steps": 0,
+            "decoding": 1,
+        },
+        "64x64 b1 nocfg img2img 1 controlnet": {
+            "text encoding": 1,
+            "first denoising step": 0,
+            "later denoising steps": 0,
+            "decoding": 0,
+        },
+    }
+    batches = report["timed_phase"]["batches"]
+    assert [b["transfers_to_host"] for b in batches] == [1, 1, 1] and [b["compiles"] for b in batches] == [0, 0, 0]
+    records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
+    disc = Image.open(tmp_path / "disc.png").convert("RGB")
+    photo = Image.open(tmp_path / "photo.png").convert("RGB")
+    expected = [
+        _diffusers_controlled(records[0], disc, model="tiny-flux"),
+        _diffusers_controlled(records[1], disc, model="tiny-flux"),
+        _diffusers_controlled(records[2], disc, photo, model="tiny-flux"),
+    ]
+    made = [np.asarray(Image.open(run_dir / r["file"]).convert("RGB"), np.int16) for r in records]
+    apart = [int(np.abs(m - e.astype(np.int16)).max()) for m, e in zip(made, expected, strict=True)]
+    assert max(apart) <= WITHIN, apart
+    plain = _diffusers_controlled(
+        {**records[0], "controlnet_units": [{**records[0]["controlnet_units"][0], "scale": 0.0}]},
+        disc,
+        model="tiny-flux",
     )
     assert np.abs(made[0] - plain.astype(np.int16)).mean() > 1
 

@@ -261,6 +261,8 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
             ]
     if config.hires is not None:
         return ["model.controlnets: with hires: the second pass would run without the ControlNets; leave hires out"]
+    if len(config.model.controlnets) > 1 and family.multi_controlnet_refusal:
+        return [f"model.controlnets: {family.title} models: {family.multi_controlnet_refusal}"]
     problems = []
     for n, controlnet in enumerate(config.model.controlnets):
         source = classify_controlnet_id(controlnet.id, base_dir)
@@ -271,8 +273,14 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
             problems.append(f"model.controlnets[{n}].id: {source.ref} is for {base} models, not {family.title}")
         elif source.kind == "local":
             controlnet.id = source.ref
-            embed = local_config(Path(source.ref) / "config.json").get("addition_embed_type")
-            if embed != family.controlnet_addition_embed:
+            found = local_config(Path(source.ref) / "config.json")
+            embed = found.get("addition_embed_type")
+            if found.get("_class_name") != family.controlnet_class:
+                problems.append(
+                    f"model.controlnets[{n}].id: {source.ref!r} is a {found.get('_class_name')}; {family.title} "
+                    f"models take a {family.controlnet_class}"
+                )
+            elif embed != family.controlnet_addition_embed:
                 problems.append(
                     f"model.controlnets[{n}].id: {source.ref!r} is another family's ControlNet (its config's "
                     f"addition_embed_type is {embed!r}; a {family.title} one's is {family.controlnet_addition_embed!r})"

@@ -15,10 +15,13 @@ from tpugen.models import classify_controlnet_id, hub_failure
 SCALE_AS_DATA = "controlnet scale handed in as data"
 
 
-def read_controlnets(model, base_dir=None) -> list:
-    """The config's model.controlnets (their ids resolved at the door) read onto the host in the model's dtype."""
+def read_controlnets(model, family, base_dir=None) -> list:
+    """The config's model.controlnets (their ids resolved at the door) read onto the host in the model's dtype, as
+    the family's ControlNet class."""
+    import diffusers
     import torch
-    from diffusers import ControlNetModel
+
+    ControlNetModel = getattr(diffusers, family.controlnet_class)
 
     found = []
     for n, controlnet in enumerate(model.controlnets):
@@ -60,14 +63,16 @@ def install_scale_as_data(controlnets: list, hooks) -> None:
 
 def _scale_as_data(forward):
     @functools.wraps(forward)
-    def forward_with_scale_as_data(sample, *args, conditioning_scale=1.0, **kwargs):
+    def forward_with_scale_as_data(*args, conditioning_scale=1.0, **kwargs):
         import torch
 
+        # The latents: SD's and SDXL's pipelines hand them first (sample), Flux.1's by name (hidden_states).
+        sample = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))
         if not isinstance(conditioning_scale, torch.Tensor) and sample.device.type != "cpu":
             # Through a one-element tensor: a 0-d one moved to the device is a constant at 0 and 1, as a number is.
             scale = torch.tensor([float(conditioning_scale)], dtype=sample.dtype)
             conditioning_scale = scale.to(sample.device).reshape(())
-        return forward(sample, *args, conditioning_scale=conditioning_scale, **kwargs)
+        return forward(*args, conditioning_scale=conditioning_scale, **kwargs)
 
     return forward_with_scale_as_data
 

@@ -197,7 +197,7 @@ class Engine:
             raise RunError(
                 f"out of memory on the device while {backend.placing or 'the model'} moved onto it: {advice}"
             ) from exc
-        controlnets = read_controlnets(spec.model)
+        controlnets = read_controlnets(spec.model, family)
         for controlnet in controlnets:
             controlnet.to(backend.device)
         loaded = LoadedPipeline(pipe, backend, family, label, scheduler_name, controlnets)

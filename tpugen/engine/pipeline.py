@@ -164,9 +164,9 @@ class LoadedPipeline:
         """The ControlNets' patches, once the backend's are on (prepare_on_device): each traced once as the
         denoiser is, then its conditioning scale handed to it as data (outside the trace, which takes tensors)."""
         for n, controlnet in enumerate(self.controlnets):
-            self.backend.trace_beside(
-                controlnet, f"controlnet {n}" if len(self.controlnets) > 1 else "controlnet", self.hooks
-            )
+            label = f"controlnet {n}" if len(self.controlnets) > 1 else "controlnet"
+            self.family.controlnet_hooks(controlnet, self.backend.device, self.hooks, label)
+            self.backend.trace_beside(controlnet, label, self.hooks)
         install_scale_as_data(self.controlnets, self.hooks)
 
     def _scheduler_hooks(self) -> None:
@@ -252,15 +252,18 @@ class LoadedPipeline:
 
     # ---------------------------------------------------------------- noise, call, decode
 
-    def _initial_noise(self, batch: Batch):
+    def _initial_noise(self, batch: Batch, draw: bool = True):
         """Noise drawn on the CPU from one generator per image (seeded by the image's seed).
 
         The same seed gives the same noise on every backend and at every batch size; the generators
-        are returned too, so schedulers that draw noise per step draw it per image as well.
+        are returned too, so schedulers that draw noise per step draw it per image as well. `draw` False:
+        the generators only (None for the noise), for a pipeline that draws from them first.
         """
         import torch
 
         generators = [torch.Generator("cpu").manual_seed(row.seed) for row in batch.rows]
+        if not draw:
+            return None, generators
         noise = self.family.noise(self.pipe, generators, batch.shape.height, batch.shape.width)
         dtype = getattr(self.pipe, self.family.denoiser).dtype
         return self.backend.split_batch(torch.cat(noise).to(self.backend.device, dtype=dtype)), generators
@@ -318,7 +321,7 @@ class LoadedPipeline:
             pipe, batch, fitted, batch.strength, shape.height, shape.width, batch.steps, extra
         )
 
-    def _control_arguments(self, batch: Batch, image_key: str = "image") -> dict:
+    def _control_arguments(self, batch: Batch, image_key: str) -> dict:
         """A controlled batch's ControlNet arguments (none for another): each row's control images made on the
         host (fitted to the batch's size, then preprocessed), under `image_key` (img2img and inpainting pipelines
         take them as control_image); the units' scale, start and end, one per call (tpugen.plan.plan_batches)."""
@@ -439,11 +442,13 @@ class LoadedPipeline:
         try:
             pipe = self.task_pipe(batch.shape.task, controlled=bool(batch.shape.controls))
             if batch.shape.task in ("txt2img", "edit"):
-                latents, generators = self._initial_noise(batch)
+                # Flux.1's ControlNet pipeline samples the control's latents from the generators, then the noise.
+                drawn_by_pipeline = bool(batch.shape.controls) and self.family.controlnet_samples_control_first
+                latents, generators = self._initial_noise(batch, draw=not drawn_by_pipeline)
                 arguments = self._call_arguments(batch, latents, generators)
                 if batch.shape.task == "edit":
                     arguments["image"] = self._references(batch)
-                arguments.update(self._control_arguments(batch))
+                arguments.update(self._control_arguments(batch, self.family.controlnet_image_argument))
             else:
                 arguments = self._image_arguments(batch, pipe)
             if batch.hires is not None:

@@ -159,11 +159,22 @@ class Family:
     # What this family's ControlNets' config.json says of the added embeddings (SDXL's text-time ones): a local
     # ControlNet folder that says otherwise is another family's, refused at the door.
     controlnet_addition_embed: str | None = None
+    # The diffusers class of this family's ControlNets: what a local ControlNet folder's config.json must name.
+    controlnet_class = "ControlNetModel"
+    # The argument of the family's txt2img ControlNet pipeline that takes the control images (its img2img and
+    # inpainting ones take them as control_image).
+    controlnet_image_argument = "image"
+    # Whether the family's txt2img ControlNet pipeline samples the control image's VAE latents from the generators
+    # before it draws the noise (Flux.1's): a controlled batch then leaves the noise to the pipeline, so that each
+    # image's noise is the one diffusers draws for its seed.
+    controlnet_samples_control_first = False
+    # Why two or more ControlNets at once cannot run for this family (None: they can, as diffusers' multi-ControlNet).
+    multi_controlnet_refusal: str | None = None
     # Why model.controlnets cannot run for this family (None: they can, through diffusers' ControlNet pipelines
     # made from the loaded components: AutoPipelineFor*.from_pipe(pipe, controlnet=...)).
     controlnet_refusal: str | None = (
-        "tpugen drives ControlNets for Stable Diffusion 1.x/2.x and SDXL models so far (diffusers 0.42 also has "
-        "them for Flux.1, Z-Image and Qwen-Image; they are not checked on tpugen yet)"
+        "tpugen drives ControlNets for Stable Diffusion 1.x/2.x, SDXL and Flux.1 models so far (diffusers 0.42 "
+        "also has them for Z-Image and Qwen-Image; they are not checked on tpugen yet)"
     )
 
     def covers(self, index: dict) -> bool:
@@ -292,18 +303,15 @@ class Family:
         each step's value is baked into its graph and every step compiles anew. Timesteps computed on the
         CPU (scheduler_hooks) and moved to the device at the transformer's door fix both: one step graph.
         """
-        if not self.timesteps_on_host:
-            return
+        if self.timesteps_on_host:
+            _timesteps_at_the_door(getattr(pipe, self.denoiser), device, hooks, "the denoiser's")
 
-        def to_device(module, args, kwargs):
-            for key in ("timestep", "guidance"):
-                value = kwargs.get(key)
-                if value is not None and str(value.device) != str(device):
-                    kwargs[key] = value.to(device)
-            return args, kwargs
-
-        handle = getattr(pipe, self.denoiser).register_forward_pre_hook(to_device, with_kwargs=True)
-        hooks.add("timesteps at the denoiser's door", handle.remove)
+    def controlnet_hooks(self, controlnet, device, hooks, label: str) -> None:
+        """This family's patches on one of its ControlNets (`label`: its name in the hooks): what the denoiser
+        is given at its door, the ControlNet is given too (Flux.1's takes the step's timestep as its transformer
+        does)."""
+        if self.timesteps_on_host:
+            _timesteps_at_the_door(controlnet, device, hooks, f"the {label}'s")
 
     def pipeline_hooks(self, pipe, hooks) -> None:
         """This family's patches on the pipeline object itself, not on its components: install_hooks makes them
@@ -345,6 +353,20 @@ class TransformerFamily(Family):
         """(tokens, heads): the latent's patches joined by the text tokens in one joint attention."""
         side = vae_scale * (self.patch or config.get("patch_size") or 2)
         return (height // side) * (width // side) + text_tokens + self.extra_text_tokens, config["num_attention_heads"]
+
+
+def _timesteps_at_the_door(module, device, hooks, whose: str) -> None:
+    """The timestep and guidance a pipeline keeps on the host moved to the device as `module` is called."""
+
+    def to_device(module, args, kwargs):
+        for key in ("timestep", "guidance"):
+            value = kwargs.get(key)
+            if value is not None and str(value.device) != str(device):
+                kwargs[key] = value.to(device)
+        return args, kwargs
+
+    handle = module.register_forward_pre_hook(to_device, with_kwargs=True)
+    hooks.add(f"timesteps at {whose} door", handle.remove)
 
 
 def timesteps_set_on_host(set_timesteps):

@@ -55,6 +55,12 @@ def _build(target):
     build(target)
 
 
+def _build_controlnet(target):
+    from tpugen.families.flux.tiny import build_controlnet
+
+    build_controlnet(target)
+
+
 def _build_deep(target):
     from tpugen.families.flux.tiny import build
 
@@ -87,6 +93,23 @@ class Flux(TransformerFamily):
             "Flux.1's real depth (19 double + 38 single blocks) at a tiny width, for compile-time work; noise",
             1,
             _build_deep,
+        ),
+    )
+    controlnet_refusal = None
+    controlnet_class = "FluxControlNetModel"
+    controlnet_image_argument = "control_image"
+    controlnet_samples_control_first = True
+    multi_controlnet_refusal = (
+        "one ControlNet at a time so far (diffusers' FluxMultiControlNetModel takes its control images per "
+        "ControlNet, not per prompt, and is not checked on tpugen yet)"
+    )
+    controlnets = (
+        Builtin(
+            "tiny-flux-controlnet",
+            "a ControlNet for tiny-flux (Flux.1's ControlNet: one double- and one single-stream block) with tiny "
+            "random weights, built offline: it steers, but toward nothing",
+            1,
+            _build_controlnet,
         ),
     )
     known_models = (

@@ -51,3 +51,23 @@ def build(target: Path, double_blocks: int = 2, single_blocks: int = 2) -> None:
         transformer=transformer,
     )
     save(pipe, target, scratch)
+
+
+def build_controlnet(target: Path) -> None:
+    """tiny-flux's ControlNet (diffusers' FluxControlNetModel, one double- and one single-stream block, started from
+    the tiny transformer's weights as diffusers' from_transformer does): its control image enters as VAE latents.
+    The zero layers out and in made small and random, since zero ones would make it a no-op a test cannot see."""
+    import torch
+    from diffusers import FluxControlNetModel
+
+    torch.manual_seed(0)
+    transformer = tiny_transformer(2, 2)  # tiny-flux's own (seed 0)
+    torch.manual_seed(4)
+    controlnet = FluxControlNetModel.from_transformer(
+        transformer, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2
+    )
+    with torch.no_grad():
+        for layer in [*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks]:
+            layer.weight.normal_(0, 0.05)
+        controlnet.controlnet_x_embedder.weight.normal_(0, 0.05)
+    controlnet.save_pretrained(target, safe_serialization=True)
