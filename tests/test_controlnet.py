@@ -101,7 +101,7 @@ def test_the_other_preprocessors():
         (
             {"id": "tiny-z-image", "controlnets": [{"id": "tiny-sd-controlnet"}]},
             {"control_image": "disc.png"},
-            "models: tpugen drives ControlNets for Stable Diffusion 1.x/2.x, SDXL and Flux.1 models so far",
+            "models: tpugen drives ControlNets for Stable Diffusion 1.x/2.x, SDXL, Flux.1 and Qwen-Image models so far",
         ),
         (
             {"id": "tiny-flux", "controlnets": [{"id": "tiny-sd-controlnet"}]},
@@ -112,6 +112,11 @@ def test_the_other_preprocessors():
             {"id": "tiny-flux", "controlnets": [{"id": "./sdxl-controlnet"}]},
             {"control_image": "disc.png"},
             "is a ControlNetModel; Flux.1 (schnell, dev) models take a FluxControlNetModel",
+        ),
+        (
+            {"id": "tiny-qwen-image", "controlnets": [{"id": "tiny-qwen-image-controlnet"}]},
+            {"control_image": "disc.png", "init_image": "photo.png"},
+            "control_image: with an init image, Qwen-Image models: diffusers 0.42's AutoPipeline makes no ControlNet",
         ),
         (
             {"id": "tiny-flux", "controlnets": [{"id": "tiny-flux-controlnet"}] * 2},
@@ -158,6 +163,7 @@ def test_bad_control_settings_are_one_line_each(tmp_path, model, prompt, wanted)
 def test_models_lists_the_built_in_controlnets():
     listed = run_cli("models").output
     builtins = ("tiny-sd-controlnet", "tiny-shapes-controlnet", "tiny-sdxl-controlnet", "tiny-flux-controlnet")
+    builtins += ("tiny-qwen-image-controlnet",)
     assert all(name in listed for name in builtins)
     assert listed.index("ControlNets (model.controlnets ids") < listed.index("tiny-shapes-controlnet")
 
@@ -244,6 +250,7 @@ def _diffusers_controlled(
     pipe = auto.from_pipe(base, controlnet=controlnet)
     pipe.set_progress_bar_config(disable=True)
     unit = record["controlnet_units"][0]
+    true_cfg = {"true_cfg_scale": record["guidance_scale"]} if model == "tiny-qwen-image" else {}  # as tpugen's
     images = (
         {"image": init, "control_image": control, "strength": record["strength"]}
         if init
@@ -263,6 +270,7 @@ def _diffusers_controlled(
             control_guidance_end=unit["end"],
             output_type="np",
             **images,
+            **true_cfg,
         ).images[0]
     return (made * 255).round().clip(0, 255).astype(np.uint8)
 
@@ -448,6 +456,45 @@ def test_flux_controlled_runs_are_diffusers_own_with_no_compile_after_warmup(tmp
         {**records[0], "controlnet_units": [{**records[0]["controlnet_units"][0], "scale": 0.0}]},
         disc,
         model="tiny-flux",
+    )
+    assert np.abs(made[0] - plain.astype(np.int16)).mean() > 1
+
+
+@pytest.mark.xla
+def test_qwen_image_controlled_runs_are_diffusers_own_with_no_compile_after_warmup(tmp_path):
+    # Qwen-Image's ControlNet takes its control image as latents of its 5-D VAE; txt2img only (no AutoPipeline
+    # ControlNet img2img for it in diffusers 0.42: refused at the door, test_bad_control_settings_are_one_line_each).
+    _control_images(tmp_path)
+    model = {"id": "tiny-qwen-image", "controlnets": [{"id": "tiny-qwen-image-controlnet"}]}
+    prompts = [
+        {"prompt": "a cat", "control_image": "disc.png"},
+        {"prompt": "a dog", "control_image": "disc.png", "control_start": 0.5, "control_scale": 0.7},  # same key
+    ]
+    proc, run_dir = generate_in_new_process(tmp_path, model=model, prompts=prompts, batch_size=1, guidance_scale=4.0)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["compiles_after_warmup"] == 0
+    warm = {entry["shape_key"]: entry["graphs_per_phase"] for entry in report["warmup"]}
+    assert warm == {
+        "64x64 b1 cfg 1 controlnet": {
+            "text encoding": 1,
+            "first denoising step": 1,
+            "later denoising steps": 0,
+            "decoding": 1,
+        },
+    }, warm
+    batches = report["timed_phase"]["batches"]
+    assert [b["transfers_to_host"] for b in batches] == [1, 1] and [b["compiles"] for b in batches] == [0, 0]
+    records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
+    disc = Image.open(tmp_path / "disc.png").convert("RGB")
+    expected = [_diffusers_controlled(record, disc, model="tiny-qwen-image") for record in records]
+    made = [np.asarray(Image.open(run_dir / r["file"]).convert("RGB"), np.int16) for r in records]
+    apart = [int(np.abs(m - e.astype(np.int16)).max()) for m, e in zip(made, expected, strict=True)]
+    assert max(apart) <= WITHIN, apart
+    plain = _diffusers_controlled(
+        {**records[0], "controlnet_units": [{**records[0]["controlnet_units"][0], "scale": 0.0}]},
+        disc,
+        model="tiny-qwen-image",
     )
     assert np.abs(made[0] - plain.astype(np.int16)).mean() > 1
 

@@ -259,3 +259,33 @@ def test_input_images_past_their_cap_go_least_recently_used_first_save_those_in_
     assert len(list((tmp_path / ".inputs").glob("*.img"))) == 4
     with pytest.raises(InputError, match="^image: is not an image"):
         store.store(b"<svg/>", "image")
+
+
+def test_a_qwen_image_server_refuses_controlnet_units_with_an_image_and_warms_no_controlled_img2img(tmp_path):
+    # Qwen-Image's ControlNets run on txt2img only (diffusers 0.42's AutoPipeline has no controlled img2img for it):
+    # the request is refused in one line (a 422 over HTTP), and the server never warms the key it could not run.
+    from conftest import tiny_config, write_config
+
+    from tpugen.config import load_config
+    from tpugen.config.controls import Controls, ControlUnit
+    from tpugen.config.images import ImageSource, InputImage
+    from tpugen.engine import Display
+    from tpugen.errors import InputError
+    from tpugen.modes.serve.queue import ImageSpec
+    from tpugen.modes.serve.service import Service
+
+    config = tiny_config(tmp_path, serve={"tasks": ["txt2img", "img2img"], "new_shapes": "compile"})
+    config["model"] = {"id": "tiny-qwen-image", "controlnets": [{"id": "tiny-qwen-image-controlnet"}]}
+    del config["prompts"]
+    run = load_config(write_config(tmp_path / "serve.yaml", config), prompts_required=False)
+    service = Service(run, [], output_root=tmp_path / "runs", display=Display())
+    assert service.warm.controlled_tasks == ["txt2img"]
+    controls = Controls((ControlUnit(InputImage(str(tmp_path / "c.png"), "0" * 64)),))
+    source = ImageSource(str(tmp_path / "i.png"), "0" * 64, 0.5)
+    service.check([ImageSpec("a fox", "", 1, 3, 4.0, 64, 64, controls=controls)])  # txt2img: fine
+    with pytest.raises(InputError) as refused:
+        service.check([ImageSpec("a fox", "", 1, 3, 4.0, 64, 64, source=source, controls=controls)])
+    assert refused.value.lines == [
+        "ControlNet units with an image: Qwen-Image models: diffusers 0.42's AutoPipeline makes no ControlNet "
+        "img2img or inpainting pipeline for Qwen-Image; a controlled prompt starts from noise"
+    ]

@@ -120,6 +120,7 @@ def resolve(
     problems.extend(_img2img_problems(config, resolved_prompts, family))
     problems.extend(_reference_problems(config, resolved_prompts, family, serving=not prompts_required))
     problems.extend(_controlnet_problems(config, base_dir, family, serving=not prompts_required))
+    problems.extend(_controlled_image_problems(resolved_prompts, family))
     planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
         problems.append(
@@ -293,6 +294,18 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
             "name of its own (rename a folder)"
         )
     return problems
+
+
+def _controlled_image_problems(prompts: list[PromptSpec], family: Family) -> list[str]:
+    """A controlled prompt that starts from an image, for a family whose ControlNets cannot."""
+    if not family.controlled_img2img_refusal:
+        return []
+    found = next((n for n, spec in enumerate(prompts) if spec.controls and spec.source is not None), None)
+    if found is None:
+        return []
+    return [
+        f"prompts[{found}].control_image: with an init image, {family.title} models: {family.controlled_img2img_refusal}"
+    ]
 
 
 def _serve_edit_problems(config: RunConfig, family: Family, serving: bool) -> list[str]:

@@ -85,8 +85,9 @@ class ControlNetConfig(_Section):
     id: str = Field(
         description=(
             "A built-in ControlNet (tiny-shapes-controlnet, tiny-sd-controlnet, tiny-sdxl-controlnet, "
-            "tiny-flux-controlnet; `tpugen models` lists them), a local diffusers ControlNet folder (ControlNetModel, "
-            "or FluxControlNetModel for Flux.1; relative to the config file), or a hub id org/name."
+            "tiny-flux-controlnet, tiny-qwen-image-controlnet; `tpugen models` lists them), a local diffusers "
+            "ControlNet folder (ControlNetModel; FluxControlNetModel for Flux.1, QwenImageControlNetModel for "
+            "Qwen-Image; relative to the config file), or a hub id org/name."
         )
     )
     scale: float = Field(
@@ -156,7 +157,8 @@ class ModelConfig(_Section):
         description=(
             "ControlNets run beside the denoiser, inside its step graph, for prompts that give a control_image (one "
             "image per ControlNet, in this order); two or more run as diffusers' multi-ControlNet (not yet for "
-            "Flux.1). Stable Diffusion 1.x/2.x, SDXL and Flux.1 models (a ControlNet of the model's family)."
+            "Flux.1 and Qwen-Image). Stable Diffusion 1.x/2.x, SDXL, Flux.1 and Qwen-Image models (a ControlNet of "
+            "the model's family)."
         ),
     )
     embeddings: list[str] = Field(

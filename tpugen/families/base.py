@@ -168,13 +168,16 @@ class Family:
     # before it draws the noise (Flux.1's): a controlled batch then leaves the noise to the pipeline, so that each
     # image's noise is the one diffusers draws for its seed.
     controlnet_samples_control_first = False
+    # Why a controlled prompt cannot start from an image (None: it can, through the family's ControlNet img2img and
+    # inpainting pipelines).
+    controlled_img2img_refusal: str | None = None
     # Why two or more ControlNets at once cannot run for this family (None: they can, as diffusers' multi-ControlNet).
     multi_controlnet_refusal: str | None = None
     # Why model.controlnets cannot run for this family (None: they can, through diffusers' ControlNet pipelines
     # made from the loaded components: AutoPipelineFor*.from_pipe(pipe, controlnet=...)).
     controlnet_refusal: str | None = (
-        "tpugen drives ControlNets for Stable Diffusion 1.x/2.x, SDXL and Flux.1 models so far (diffusers 0.42 "
-        "also has them for Z-Image and Qwen-Image; they are not checked on tpugen yet)"
+        "tpugen drives ControlNets for Stable Diffusion 1.x/2.x, SDXL, Flux.1 and Qwen-Image models so far "
+        "(diffusers 0.42 also has them for Z-Image; they are not checked on tpugen yet)"
     )
 
     def covers(self, index: dict) -> bool:

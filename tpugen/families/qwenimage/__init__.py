@@ -61,6 +61,12 @@ def _build(target):
     build(target)
 
 
+def _build_controlnet(target):
+    from tpugen.families.qwenimage.tiny import build_controlnet
+
+    build_controlnet(target)
+
+
 def components(**transformer) -> dict[str, tuple[str, dict]]:
     """Qwen-Image's components for counting on the meta device (KnownModel), its transformer's config changed by
     `transformer` (the edit models share the rest)."""
@@ -97,6 +103,26 @@ class QwenImage(TransformerFamily):
             "Qwen-Image architecture (Qwen2.5-VL text encoder, MMDiT, 5-D VAE) with tiny random weights; noise",
             1,
             _build,
+        ),
+    )
+    controlnet_refusal = None
+    controlnet_class = "QwenImageControlNetModel"
+    controlnet_image_argument = "control_image"
+    controlnet_samples_control_first = True
+    controlled_img2img_refusal = (
+        "diffusers 0.42's AutoPipeline makes no ControlNet img2img or inpainting pipeline for Qwen-Image; a "
+        "controlled prompt starts from noise"
+    )
+    multi_controlnet_refusal = (
+        "one ControlNet at a time so far (diffusers' QwenImageMultiControlNetModel is not checked on tpugen yet)"
+    )
+    controlnets = (
+        Builtin(
+            "tiny-qwen-image-controlnet",
+            "a ControlNet for tiny-qwen-image (Qwen-Image's ControlNet: one block) with tiny random weights, built "
+            "offline: it steers, but toward nothing",
+            1,
+            _build_controlnet,
         ),
     )
     known_models = (
@@ -176,6 +202,11 @@ class QwenImage(TransformerFamily):
         self.pipeline_hooks(pipe, hooks)
         hooks.wrap(pipe.transformer.pos_embed, "_compute_video_freqs", "RoPE table on the host", _rope_on_host)
         hooks.add("VAE upsampling lowered", _nearest_upsampling(pipe.vae))
+
+    def controlnet_hooks(self, controlnet, device, hooks, label: str) -> None:
+        """Timesteps at its door, and its image RoPE table on the host, as the transformer's."""
+        super().controlnet_hooks(controlnet, device, hooks, label)
+        hooks.wrap(controlnet.pos_embed, "_compute_video_freqs", f"RoPE table on the host ({label})", _rope_on_host)
 
     def pipeline_hooks(self, pipe, hooks) -> None:
         """The text of a fixed length, with its mask kept (QwenImageImg2ImgPipeline and the inpaint pipeline

@@ -125,3 +125,23 @@ def tiny_transformer(**config):
             **config,
         }
     )
+
+
+def build_controlnet(target: Path) -> None:
+    """tiny-qwen-image's ControlNet (diffusers' QwenImageControlNetModel, one block, started from the tiny
+    transformer's weights as diffusers' from_transformer does): its control image enters as VAE latents. The zero
+    layers out and in made small and random, since zero ones would make it a no-op a test cannot see."""
+    import torch
+    from diffusers import QwenImageControlNetModel
+
+    torch.manual_seed(0)
+    transformer = tiny_transformer()  # tiny-qwen-image's own (seed 0)
+    torch.manual_seed(4)
+    controlnet = QwenImageControlNetModel.from_transformer(
+        transformer, num_layers=1, attention_head_dim=16, num_attention_heads=3
+    )
+    with torch.no_grad():
+        for layer in controlnet.controlnet_blocks:
+            layer.weight.normal_(0, 0.05)
+        controlnet.controlnet_x_embedder.weight.normal_(0, 0.05)
+    controlnet.save_pretrained(target, safe_serialization=True)

@@ -77,6 +77,10 @@ class Admission:
             problems.append(f"{count} images asked for; this server makes at most {limit} per request")
         if images and images[0].source is not None and family.img2img_refusal:
             problems.append(f"image: {family.title} models: {family.img2img_refusal}")
+        if images and images[0].source is not None and images[0].controls and family.controlled_img2img_refusal:
+            problems.append(
+                f"ControlNet units with an image: {family.title} models: {family.controlled_img2img_refusal}"
+            )
         if images and images[0].source is None and not images[0].references and family.txt2img_refusal:
             problems.append(f"image: {family.title} models: {family.txt2img_refusal}; send one or more images to edit")
         if images and images[0].tiling and family.tiling_refusal:

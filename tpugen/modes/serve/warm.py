@@ -41,7 +41,8 @@ class WarmEngines:
         self.reference_counts = list(self.serve.reference_counts) if "edit" in self.serve.tasks else []
         # The server's ControlNets (model.controlnets): txt2img and img2img are warm with all of them as well.
         self.controlnets = [c.id for c in config.model.controlnets]
-        controlled = ("txt2img", "img2img") if len(self.controlnets) == 1 else ("txt2img",)
+        one = len(self.controlnets) == 1 and not self.family.controlled_img2img_refusal
+        controlled = ("txt2img", "img2img") if one else ("txt2img",)
         self.controlled_tasks = [task for task in self.serve.tasks if task in controlled] if self.controlnets else []
         # Each (shape key, scheduler) warmup compiles, one at a time so /readyz can count them.
         plan = self.plan()
