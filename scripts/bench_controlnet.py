@@ -3,13 +3,15 @@
 tiny-sd-controlnet, with compile.trace_once on (the UNet, and the ControlNet beside it, traced once by dynamo) and
 off (both recorded as lazy tensors every step), each a fresh process on the same prompts and seeds (64x64, batch 2,
 8 steps, 3 batches). Prints the report's host ms and device ms per step, images per second of the timed phase and
-compiles after warmup, and the ratios; writes bench/controlnet.json.
+compiles after warmup, and the ratios; writes bench/controlnet.json. `--model` names another built-in with a tiny
+ControlNet of the same name plus -controlnet (tiny-sdxl, tiny-flux, tiny-qwen-image): bench/controlnet-MODEL.json.
 
-    .venv/bin/python scripts/bench_controlnet.py
+    .venv/bin/python scripts/bench_controlnet.py [--model tiny-flux]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -32,9 +34,9 @@ def control_image(folder: Path) -> str:
     return "control.png"
 
 
-def side(folder: Path, name: str, controlled: bool, trace: bool) -> dict:
+def side(folder: Path, name: str, controlled: bool, trace: bool, model: str) -> dict:
     config = {
-        "model": {"id": "tiny-sd", **({"controlnets": [{"id": "tiny-sd-controlnet"}]} if controlled else {})},
+        "model": {"id": model, **({"controlnets": [{"id": f"{model}-controlnet"}]} if controlled else {})},
         "prompts": [{"prompt": p, **({"control_image": "control.png"} if controlled else {})} for p in PROMPTS],
         "height": 64,
         "width": 64,
@@ -66,6 +68,9 @@ def side(folder: Path, name: str, controlled: bool, trace: bool) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-sd", help="a built-in with a tiny ControlNet (MODEL-controlnet)")
+    model = parser.parse_args().model
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -73,7 +78,7 @@ def main() -> None:
         for trace in (True, False):
             for controlled in (False, True):
                 name = f"{'controlnet' if controlled else 'plain'}-trace-{'on' if trace else 'off'}"
-                results[name] = side(folder, name, controlled, trace)
+                results[name] = side(folder, name, controlled, trace, model)
                 print(name, results[name], flush=True)
     print()
     print(f"{'side':28} {'host ms/step':>13} {'device ms/step':>15} {'images/s':>9} {'compiles after':>15}")
@@ -95,8 +100,9 @@ def main() -> None:
         print(f"{label:40} {ratio:6.2f}x")
     out = ROOT / "bench"
     out.mkdir(exist_ok=True)
-    (out / "controlnet.json").write_text(json.dumps({"sides": results, "ratios": ratios}, indent=2) + "\n")
-    print(f"\nwrote {out / 'controlnet.json'}")
+    written = out / ("controlnet.json" if model == "tiny-sd" else f"controlnet-{model}.json")
+    written.write_text(json.dumps({"model": model, "sides": results, "ratios": ratios}, indent=2) + "\n")
+    print(f"\nwrote {written}")
 
 
 if __name__ == "__main__":
