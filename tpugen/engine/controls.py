@@ -61,7 +61,12 @@ def install_scale_as_data(controlnets: list, hooks) -> None:
         hooks.wrap(controlnet, "forward", f"{SCALE_AS_DATA} ({n})", _scale_as_data)
 
 
+SCALES_KEPT = 16  # device copies of scales kept per ControlNet (a run's units use a few: each scale, and 0)
+
+
 def _scale_as_data(forward):
+    on_device: dict = {}  # (scale, dtype, device): its one-element tensor there, moved once, not at every step
+
     @functools.wraps(forward)
     def forward_with_scale_as_data(*args, conditioning_scale=1.0, **kwargs):
         import torch
@@ -70,8 +75,12 @@ def _scale_as_data(forward):
         sample = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))
         if not isinstance(conditioning_scale, torch.Tensor) and sample.device.type != "cpu":
             # Through a one-element tensor: a 0-d one moved to the device is a constant at 0 and 1, as a number is.
-            scale = torch.tensor([float(conditioning_scale)], dtype=sample.dtype)
-            conditioning_scale = scale.to(sample.device).reshape(())
+            key = (float(conditioning_scale), sample.dtype, str(sample.device))
+            if key not in on_device:
+                if len(on_device) >= SCALES_KEPT:
+                    on_device.clear()
+                on_device[key] = torch.tensor([key[0]], dtype=sample.dtype).to(sample.device)
+            conditioning_scale = on_device[key].reshape(())
         return forward(*args, conditioning_scale=conditioning_scale, **kwargs)
 
     return forward_with_scale_as_data
