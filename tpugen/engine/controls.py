@@ -21,7 +21,7 @@ def read_controlnets(model, family, base_dir=None) -> list:
     import diffusers
     import torch
 
-    ControlNetModel = getattr(diffusers, family.controlnet_class)
+    controlnet_class = getattr(diffusers, family.controlnet_class)
 
     found = []
     for n, controlnet in enumerate(model.controlnets):
@@ -36,7 +36,7 @@ def read_controlnets(model, family, base_dir=None) -> list:
             location = source.ref
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                found.append(ControlNetModel.from_pretrained(location, torch_dtype=getattr(torch, model.dtype)))
+                found.append(controlnet_class.from_pretrained(location, torch_dtype=getattr(torch, model.dtype)))
         except Exception as exc:  # any loader failure becomes one line naming the ControlNet
             why = hub_failure(exc, from_hub=source.kind == "hub")
             raise RunError(f"model.controlnets[{n}].id: cannot load {controlnet.id!r}: {why}") from exc

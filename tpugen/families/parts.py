@@ -123,6 +123,19 @@ def save_tiny_controlnet(unet_config: dict, target: Path, seed: int) -> None:
     controlnet.save_pretrained(target, safe_serialization=True)
 
 
+def save_transformer_controlnet(controlnet, target: Path) -> None:
+    """A transformer family's tiny ControlNet (made by diffusers' from_transformer) saved with its zero layers, out
+    (each block's) and in (the control's embedder), made small and random from the current seed, since zero ones
+    would make it a no-op a test could not see steer."""
+    import torch
+
+    with torch.no_grad():
+        for layer in [*controlnet.controlnet_blocks, *getattr(controlnet, "controlnet_single_blocks", ())]:
+            layer.weight.normal_(0, 0.05)
+        controlnet.controlnet_x_embedder.weight.normal_(0, 0.05)
+    controlnet.save_pretrained(target, safe_serialization=True)
+
+
 def tiny_vae(latent_channels: int, **extra):
     from diffusers import AutoencoderKL
 

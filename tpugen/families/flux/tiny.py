@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tpugen.families.parts import clip_text_config, clip_tokenizer, save, t5_encoder, t5_tokenizer, tiny_vae
+from tpugen.families.parts import (
+    clip_text_config,
+    clip_tokenizer,
+    save,
+    save_transformer_controlnet,
+    t5_encoder,
+    t5_tokenizer,
+    tiny_vae,
+)
 
 
 def tiny_transformer(double_blocks: int, single_blocks: int):
@@ -55,8 +63,7 @@ def build(target: Path, double_blocks: int = 2, single_blocks: int = 2) -> None:
 
 def build_controlnet(target: Path) -> None:
     """tiny-flux's ControlNet (diffusers' FluxControlNetModel, one double- and one single-stream block, started from
-    the tiny transformer's weights as diffusers' from_transformer does): its control image enters as VAE latents.
-    The zero layers out and in made small and random, since zero ones would make it a no-op a test cannot see."""
+    the tiny transformer's weights as diffusers' from_transformer does): its control image enters as VAE latents."""
     import torch
     from diffusers import FluxControlNetModel
 
@@ -66,8 +73,4 @@ def build_controlnet(target: Path) -> None:
     controlnet = FluxControlNetModel.from_transformer(
         transformer, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2
     )
-    with torch.no_grad():
-        for layer in [*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks]:
-            layer.weight.normal_(0, 0.05)
-        controlnet.controlnet_x_embedder.weight.normal_(0, 0.05)
-    controlnet.save_pretrained(target, safe_serialization=True)
+    save_transformer_controlnet(controlnet, target)

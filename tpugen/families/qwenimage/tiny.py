@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tpugen.families.parts import qwen_tokenizer
+from tpugen.families.parts import qwen_tokenizer, save_transformer_controlnet
 
 # The system prompt QwenImagePipeline wraps every prompt in, up to the user's text (prompt_template_encode).
 TEMPLATE_PREFIX = (
@@ -129,8 +129,7 @@ def tiny_transformer(**config):
 
 def build_controlnet(target: Path) -> None:
     """tiny-qwen-image's ControlNet (diffusers' QwenImageControlNetModel, one block, started from the tiny
-    transformer's weights as diffusers' from_transformer does): its control image enters as VAE latents. The zero
-    layers out and in made small and random, since zero ones would make it a no-op a test cannot see."""
+    transformer's weights as diffusers' from_transformer does): its control image enters as VAE latents."""
     import torch
     from diffusers import QwenImageControlNetModel
 
@@ -140,8 +139,4 @@ def build_controlnet(target: Path) -> None:
     controlnet = QwenImageControlNetModel.from_transformer(
         transformer, num_layers=1, attention_head_dim=16, num_attention_heads=3
     )
-    with torch.no_grad():
-        for layer in controlnet.controlnet_blocks:
-            layer.weight.normal_(0, 0.05)
-        controlnet.controlnet_x_embedder.weight.normal_(0, 0.05)
-    controlnet.save_pretrained(target, safe_serialization=True)
+    save_transformer_controlnet(controlnet, target)
