@@ -119,9 +119,15 @@ def test_the_other_preprocessors():
             "control_image: with an init image, Qwen-Image models: diffusers 0.42's AutoPipeline makes no ControlNet",
         ),
         (
-            {"id": "tiny-flux", "controlnets": [{"id": "tiny-flux-controlnet"}] * 2},
+            {"id": "tiny-qwen-image", "controlnets": [{"id": "tiny-qwen-image-controlnet"}] * 2},
             {"control_image": ["disc.png", "disc.png"]},
-            "model.controlnets: Flux.1 (schnell, dev) models: one ControlNet at a time so far",
+            "model.controlnets: Qwen-Image models: one ControlNet at a time (diffusers 0.42's "
+            "QwenImageMultiControlNetModel runs a single ControlNet-Union only",
+        ),
+        (  # Flux.1's two ControlNets run (FluxMultiControlNetModel), but not from an init image
+            {"id": "tiny-flux", "controlnets": [{"id": "tiny-flux-controlnet"}] * 2},
+            {"control_image": ["disc.png", "disc.png"], "init_image": "photo.png"},
+            "control_image: with an init image, one ControlNet at a time",
         ),
         (
             {"id": "tiny-sdxl", "controlnets": [{"id": "tiny-sd-controlnet"}]},
@@ -428,21 +434,32 @@ def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(tmp_pa
 
 
 @pytest.mark.xla
-def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_path):
+@pytest.mark.parametrize(
+    ("model", "cfg"),
+    [
+        ("tiny-sd", "cfg"),
+        # Flux.1's FluxMultiControlNetModel takes its control images one list per ControlNet (SD's, one per row).
+        ("tiny-flux", "nocfg"),
+    ],
+)
+def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_path, model, cfg):
     import cv2
+    import diffusers
     import torch
-    from diffusers import AutoPipelineForText2Image, ControlNetModel, DiffusionPipeline
+    from diffusers import AutoPipelineForText2Image, DiffusionPipeline
 
+    from tpugen.families import CONTROLNETS
     from tpugen.tiny import builtin_path
 
     _control_images(tmp_path)
-    two = {"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}, {"id": "tiny-sd-controlnet", "scale": 0.5}]}
+    family = CONTROLNETS[f"{model}-controlnet"][1]
+    two = {"id": model, "controlnets": [{"id": f"{model}-controlnet"}, {"id": f"{model}-controlnet", "scale": 0.5}]}
     units = {"control_image": ["disc.png", "drawing.png"], "control_module": ["none", "canny"]}
     prompts = [
         {"prompt": "a cat", **units},
         {"prompt": "a dog", **units, "control_start": [0.0, 0.5], "control_end": [0.5, 1.0]},
     ]
-    # compile.trace_once on (tiny_config turns it off): the UNet and both ControlNets under dynamo.
+    # compile.trace_once on (tiny_config turns it off): the denoiser and both ControlNets under dynamo.
     proc, run_dir = generate_in_new_process(
         tmp_path, model=two, prompts=prompts, batch_size=1, compile={"trace_once": True}
     )
@@ -450,28 +467,31 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
     report = json.loads((run_dir / "report.json").read_text())
     assert report["device"]["trace_once"]["state"] == "on"
     assert report["device"]["trace_once"]["beside"] == ["controlnet 0", "controlnet 1"]
-    assert [e["shape_key"] for e in report["warmup"]] == ["64x64 b1 cfg 2 controlnets"]
+    assert [e["shape_key"] for e in report["warmup"]] == [f"64x64 b1 {cfg} 2 controlnets"]
     # The second prompt's units sit out half the steps each: their scales are data, nothing compiles again.
     assert report["compiles_after_warmup"] == 0
     assert [b["transfers_to_host"] for b in report["timed_phase"]["batches"]] == [1, 1]
 
-    base = DiffusionPipeline.from_pretrained(str(builtin_path("tiny-sd")))
-    controlnet = ControlNetModel.from_pretrained(str(builtin_path("tiny-sd-controlnet")))
+    base = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
+    controlnet = getattr(diffusers, family.controlnet_class).from_pretrained(str(builtin_path(f"{model}-controlnet")))
     pipe = AutoPipelineForText2Image.from_pipe(base, controlnet=[controlnet, controlnet])
+    assert type(pipe.controlnet).__name__ == family.multi_controlnet_class
     pipe.set_progress_bar_config(disable=True)
     drawing = np.asarray(Image.open(tmp_path / "drawing.png").convert("RGB"))[:, 16:80]
     canny = Image.fromarray(np.repeat(cv2.Canny(np.ascontiguousarray(drawing), 100, 200)[:, :, None], 3, axis=2))
     controls = [Image.open(tmp_path / "disc.png").convert("RGB"), canny]
     records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
     assert [u["scale"] for u in records[0]["controlnet_units"]] == [1.0, 0.5]
-    for record in records:
+    made = [np.asarray(Image.open(run_dir / r["file"]).convert("RGB"), np.int16) for r in records]
+    for record, image in zip(records, made, strict=True):
         starts = [u["start"] for u in record["controlnet_units"]]
         ends = [u["end"] for u in record["controlnet_units"]]
+        negative = {"negative_prompt": record["negative_prompt"]} if family.negative_prompt else {}
         with torch.no_grad():
             expected = pipe(
                 prompt=record["prompt"],
-                negative_prompt=record["negative_prompt"],
-                image=controls,
+                **negative,
+                **{family.controlnet_image_argument: controls},
                 height=64,
                 width=64,
                 num_inference_steps=record["steps"],
@@ -483,8 +503,22 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
                 output_type="np",
             ).images[0]
         expected = (expected * 255).round().clip(0, 255).astype(np.int16)
-        made = np.asarray(Image.open(run_dir / record["file"]).convert("RGB"), np.int16)
-        assert int(np.abs(made - expected).max()) <= WITHIN, record["file"]
+        assert int(np.abs(image - expected).max()) <= WITHIN, record["file"]
+    # Both ControlNets steer: the second one's scale at 0 gives another image.
+    with torch.no_grad():
+        first_only = pipe(
+            prompt=records[0]["prompt"],
+            **({"negative_prompt": records[0]["negative_prompt"]} if family.negative_prompt else {}),
+            **{family.controlnet_image_argument: controls},
+            height=64,
+            width=64,
+            num_inference_steps=records[0]["steps"],
+            guidance_scale=records[0]["guidance_scale"],
+            generator=torch.Generator("cpu").manual_seed(records[0]["seed"]),
+            controlnet_conditioning_scale=[1.0, 0.0],
+            output_type="np",
+        ).images[0]
+    assert np.abs(made[0] - (first_only * 255).round().astype(np.int16)).mean() > 1
 
 
 def test_a_run_record_holds_the_units_and_a_plain_prompt_as_before(tmp_path):

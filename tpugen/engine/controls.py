@@ -43,13 +43,14 @@ def read_controlnets(model, family, base_dir=None) -> list:
     return found
 
 
-def combined(controlnets: list):
-    """What diffusers' pipelines take as `controlnet`: the one ControlNet, or several as a MultiControlNetModel."""
+def combined(controlnets: list, family):
+    """What diffusers' pipelines take as `controlnet`: the one ControlNet, or several as the family's multi-ControlNet
+    class (MultiControlNetModel, FluxMultiControlNetModel)."""
     if len(controlnets) == 1:
         return controlnets[0]
-    from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+    import diffusers
 
-    return MultiControlNetModel(controlnets)
+    return getattr(diffusers, family.multi_controlnet_class)(controlnets)
 
 
 def install_scale_as_data(controlnets: list, hooks) -> None:

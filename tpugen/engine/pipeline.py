@@ -143,7 +143,7 @@ class LoadedPipeline:
                 "img2img": diffusers.AutoPipelineForImage2Image,
                 "inpaint": diffusers.AutoPipelineForInpainting,
             }[task]
-            extra = {"controlnet": combined(self.controlnets)} if controlled else {}
+            extra = {"controlnet": combined(self.controlnets, self.family)} if controlled else {}
             kind = f"ControlNet {task}" if controlled else task
             try:
                 made = auto.from_pipe(self.pipe, **extra)
@@ -330,8 +330,9 @@ class LoadedPipeline:
         from tpugen.engine.controls import control_image
 
         shape, units = batch.shape, batch.items[0].controls.units
-        # Per row, each unit's image: diffusers' multi-ControlNet txt2img pipeline takes one list per row (and
-        # transposes it); its img2img and inpaint ones take one per ControlNet (MULTI_IMG2IMG: refused at the door).
+        # Per row, each unit's image: SD's multi-ControlNet txt2img pipeline takes one list per row (and transposes
+        # it), Flux.1's one list per ControlNet (Family.multi_control_images_per_controlnet); their img2img and
+        # inpaint ones take one per ControlNet (MULTI_IMG2IMG: refused at the door).
         made: dict = {}  # each distinct unit's control made once (padding rows repeat the last item's units)
 
         def control(unit):
@@ -341,8 +342,14 @@ class LoadedPipeline:
 
         per_row = [[control(unit) for unit in row.controls.units] for row in batch.rows]
         single = len(units) == 1
+        if single:
+            images = [row[0] for row in per_row]
+        elif self.family.multi_control_images_per_controlnet:
+            images = [list(column) for column in zip(*per_row, strict=True)]
+        else:
+            images = per_row
         return {
-            image_key: [images[0] for images in per_row] if single else per_row,
+            image_key: images,
             "controlnet_conditioning_scale": units[0].scale if single else [u.scale for u in units],
             "control_guidance_start": units[0].start if single else [u.start for u in units],
             "control_guidance_end": units[0].end if single else [u.end for u in units],

@@ -173,6 +173,12 @@ class Family:
     controlled_img2img_refusal: str | None = None
     # Why two or more ControlNets at once cannot run for this family (None: they can, as diffusers' multi-ControlNet).
     multi_controlnet_refusal: str | None = None
+    # The diffusers class that runs this family's ControlNets two or more at once (its pipelines' `controlnet`).
+    multi_controlnet_class = "MultiControlNetModel"
+    # How the family's multi-ControlNet txt2img pipeline takes its control images: one list per row, each with an
+    # image per ControlNet (SD's and SDXL's, which transpose it), or one list per ControlNet, each with an image per
+    # row (Flux.1's).
+    multi_control_images_per_controlnet = False
     # Why model.controlnets cannot run for this family (None: they can, through diffusers' ControlNet pipelines
     # made from the loaded components: AutoPipelineFor*.from_pipe(pipe, controlnet=...)).
     controlnet_refusal: str | None = (

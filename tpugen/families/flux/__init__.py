@@ -99,10 +99,8 @@ class Flux(TransformerFamily):
     controlnet_class = "FluxControlNetModel"
     controlnet_image_argument = "control_image"
     controlnet_samples_control_first = True
-    multi_controlnet_refusal = (
-        "one ControlNet at a time so far (diffusers' FluxMultiControlNetModel takes its control images per "
-        "ControlNet, not per prompt, and is not checked on tpugen yet)"
-    )
+    multi_controlnet_class = "FluxMultiControlNetModel"
+    multi_control_images_per_controlnet = True
     controlnets = (
         Builtin(
             "tiny-flux-controlnet",

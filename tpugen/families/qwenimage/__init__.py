@@ -114,7 +114,8 @@ class QwenImage(TransformerFamily):
         "controlled prompt starts from noise"
     )
     multi_controlnet_refusal = (
-        "one ControlNet at a time so far (diffusers' QwenImageMultiControlNetModel is not checked on tpugen yet)"
+        "one ControlNet at a time (diffusers 0.42's QwenImageMultiControlNetModel runs a single ControlNet-Union "
+        "only: it raises for two ControlNets)"
     )
     controlnets = (
         Builtin(
