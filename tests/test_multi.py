@@ -129,3 +129,40 @@ def test_sigterm_stops_every_rank_after_its_batch_and_resume_finishes(tmp_path):
     assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == list(range(10))
     assert json.loads((run_dir / "report.json").read_text())["images_reused"] == len(kept)
     assert_same_images(run_dir, reference, OTHER_DEVICE_COUNT)
+
+
+@pytest.mark.xla
+def test_controlnet_units_on_two_ranks_make_the_images_of_one_chip(tmp_path):
+    """ControlNet in multi mode: each rank (a thread of one process, a device of its own) runs the ControlNets
+    beside its denoiser, its scales kept on its own device, and reads each of its prompts' control images."""
+    from PIL import ImageDraw
+
+    disc = Image.new("RGB", (64, 64))
+    ImageDraw.Draw(disc).ellipse((8, 8, 40, 40), fill=(255, 255, 255))
+    disc.save(tmp_path / "disc.png")
+    prompts = [
+        {"prompt": "a small cat", "control_image": str(tmp_path / "disc.png")},
+        {"prompt": "a small dog", "control_image": str(tmp_path / "disc.png"), "control_module": "invert"},
+        {"prompt": "a small owl", "control_image": str(tmp_path / "disc.png"), "control_scale": 0.5},
+    ]
+    model = {"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}]}
+    one_chip = generate(tmp_path / "single", prompts=prompts, batch_size=1, model=model)
+    proc, run_dir = generate_in_new_process(
+        tmp_path / "multi", prompts=prompts, batch_size=1, model=model, execution={"mode": "multi", "cores": 2}
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert_same_images(run_dir, one_chip, OTHER_DEVICE_COUNT)
+    records = read_manifest(run_dir / "manifest.jsonl")
+    assert [(r["index"], r["rank"]) for r in records] == [(0, 0), (1, 1), (2, 0)]
+    assert [r["controlnet_units"][0]["module"] for r in records] == ["none", "invert", "none"]
+    assert [r["controlnet_units"][0]["scale"] for r in records] == [1.0, 1.0, 0.5]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["complete"] is True and report["compiles_after_warmup"] == 0
+    # Each rank warmed the controlled key; one compiled its 3 graphs (the ControlNet inside the step's), the other
+    # found them in the process's cache.
+    warm = sorted((w["rank"], w["shape_key"], w["compiles"]) for w in report["warmup"])
+    assert [(rank, key) for rank, key, _ in warm] == [
+        (0, "64x64 b1 cfg 1 controlnet"),
+        (1, "64x64 b1 cfg 1 controlnet"),
+    ]
+    assert sorted(compiles for _, _, compiles in warm) == [0, 3]

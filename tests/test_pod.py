@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import sys
@@ -60,6 +61,58 @@ def test_worker_position(pod, env, expected):
 def test_worker_position_out_of_range():
     with pytest.raises(InputError, match="worker index 5 is not below the worker count 4"):
         pod_position(PodConfig(num_workers=4), {"TPU_WORKER_ID": "5"})
+
+
+def test_a_jsonl_prompts_images_are_shipped_by_content_and_named_so(tmp_path, fake_pod):
+    import hashlib
+
+    from tpugen.config.images import shipped_images
+
+    photo, mask = tmp_path / "photo.png", tmp_path / "masks" / "mask.PNG"
+    mask.parent.mkdir()
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(photo)
+    Image.new("L", (64, 64), 255).save(mask, format="PNG")
+    lines = [
+        {"prompt": "a cat", "init_image": "photo.png", "mask_image": "masks/mask.PNG"},
+        {"prompt": "a dog", "init_image": str(photo)},  # the same image by its absolute path: one copy
+        {"prompt": "a plain one"},
+    ]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = tiny_config(tmp_path, output={"dir": str(tmp_path / "out"), "run_id": "podrun"})
+    del config["prompts"]
+    config["prompts_file"] = "p.jsonl"
+    path = write_config(tmp_path / "c.yaml", config)
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--dry-run")
+    assert result.exit_code == 0, result.output
+
+    def name(file: Path) -> str:
+        return f"image-{hashlib.sha256(file.read_bytes()).hexdigest()[:16]}.png"
+
+    staged = sorted(set(re.findall(r"\.pod-staging/(image-[0-9a-f]{16}\.png)", result.output)))
+    assert staged == sorted([name(photo), name(mask)]), result.output
+    shipped, files = shipped_images(lines, tmp_path)
+    assert shipped == [
+        {"prompt": "a cat", "init_image": name(photo), "mask_image": name(mask)},
+        {"prompt": "a dog", "init_image": name(photo)},
+        {"prompt": "a plain one"},
+    ]
+    assert files == {name(photo): photo, name(mask): mask} and lines[0]["init_image"] == "photo.png"
+    # Inline prompts: the shipped config names them so (its dry run prints the same copies).
+    config["prompts"], config["output"]["run_id"] = lines, "inline"
+    del config["prompts_file"]
+    result = run_cli(
+        "pod-run",
+        write_config(tmp_path / "c.yaml", config),
+        "--tpu",
+        "t",
+        "--zone",
+        "us-east5-b",
+        "--workers",
+        "2",
+        "--dry-run",
+    )
+    assert result.exit_code == 0, result.output
+    assert sorted(set(re.findall(r"\.pod-staging/(image-[0-9a-f]{16}\.png)", result.output))) == staged
 
 
 def test_dry_run_prints_every_command_and_runs_none(tmp_path, fake_pod):
@@ -203,6 +256,60 @@ def test_three_worker_pod_makes_each_image_once_like_one_chip(single, tmp_path, 
     assert calls(tmp_path)[0] == ["compute", "tpus", "tpu-vm", "describe", "t", "--format=json", "--zone=us-east5-b"]
     assert not any("pwned" in " ".join(c) for c in calls(tmp_path))
     assert not list(tmp_path.rglob("pwned")) and not Path("pwned").exists()
+
+
+@pytest.mark.xla
+def test_a_pod_ships_each_prompts_images_and_its_controlnet_runs_on_every_worker(tmp_path, fake_pod, monkeypatch):
+    """Control images (and init images) relative to the config reach every worker beside the shipped config,
+    named by content; the images are one chip's."""
+    from PIL import ImageDraw
+
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    disc = Image.new("RGB", (64, 64))
+    ImageDraw.Draw(disc).ellipse((8, 8, 40, 40), fill=(255, 255, 255))
+    prompts = [
+        {"prompt": "a painted cat", "control_image": "disc.png"},
+        {"prompt": "a painted dog", "control_image": "disc.png", "control_module": "invert"},
+    ]
+    model = {"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}]}
+    for folder in (tmp_path / "single", tmp_path / "pod-config"):
+        folder.mkdir()
+        disc.save(folder / "disc.png")
+    one_chip = generate(tmp_path / "single", prompts=prompts, batch_size=1, model=model)
+    # The prompts in a .jsonl file, which is shipped rewritten (inline prompts: the dry-run test above).
+    lines = "".join(json.dumps(prompt) + "\n" for prompt in prompts)
+    (tmp_path / "pod-config" / "prompts.jsonl").write_text(lines)
+    config = tiny_config(tmp_path, batch_size=1, model=model, output={"dir": str(tmp_path / "out"), "run_id": "p"})
+    del config["prompts"]
+    config["prompts_file"] = "prompts.jsonl"
+    result = run_cli(
+        "pod-run",
+        write_config(tmp_path / "pod-config" / "c.yaml", config),
+        "--tpu",
+        "t",
+        "--zone",
+        "us-east5-b",
+        "--quiet",
+    )
+    assert result.exit_code == 0, result.output
+    run_dir = tmp_path / "out" / "p"
+    records = read_manifest(run_dir / "manifest.jsonl")
+    assert [(r["index"], r["worker"]) for r in records] == [(0, 0), (1, 1)]
+    assert [r["controlnet_units"][0]["module"] for r in records] == ["none", "invert"]
+    for record in records:
+        made = np.asarray(Image.open(run_dir / record["file"]).convert("RGB"), np.int16)
+        name = record["file"].rsplit("/", 1)[-1]
+        expected = np.asarray(Image.open(one_chip / name).convert("RGB"), np.int16)
+        assert np.abs(made - expected).max() <= OTHER_DEVICE_COUNT, name
+    # One copy of the image (both prompts name it), beside the config every worker got, which names it so.
+    shipped = [c for c in calls(tmp_path) if c[:4] == ["compute", "tpus", "tpu-vm", "scp"]]
+    images = sorted({Path(c[4]).name for c in shipped if Path(c[4]).name.startswith("image-")})
+    assert len(images) == 1 and images[0].endswith(".png"), shipped
+    for worker in (0, 1):
+        [image] = (fake_pod / f"worker-{worker}").rglob("image-*")
+        assert image.name == images[0] and image.read_bytes() == (tmp_path / "single" / "disc.png").read_bytes()
+        shipped_prompts = (image.parent / "prompts.jsonl").read_text()
+        assert images[0] in shipped_prompts and "disc.png" not in shipped_prompts
 
 
 @pytest.mark.xla

@@ -155,3 +155,41 @@ def sha256_of(path: str) -> str | None:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return None
+
+
+# ---------------------------------------------------------------- input images for other machines
+
+# A prompt's input images, each a path relative to the config's folder (or a list of them: references, the
+# control images of several ControlNets).
+IMAGE_KEYS = ("init_image", "mask_image", "reference_images", "control_image")
+
+
+def shipped_images(entries: list, base_dir: Path) -> tuple[list, dict[str, Path]]:
+    """The prompt entries as pod-run ships them, each input image (init and mask images, references, control
+    images) named by a file beside the shipped config, and those names with the local files they are copies of.
+    A name is the image's content, `image-<16 hex of its sha256><suffix>`: one file for an image two prompts name,
+    and nothing a worker's shell reads as anything else (gcloud scp hands the remote path to it). The records' and
+    the config hash's sha256 of each image stay what they were. Entries without images are left as they are."""
+    files: dict[str, Path] = {}
+
+    def ship(value: str) -> str:
+        path = Path(value).expanduser()
+        path = path if path.is_absolute() else base_dir / path
+        suffix = path.suffix.lower()
+        suffix = suffix if suffix[1:].isalnum() and suffix[1:].isascii() and len(suffix) <= 6 else ""
+        name = f"image-{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}{suffix}"
+        files[name] = path
+        return name
+
+    shipped = []
+    for entry in entries:
+        if isinstance(entry, dict) and any(key in entry for key in IMAGE_KEYS):
+            entry = dict(entry)
+            for key in IMAGE_KEYS:
+                value = entry.get(key)
+                if isinstance(value, str):
+                    entry[key] = ship(value)
+                elif isinstance(value, list):
+                    entry[key] = [ship(item) for item in value]
+        shipped.append(entry)
+    return shipped, files

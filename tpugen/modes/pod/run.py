@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,7 +34,9 @@ def run_pod(
     With `resume_id`, the workers continue that run's folders, each keeping the images it finished."""
     from tpugen.config import dump_config
     from tpugen.config.embeddings import shipped_embeddings
+    from tpugen.config.images import shipped_images
     from tpugen.config.loras import shipped_loras
+    from tpugen.config.prompts import read_prompt_file
     from tpugen.engine.session import make_run_dir, read_run_record, run_id_for, write_run_record
     from tpugen.outputs.files import atomic_write_text
     from tpugen.outputs.manifest import rewrite_manifest
@@ -77,13 +80,30 @@ def run_pod(
     # Each local LoRA file goes beside the shipped config, which names it by its file name (its sha256 pin stays).
     lora_files = shipped_loras(config, run.loras)
     lora_files += shipped_embeddings(config, run.embeddings, {path.name for path in lora_files})  # named so too
+    # Each prompt's input images (init, mask, references, control images) go beside it too, named by content; a
+    # .jsonl prompts file that names any is shipped rewritten so.
+    base_dir = Path(run.base_dir or ".")
+    prompt_lines = None
+    if config.prompts is not None:
+        config.prompts, image_files = shipped_images(config.prompts, base_dir)
+    elif run.config.prompts_file and Path(run.config.prompts_file).suffix == ".jsonl":
+        entries = [
+            {k: v for k, v in entry.items() if k != "_line"}
+            for entry in read_prompt_file(Path(run.config.prompts_file), [])  # checked when the config was loaded
+        ]
+        shipped_entries, image_files = shipped_images(entries, base_dir)
+        if image_files:
+            prompt_lines = "".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in shipped_entries)
+    else:
+        image_files = {}
+    staged_images = [staging / name for name in image_files]
     plan = plan_pod(
         pod,
         workers=workers,
         remote_dir=remote_dir,
         run_id=run_id,
         local_run=local_run,
-        staged=[*staged, *lora_files],
+        staged=[*staged, *lora_files, *staged_images],
         tpugen=tpugen,
         gather=gather,
         bucket=bucket,
@@ -110,8 +130,12 @@ def run_pod(
         staging_made = True  # past make_run_dir, which refuses a run directory in use without touching it
         staging.mkdir(exist_ok=True)
         atomic_write_text(staged[0], dump_config(config))
-        if len(staged) > 1:
+        if len(staged) > 1 and prompt_lines is not None:
+            atomic_write_text(staged[1], prompt_lines)
+        elif len(staged) > 1:
             shutil.copyfile(run.config.prompts_file, staged[1])
+        for name, source in image_files.items():
+            shutil.copyfile(source, staging / name)
         for command in plan.prepare:
             done = _call(command, display)
             if done.returncode:
