@@ -59,6 +59,16 @@ OTHER_GRAPH = 1  # the same computation traced as another graph (scanned blocks,
 COMPILED_VS_EAGER = 2  # a compiled graph (XLA:CPU, or inductor) against eager PyTorch on the CPU
 
 
+def save_disc(path: Path) -> Path:
+    """A control image at `path`: a white disc on black, 64x64, upper left."""
+    from PIL import ImageDraw
+
+    disc = Image.new("RGB", (64, 64))
+    ImageDraw.Draw(disc).ellipse((8, 8, 40, 40), fill=(255, 255, 255))
+    disc.save(path)
+    return path
+
+
 def assert_same_images(run_dir: Path, reference: Path, max_diff: int, names: list[str] | None = None) -> None:
     """The images of `run_dir` are those of `reference` (the same file names, pixels within `max_diff`)."""
     expected = sorted(p.name for p in reference.glob("[0-9]*.png")) if names is None else sorted(names)

@@ -22,6 +22,7 @@ from conftest import (
     forked_tpugen,
     generate,
     run_cli,
+    save_disc,
     tiny_config,
     write_config,
 )
@@ -267,11 +268,7 @@ def test_two_workers_make_the_images_of_one_chip(ray_cluster, single, tmp_path):
 def test_controlnet_units_on_a_ray_worker_make_the_images_of_one_chip(ray_cluster, tmp_path):
     """ControlNet on Ray: the worker loads model.controlnets beside the pipeline and reads the control images, and
     the images are one chip's (one worker: the two-worker split is the tests' above, and each worker compiles)."""
-    from PIL import Image, ImageDraw
-
-    disc = Image.new("RGB", (64, 64))
-    ImageDraw.Draw(disc).ellipse((8, 8, 40, 40), fill=(255, 255, 255))
-    disc.save(tmp_path / "disc.png")
+    save_disc(tmp_path / "disc.png")
     prompts = [
         {"prompt": "a small cat", "control_image": str(tmp_path / "disc.png")},
         {"prompt": "a small dog", "control_image": str(tmp_path / "disc.png"), "control_module": "invert"},

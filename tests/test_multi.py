@@ -14,6 +14,7 @@ from conftest import (
     forked_tpugen,
     generate,
     generate_in_new_process,
+    save_disc,
     sigterm_after_a_rank_image,
     tiny_config,
     write_config,
@@ -135,11 +136,7 @@ def test_sigterm_stops_every_rank_after_its_batch_and_resume_finishes(tmp_path):
 def test_controlnet_units_on_two_ranks_make_the_images_of_one_chip(tmp_path):
     """ControlNet in multi mode: each rank (a thread of one process, a device of its own) runs the ControlNets
     beside its denoiser, its scales kept on its own device, and reads each of its prompts' control images."""
-    from PIL import ImageDraw
-
-    disc = Image.new("RGB", (64, 64))
-    ImageDraw.Draw(disc).ellipse((8, 8, 40, 40), fill=(255, 255, 255))
-    disc.save(tmp_path / "disc.png")
+    save_disc(tmp_path / "disc.png")
     prompts = [
         {"prompt": "a small cat", "control_image": str(tmp_path / "disc.png")},
         {"prompt": "a small dog", "control_image": str(tmp_path / "disc.png"), "control_module": "invert"},

@@ -12,7 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FORKED_TPUGEN, OTHER_DEVICE_COUNT, forked_tpugen, generate, run_cli, tiny_config, write_config
+from conftest import (
+    FORKED_TPUGEN,
+    OTHER_DEVICE_COUNT,
+    forked_tpugen,
+    generate,
+    run_cli,
+    save_disc,
+    tiny_config,
+    write_config,
+)
 from PIL import Image
 
 from tpugen.config import PodConfig
@@ -63,6 +72,11 @@ def test_worker_position_out_of_range():
         pod_position(PodConfig(num_workers=4), {"TPU_WORKER_ID": "5"})
 
 
+def dry_run(path: Path):
+    """`tpugen pod-run PATH --dry-run` on a two-worker pod: what it prints, nothing run."""
+    return run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--dry-run")
+
+
 def test_a_jsonl_prompts_images_are_shipped_by_content_and_named_so(tmp_path, fake_pod):
     import hashlib
 
@@ -82,7 +96,7 @@ def test_a_jsonl_prompts_images_are_shipped_by_content_and_named_so(tmp_path, fa
     del config["prompts"]
     config["prompts_file"] = "p.jsonl"
     path = write_config(tmp_path / "c.yaml", config)
-    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--dry-run")
+    result = dry_run(path)
     assert result.exit_code == 0, result.output
 
     def name(file: Path) -> str:
@@ -100,17 +114,7 @@ def test_a_jsonl_prompts_images_are_shipped_by_content_and_named_so(tmp_path, fa
     # Inline prompts: the shipped config names them so (its dry run prints the same copies).
     config["prompts"], config["output"]["run_id"] = lines, "inline"
     del config["prompts_file"]
-    result = run_cli(
-        "pod-run",
-        write_config(tmp_path / "c.yaml", config),
-        "--tpu",
-        "t",
-        "--zone",
-        "us-east5-b",
-        "--workers",
-        "2",
-        "--dry-run",
-    )
+    result = dry_run(write_config(tmp_path / "c.yaml", config))
     assert result.exit_code == 0, result.output
     assert sorted(set(re.findall(r"\.pod-staging/(image-[0-9a-f]{16}\.png)", result.output))) == staged
 
@@ -262,11 +266,7 @@ def test_three_worker_pod_makes_each_image_once_like_one_chip(single, tmp_path, 
 def test_a_pod_ships_each_prompts_images_and_its_controlnet_runs_on_every_worker(tmp_path, fake_pod, monkeypatch):
     """Control images (and init images) relative to the config reach every worker beside the shipped config,
     named by content; the images are one chip's."""
-    from PIL import ImageDraw
-
     monkeypatch.setenv("FAKE_POD_WORKERS", "2")
-    disc = Image.new("RGB", (64, 64))
-    ImageDraw.Draw(disc).ellipse((8, 8, 40, 40), fill=(255, 255, 255))
     prompts = [
         {"prompt": "a painted cat", "control_image": "disc.png"},
         {"prompt": "a painted dog", "control_image": "disc.png", "control_module": "invert"},
@@ -274,7 +274,7 @@ def test_a_pod_ships_each_prompts_images_and_its_controlnet_runs_on_every_worker
     model = {"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}]}
     for folder in (tmp_path / "single", tmp_path / "pod-config"):
         folder.mkdir()
-        disc.save(folder / "disc.png")
+        save_disc(folder / "disc.png")
     one_chip = generate(tmp_path / "single", prompts=prompts, batch_size=1, model=model)
     # The prompts in a .jsonl file, which is shipped rewritten (inline prompts: the dry-run test above).
     lines = "".join(json.dumps(prompt) + "\n" for prompt in prompts)
