@@ -23,7 +23,8 @@ WITHIN = 2
 
 def _control_images(tmp_path) -> None:
     """disc.png (a white disc on black, low left), drawing.png (black strokes on white), photo.png (noise with a
-    red square: an init image), sdxl-controlnet/ (an SDXL ControlNet's config, no weights)."""
+    red square: an init image), mask.png (its left part repainted), sdxl-controlnet/ (an SDXL ControlNet's config,
+    no weights)."""
     disc = Image.new("RGB", (64, 64))
     ImageDraw.Draw(disc).ellipse((8, 30, 30, 52), fill=(255, 255, 255))
     disc.save(tmp_path / "disc.png")
@@ -37,6 +38,9 @@ def _control_images(tmp_path) -> None:
     photo = (rng.random((64, 64, 3)) * 255).astype(np.uint8)
     photo[16:48, 16:48] = (220, 30, 30)
     Image.fromarray(photo).save(tmp_path / "photo.png")
+    mask = Image.new("L", (64, 64), 0)
+    ImageDraw.Draw(mask).rectangle((0, 0, 40, 63), fill=255)  # repaint the left part
+    mask.save(tmp_path / "mask.png")
 
 
 def _config(tmp_path, prompts, **overrides) -> dict:
@@ -236,14 +240,24 @@ def test_units_plan_hash_and_parameters(tmp_path):
 
 
 def _diffusers_controlled(
-    record: dict, control: Image.Image, init: Image.Image | None = None, model: str = "tiny-sd"
+    record: dict,
+    control: Image.Image,
+    init: Image.Image | None = None,
+    model: str = "tiny-sd",
+    mask: Image.Image | None = None,
 ) -> np.ndarray:
-    """The image diffusers' own ControlNet pipeline (txt2img, or img2img from `init`) makes on the CPU, eager and
-    unpatched, from the record's prompt, seed and settings, with `control` as its control image; `model`'s
-    built-in ControlNet is `model`-controlnet."""
+    """The image diffusers' own ControlNet pipeline (txt2img, img2img from `init`, or inpainting of `init` under
+    `mask`) makes on the CPU, eager and unpatched, from the record's prompt, seed and settings, with `control` as
+    its control image; `model`'s built-in ControlNet is `model`-controlnet. The unit's scale is always passed: SD's
+    ControlNet inpainting pipeline's default is 0.5, not 1."""
     import diffusers
     import torch
-    from diffusers import AutoPipelineForImage2Image, AutoPipelineForText2Image, DiffusionPipeline
+    from diffusers import (
+        AutoPipelineForImage2Image,
+        AutoPipelineForInpainting,
+        AutoPipelineForText2Image,
+        DiffusionPipeline,
+    )
 
     from tpugen.families import CONTROLNETS
     from tpugen.tiny import builtin_path
@@ -252,7 +266,7 @@ def _diffusers_controlled(
     base = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
     controlnet_class = getattr(diffusers, family.controlnet_class)
     controlnet = controlnet_class.from_pretrained(str(builtin_path(f"{model}-controlnet")))
-    auto = AutoPipelineForImage2Image if init is not None else AutoPipelineForText2Image
+    auto = AutoPipelineForInpainting if mask else AutoPipelineForImage2Image if init else AutoPipelineForText2Image
     pipe = auto.from_pipe(base, controlnet=controlnet)
     pipe.set_progress_bar_config(disable=True)
     unit = record["controlnet_units"][0]
@@ -262,6 +276,8 @@ def _diffusers_controlled(
         if init
         else {family.controlnet_image_argument: control}
     )
+    if mask:
+        images["mask_image"] = mask
     with torch.no_grad():
         made = pipe(
             prompt=record["prompt"],
@@ -388,6 +404,15 @@ def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(tmp_pa
         prompts.append(
             {"prompt": "a red square", "init_image": "photo.png", "strength": 0.7, "control_image": "disc.png"}
         )
+        prompts.append(
+            {
+                "prompt": "a blue circle",
+                "init_image": "photo.png",
+                "mask_image": "mask.png",
+                "strength": 0.8,
+                "control_image": "disc.png",
+            }
+        )
     controlled = {"id": model, "controlnets": [{"id": f"{model}-controlnet"}]}
     proc, run_dir = generate_in_new_process(
         tmp_path, model=controlled, prompts=prompts, batch_size=1, guidance_scale=guidance
@@ -413,6 +438,12 @@ def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(tmp_pa
             "later denoising steps": 0,
             "decoding": 0,
         }
+        expected[f"64x64 b1 {cfg} inpaint 1 controlnet"] = {
+            "text encoding": 1,
+            "first denoising step": 1,
+            "later denoising steps": 1,
+            "decoding": 0,
+        }
     assert warm == expected, warm
     batches = report["timed_phase"]["batches"]
     assert [b["transfers_to_host"] for b in batches] == [1] * len(prompts)
@@ -420,8 +451,15 @@ def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(tmp_pa
     records = [json.loads(line) for line in (run_dir / "manifest.jsonl").read_text().splitlines()]
     disc = Image.open(tmp_path / "disc.png").convert("RGB")
     photo = Image.open(tmp_path / "photo.png").convert("RGB")
+    mask = Image.open(tmp_path / "mask.png")
     expected_images = [
-        _diffusers_controlled(record, disc, photo if "init_image" in prompt else None, model=model)
+        _diffusers_controlled(
+            record,
+            disc,
+            photo if "init_image" in prompt else None,
+            model=model,
+            mask=mask if "mask_image" in prompt else None,
+        )
         for record, prompt in zip(records, prompts, strict=True)
     ]
     made = [np.asarray(Image.open(run_dir / r["file"]).convert("RGB"), np.int16) for r in records]
