@@ -559,6 +559,42 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
     assert np.abs(made[0] - (first_only * 255).round().astype(np.int16)).mean() > 1
 
 
+@pytest.mark.parametrize(("model", "per_controlnet"), [("tiny-sd", False), ("tiny-flux", True)])
+def test_two_rows_of_two_units_reach_the_pipeline_in_its_own_layout(tmp_path, model, per_controlnet):
+    """SD's multi-ControlNet txt2img pipeline takes a list per row, Flux.1's a list per ControlNet: with two rows
+    and two ControlNets (the square case, where a wrong layout would swap images silently), each image lands where
+    the family's pipeline reads it."""
+    from types import SimpleNamespace
+
+    from tpugen.engine.pipeline import LoadedPipeline
+    from tpugen.families import CONTROLNETS
+
+    colours = {(row, unit): (60 * row + 20 * unit + 10, 0, 0) for row in (0, 1) for unit in (0, 1)}
+    for (row, unit), colour in colours.items():
+        Image.new("RGB", (64, 64), colour).save(tmp_path / f"r{row}u{unit}.png")
+    controlnet = f"{model}-controlnet"
+    config = _config(
+        tmp_path,
+        [{"prompt": f"prompt {row}", "control_image": [f"r{row}u0.png", f"r{row}u1.png"]} for row in (0, 1)],
+    )
+    config["model"] = {"id": model, "controlnets": [{"id": controlnet}, {"id": controlnet}]}
+    config["batch_size"] = 2
+    run = load_config(write_config(tmp_path / "run.yaml", config))
+    [batch] = plan_run(run).batches
+    family = CONTROLNETS[controlnet][1]
+    assert family.multi_control_images_per_controlnet is per_controlnet
+    loaded = SimpleNamespace(family=family)
+    images = LoadedPipeline._control_arguments(loaded, batch, "image")["image"]
+
+    def red(image) -> int:
+        return int(np.asarray(image)[0, 0, 0])
+
+    if per_controlnet:
+        assert [[red(image) for image in column] for column in images] == [[10, 70], [30, 90]]
+    else:
+        assert [[red(image) for image in row] for row in images] == [[10, 30], [70, 90]]
+
+
 def test_a_run_record_holds_the_units_and_a_plain_prompt_as_before(tmp_path):
     from tpugen.engine.session import _prompts_data, recorded_prompts
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-import re
 import shlex
 import shutil
 import sys
@@ -77,7 +77,7 @@ def dry_run(path: Path):
     return run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2", "--dry-run")
 
 
-def test_a_jsonl_prompts_images_are_shipped_by_content_and_named_so(tmp_path, fake_pod):
+def test_a_jsonl_prompts_images_are_shipped_by_content_in_one_folder(tmp_path, fake_pod):
     import hashlib
 
     from tpugen.config.images import shipped_images
@@ -95,28 +95,60 @@ def test_a_jsonl_prompts_images_are_shipped_by_content_and_named_so(tmp_path, fa
     config = tiny_config(tmp_path, output={"dir": str(tmp_path / "out"), "run_id": "podrun"})
     del config["prompts"]
     config["prompts_file"] = "p.jsonl"
-    path = write_config(tmp_path / "c.yaml", config)
-    result = dry_run(path)
-    assert result.exit_code == 0, result.output
+    for run_id in ("podrun", "inline"):
+        if run_id == "inline":  # the same prompts in the config: shipped the same way
+            config["prompts"], config["output"]["run_id"] = lines, "inline"
+            del config["prompts_file"]
+        result = dry_run(write_config(tmp_path / "c.yaml", config))
+        assert result.exit_code == 0, result.output
+        # One copy of the whole folder (none left from an earlier try), removed on each worker once its run
+        # ends so that gathering brings no input back.
+        staging, remote = tmp_path / "out" / run_id / ".pod-staging", f"tpugen-pod/{run_id}"
+        copies = [line for line in result.output.splitlines() if "/.pod-staging/images" in line]
+        assert copies == [
+            f"gcloud compute tpus tpu-vm scp --recurse {staging}/images t:{remote}/images --worker=all "
+            "--zone=us-east5-b"
+        ], result.output
+        assert f"--command=mkdir -p {remote} && rm -rf {remote}/images" in result.output
+        assert result.output.count("rm -rf images; tail") == 2
 
     def name(file: Path) -> str:
         return f"image-{hashlib.sha256(file.read_bytes()).hexdigest()[:16]}.png"
 
-    staged = sorted(set(re.findall(r"\.pod-staging/(image-[0-9a-f]{16}\.png)", result.output)))
-    assert staged == sorted([name(photo), name(mask)]), result.output
-    shipped, files = shipped_images(lines, tmp_path)
+    shipped, files = shipped_images(lines, tmp_path, {}, "images")
     assert shipped == [
-        {"prompt": "a cat", "init_image": name(photo), "mask_image": name(mask)},
-        {"prompt": "a dog", "init_image": name(photo)},
+        {"prompt": "a cat", "init_image": f"images/{name(photo)}", "mask_image": f"images/{name(mask)}"},
+        {"prompt": "a dog", "init_image": f"images/{name(photo)}"},
         {"prompt": "a plain one"},
     ]
     assert files == {name(photo): photo, name(mask): mask} and lines[0]["init_image"] == "photo.png"
-    # Inline prompts: the shipped config names them so (its dry run prints the same copies).
-    config["prompts"], config["output"]["run_id"] = lines, "inline"
-    del config["prompts_file"]
-    result = dry_run(write_config(tmp_path / "c.yaml", config))
-    assert result.exit_code == 0, result.output
-    assert sorted(set(re.findall(r"\.pod-staging/(image-[0-9a-f]{16}\.png)", result.output))) == staged
+    # The sha256 the config's check read names the file: it is not read again.
+    shipped, files = shipped_images(lines[1:2], tmp_path, {str(photo.resolve()): "f" * 64}, "images")
+    assert shipped[0]["init_image"] == f"images/image-{'f' * 16}.png" and files == {f"image-{'f' * 16}.png": photo}
+
+
+def test_an_image_changed_since_the_check_is_one_line_and_nothing_reaches_a_worker(tmp_path, fake_pod, monkeypatch):
+    import tpugen.modes.pod.run as pod_run
+
+    monkeypatch.setenv("FAKE_POD_WORKERS", "2")
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(tmp_path / "photo.png")
+    prompts = [{"prompt": "a cat", "init_image": "photo.png"}]
+    config = tiny_config(tmp_path, prompts=prompts, output={"dir": str(tmp_path / "out"), "run_id": "p"})
+    path = write_config(tmp_path / "c.yaml", config)
+    real_copy = shutil.copyfile
+
+    def copy_of_a_changed_file(source, target):  # the file as it is after the check read it
+        real_copy(source, target)
+        if Path(target).name.startswith("image-"):
+            Path(target).write_bytes(b"changed")
+
+    monkeypatch.setattr(pod_run.shutil, "copyfile", copy_of_a_changed_file)
+    result = run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--workers", "2")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        f"error: {str(tmp_path / 'photo.png')!r} changed since the config was checked; run pod-run again"
+    )
+    assert not (tmp_path / "gcloud.log").exists() and not (tmp_path / "out" / "p" / ".pod-staging").exists()
 
 
 def test_dry_run_prints_every_command_and_runs_none(tmp_path, fake_pod):
@@ -301,15 +333,16 @@ def test_a_pod_ships_each_prompts_images_and_its_controlnet_runs_on_every_worker
         name = record["file"].rsplit("/", 1)[-1]
         expected = np.asarray(Image.open(one_chip / name).convert("RGB"), np.int16)
         assert np.abs(made - expected).max() <= OTHER_DEVICE_COUNT, name
-    # One copy of the image (both prompts name it), beside the config every worker got, which names it so.
-    shipped = [c for c in calls(tmp_path) if c[:4] == ["compute", "tpus", "tpu-vm", "scp"]]
-    images = sorted({Path(c[4]).name for c in shipped if Path(c[4]).name.startswith("image-")})
-    assert len(images) == 1 and images[0].endswith(".png"), shipped
+    # One copy of the images' folder (both prompts name one image) beside the config every worker got, which
+    # names it by content; each worker removed it once its run ended, so nothing came back with the gathering.
+    copies = [c for c in calls(tmp_path) if c[:5] == ["compute", "tpus", "tpu-vm", "scp", "--recurse"]]
+    assert [Path(c[5]).name for c in copies if "--worker=all" in c] == ["images"], copies
+    disc = f"images/image-{hashlib.sha256((tmp_path / 'single' / 'disc.png').read_bytes()).hexdigest()[:16]}.png"
     for worker in (0, 1):
-        [image] = (fake_pod / f"worker-{worker}").rglob("image-*")
-        assert image.name == images[0] and image.read_bytes() == (tmp_path / "single" / "disc.png").read_bytes()
-        shipped_prompts = (image.parent / "prompts.jsonl").read_text()
-        assert images[0] in shipped_prompts and "disc.png" not in shipped_prompts
+        [shipped_prompts] = (fake_pod / f"worker-{worker}").glob("*/*/prompts.jsonl")
+        assert disc in shipped_prompts.read_text() and 'disc.png"' not in shipped_prompts.read_text()
+        assert not list((fake_pod / f"worker-{worker}").rglob("image-*"))
+    assert not list(run_dir.rglob("image-*"))
 
 
 @pytest.mark.xla

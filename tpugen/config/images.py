@@ -164,22 +164,24 @@ def sha256_of(path: str) -> str | None:
 IMAGE_KEYS = ("init_image", "mask_image", "reference_images", "control_image")
 
 
-def shipped_images(entries: list, base_dir: Path) -> tuple[list, dict[str, Path]]:
+def shipped_images(entries: list, base_dir: Path, known: dict[str, str], folder: str) -> tuple[list, dict[str, Path]]:
     """The prompt entries as pod-run ships them, each input image (init and mask images, references, control
-    images) named by a file beside the shipped config, and those names with the local files they are copies of.
-    A name is the image's content, `image-<16 hex of its sha256><suffix>`: one file for an image two prompts name,
-    and nothing a worker's shell reads as anything else (gcloud scp hands the remote path to it). The records' and
-    the config hash's sha256 of each image stay what they were. Entries without images are left as they are."""
+    images) named by a file in `folder` beside the shipped config, and those files' names with the local files they
+    are copies of. A name is the image's content, `image-<16 hex of its sha256><suffix>`, by the sha256 the config's
+    check read (`known`: resolved path -> sha256, so one image named by 10,000 prompts is not read again): one file
+    for an image two prompts name, nothing a worker's shell reads as anything else, and the records' and the config
+    hash's sha256 of each image what they were. Entries without images are left as they are."""
     files: dict[str, Path] = {}
 
     def ship(value: str) -> str:
         path = Path(value).expanduser()
         path = path if path.is_absolute() else base_dir / path
+        sha256 = known.get(str(path.resolve())) or hashlib.sha256(path.read_bytes()).hexdigest()
         suffix = path.suffix.lower()
         suffix = suffix if suffix[1:].isalnum() and suffix[1:].isascii() and len(suffix) <= 6 else ""
-        name = f"image-{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}{suffix}"
+        name = f"image-{sha256[:16]}{suffix}"
         files[name] = path
-        return name
+        return f"{folder}/{name}"
 
     shipped = []
     for entry in entries:

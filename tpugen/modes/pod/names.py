@@ -12,6 +12,7 @@ WORKER_LOG = "worker.log"
 WORKER_STATUS = "worker.status"
 WORKER_RUN = "run"  # the worker's own run directory, inside its pod-run folder
 STAGING = ".pod-staging"
+SHIPPED_IMAGES = "images"  # the prompts' input images, shipped in one folder beside the config
 # gcloud scp hands NAME:PATH to a shell on the worker, which no local quoting reaches: remote folders hold
 # only characters that shell leaves alone.
 REMOTE_DIR_RULE = (
@@ -71,6 +72,10 @@ class Pod:
 
     def scp_to_all(self, local: Path, remote: str) -> list[str]:
         return self._gcloud("scp", str(local), f"{self.tpu}:{remote}", "--worker=all")
+
+    def scp_folder_to_all(self, local: Path, remote: str) -> list[str]:
+        """A whole folder, one call: `remote` (which must not exist) becomes its copy on every worker."""
+        return self._gcloud("scp", "--recurse", str(local), f"{self.tpu}:{remote}", "--worker=all")
 
     def scp_from(self, worker: int, remote: str, local: Path) -> list[str]:
         return self._gcloud("scp", "--recurse", f"{self.tpu}:{remote}", str(local), f"--worker={worker}")

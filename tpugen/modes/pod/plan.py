@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpugen.modes.pod.gather import gathering_folder
-from tpugen.modes.pod.names import WORKER_LOG, WORKER_RUN, WORKER_STATUS, Pod
+from tpugen.modes.pod.names import SHIPPED_IMAGES, WORKER_LOG, WORKER_RUN, WORKER_STATUS, Pod
 
 
 def _command_word(path: str) -> str:
@@ -16,11 +16,18 @@ def _command_word(path: str) -> str:
 
 
 def worker_command(
-    remote_run: str, worker: int, num_workers: int, tpugen: str = "tpugen", upload: str | None = None
+    remote_run: str,
+    worker: int,
+    num_workers: int,
+    tpugen: str = "tpugen",
+    upload: str | None = None,
+    images: bool = False,
 ) -> str:
     """What worker `worker` runs: its share of the run, its output kept in worker.log, its exit status in
     worker.status (so a failed worker is named after gathering), and the log's last lines echoed.
     With `upload` (gs://bucket/prefix/RUN_ID), the worker then copies its folder to upload/worker-WORKER/.
+    With `images` (the prompts' input images shipped in SHIPPED_IMAGES), that folder is removed once the run
+    ends, so that no gathering or upload copies every input back from every worker (a resume ships it again).
 
     pod-run gives every worker its index here, the one it gathers that worker's folder by: a worker never
     guesses it (a TPU VM's ssh session has no TPU_WORKER_ID), so a worker that fails before its report still
@@ -43,9 +50,9 @@ def worker_command(
             f"$([ -f {WORKER_RUN}/config.yaml ] && echo --resume {WORKER_RUN})",
         ]
     )
-    upload_step = ""
+    upload_step = f"rm -rf {SHIPPED_IMAGES}; " if images else ""
     if upload:
-        upload_step = f"gcloud storage cp -r ./* {q(f'{upload}/worker-{worker}/')} > upload.log 2>&1 || status=1; "
+        upload_step += f"gcloud storage cp -r ./* {q(f'{upload}/worker-{worker}/')} > upload.log 2>&1 || status=1; "
     return (
         f"cd {q(remote_run)} && {{ {generate} > {WORKER_LOG} 2>&1; status=$?; echo $status > {WORKER_STATUS}; "
         f"{upload_step}tail -n 5 {WORKER_LOG}; exit $status; }}"
@@ -79,12 +86,18 @@ def plan_pod(
     tpugen: str = "tpugen",
     gather: bool = True,
     bucket: str | None = None,
+    images: Path | None = None,
 ) -> PodPlan:
     """`remote_dir` as remote_base gives it. With `bucket` (output.dir: gs://...), workers upload there and
-    gathering downloads from there into `local_run`, a scratch folder."""
+    gathering downloads from there into `local_run`, a scratch folder. With `images`, the local folder of the
+    prompts' input images, shipped whole in one copy (one left by an earlier try is removed first)."""
     remote_run = f"{remote_dir.rstrip('/')}/{run_id}"
-    prepare = [pod.ssh_all(f"mkdir -p {shlex.quote(remote_run)}")]
+    q = shlex.quote
+    make = f"mkdir -p {q(remote_run)}" + (f" && rm -rf {q(f'{remote_run}/{SHIPPED_IMAGES}')}" if images else "")
+    prepare = [pod.ssh_all(make)]
     prepare += [pod.scp_to_all(path, f"{remote_run}/{path.name}") for path in staged]
+    if images:
+        prepare.append(pod.scp_folder_to_all(images, f"{remote_run}/{SHIPPED_IMAGES}"))
     upload = f"{bucket.rstrip('/')}/{run_id}" if bucket else None
     if not gather:
         gathers = []
@@ -95,5 +108,8 @@ def plan_pod(
     finish = []
     if upload and gather:
         finish = [pod.storage_cp(*(f"{local_run}/{name}" for name in POD_REPORT_FILES), f"{upload}/")]
-    runs = [pod.ssh(i, worker_command(remote_run, i, workers, tpugen, upload)) for i in range(workers)]
+    runs = [
+        pod.ssh(i, worker_command(remote_run, i, workers, tpugen, upload, images=images is not None))
+        for i in range(workers)
+    ]
     return PodPlan(prepare, runs, gathers, finish)

@@ -10,7 +10,7 @@ from pathlib import Path
 from tpugen.errors import InputError, RunError
 from tpugen.modes.pod.gather import adopt_gathered, fold_in, folding_folder, gathering_folder
 from tpugen.modes.pod.gcloud import _call, _call_all, _gcloud_path, _last_line, count_workers, step_failure
-from tpugen.modes.pod.names import STAGING, WORKER_RUN, Pod, remote_base
+from tpugen.modes.pod.names import SHIPPED_IMAGES, STAGING, WORKER_RUN, Pod, remote_base
 from tpugen.modes.pod.plan import plan_pod
 from tpugen.modes.pod.report import merge_workers, pod_report
 from tpugen.modes.pod.resume import _already_complete, check_pod_resumable, resume_run_id
@@ -83,27 +83,28 @@ def run_pod(
     # Each prompt's input images (init, mask, references, control images) go beside it too, named by content; a
     # .jsonl prompts file that names any is shipped rewritten so.
     base_dir = Path(run.base_dir or ".")
+    known = {path: sha256 for prompt in run.prompts for _, path, sha256 in prompt.files()}
     prompt_lines = None
+    image_files: dict[str, Path] = {}
     if config.prompts is not None:
-        config.prompts, image_files = shipped_images(config.prompts, base_dir)
+        config.prompts, image_files = shipped_images(config.prompts, base_dir, known, SHIPPED_IMAGES)
     elif run.config.prompts_file and Path(run.config.prompts_file).suffix == ".jsonl":
         entries = [
             {k: v for k, v in entry.items() if k != "_line"}
             for entry in read_prompt_file(Path(run.config.prompts_file), [])  # checked when the config was loaded
         ]
-        shipped_entries, image_files = shipped_images(entries, base_dir)
+        shipped_entries, image_files = shipped_images(entries, base_dir, known, SHIPPED_IMAGES)
         if image_files:
             prompt_lines = "".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in shipped_entries)
-    else:
-        image_files = {}
-    staged_images = [staging / name for name in image_files]
+    images_folder = staging / SHIPPED_IMAGES if image_files else None
     plan = plan_pod(
         pod,
         workers=workers,
         remote_dir=remote_dir,
         run_id=run_id,
         local_run=local_run,
-        staged=[*staged, *lora_files, *staged_images],
+        staged=[*staged, *lora_files],
+        images=images_folder,
         tpugen=tpugen,
         gather=gather,
         bucket=bucket,
@@ -134,8 +135,11 @@ def run_pod(
             atomic_write_text(staged[1], prompt_lines)
         elif len(staged) > 1:
             shutil.copyfile(run.config.prompts_file, staged[1])
-        for name, source in image_files.items():
-            shutil.copyfile(source, staging / name)
+        if images_folder is not None:
+            shutil.rmtree(images_folder, ignore_errors=True)  # a folder left by an interrupted try
+            images_folder.mkdir()
+            for name, source in image_files.items():
+                _copy_image(source, images_folder / name)
         for command in plan.prepare:
             done = _call(command, display)
             if done.returncode:
@@ -203,3 +207,17 @@ def run_pod(
         where = report["run_dir"]
         raise RunError(*lines, f"{len(records)} images from the other workers and the pod report are in {where}")
     return report
+
+
+def _copy_image(source: Path, target: Path) -> None:
+    """A prompt's input image copied to be shipped, checked against the sha256 its name holds (the one the
+    config's check read): an image changed or gone since then is one line, not another image on the workers."""
+    import hashlib
+
+    try:
+        shutil.copyfile(source, target)
+        sha256 = hashlib.sha256(target.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise InputError(f"cannot read {str(source)!r} to ship it to the workers: {exc.strerror}") from None
+    if not target.name.startswith(f"image-{sha256[:16]}"):
+        raise InputError(f"{str(source)!r} changed since the config was checked; run pod-run again")
