@@ -50,12 +50,12 @@ def worker_command(
             f"$([ -f {WORKER_RUN}/config.yaml ] && echo --resume {WORKER_RUN})",
         ]
     )
-    upload_step = f"rm -rf {SHIPPED_IMAGES}; " if images else ""
+    after_run = f"rm -rf {SHIPPED_IMAGES}; " if images else ""
     if upload:
-        upload_step += f"gcloud storage cp -r ./* {q(f'{upload}/worker-{worker}/')} > upload.log 2>&1 || status=1; "
+        after_run += f"gcloud storage cp -r ./* {q(f'{upload}/worker-{worker}/')} > upload.log 2>&1 || status=1; "
     return (
         f"cd {q(remote_run)} && {{ {generate} > {WORKER_LOG} 2>&1; status=$?; echo $status > {WORKER_STATUS}; "
-        f"{upload_step}tail -n 5 {WORKER_LOG}; exit $status; }}"
+        f"{after_run}tail -n 5 {WORKER_LOG}; exit $status; }}"
     )
 
 

@@ -34,9 +34,7 @@ def run_pod(
     With `resume_id`, the workers continue that run's folders, each keeping the images it finished."""
     from tpugen.config import dump_config
     from tpugen.config.embeddings import shipped_embeddings
-    from tpugen.config.images import shipped_images
     from tpugen.config.loras import shipped_loras
-    from tpugen.config.prompts import read_prompt_file
     from tpugen.engine.session import make_run_dir, read_run_record, run_id_for, write_run_record
     from tpugen.outputs.files import atomic_write_text
     from tpugen.outputs.manifest import rewrite_manifest
@@ -80,22 +78,7 @@ def run_pod(
     # Each local LoRA file goes beside the shipped config, which names it by its file name (its sha256 pin stays).
     lora_files = shipped_loras(config, run.loras)
     lora_files += shipped_embeddings(config, run.embeddings, {path.name for path in lora_files})  # named so too
-    # Each prompt's input images (init, mask, references, control images) go beside it too, named by content; a
-    # .jsonl prompts file that names any is shipped rewritten so.
-    base_dir = Path(run.base_dir or ".")
-    known = {path: sha256 for prompt in run.prompts for _, path, sha256 in prompt.files()}
-    prompt_lines = None
-    image_files: dict[str, Path] = {}
-    if config.prompts is not None:
-        config.prompts, image_files = shipped_images(config.prompts, base_dir, known, SHIPPED_IMAGES)
-    elif run.config.prompts_file and Path(run.config.prompts_file).suffix == ".jsonl":
-        entries = [
-            {k: v for k, v in entry.items() if k != "_line"}
-            for entry in read_prompt_file(Path(run.config.prompts_file), [])  # checked when the config was loaded
-        ]
-        shipped_entries, image_files = shipped_images(entries, base_dir, known, SHIPPED_IMAGES)
-        if image_files:
-            prompt_lines = "".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in shipped_entries)
+    prompt_lines, image_files = _ship_prompt_images(config, run)
     images_folder = staging / SHIPPED_IMAGES if image_files else None
     plan = plan_pod(
         pod,
@@ -209,15 +192,38 @@ def run_pod(
     return report
 
 
+def _ship_prompt_images(config, run) -> tuple[str | None, dict[str, Path]]:
+    """Each prompt's input images (init, mask, references, control images) renamed by content in `config` (the
+    shipped copy, edited here), in SHIPPED_IMAGES beside it: (the .jsonl prompts file's text rewritten so, or None
+    where it is shipped as it is; the images' names with their local files)."""
+    from tpugen.config.images import shipped_images
+    from tpugen.config.prompts import read_prompt_file
+
+    base_dir = Path(run.base_dir or ".")
+    known = {path: sha256 for prompt in run.prompts for _, path, sha256 in prompt.files()}
+    if config.prompts is not None:
+        config.prompts, files = shipped_images(config.prompts, base_dir, known, SHIPPED_IMAGES)
+        return None, files
+    if not (run.config.prompts_file and Path(run.config.prompts_file).suffix == ".jsonl"):
+        return None, {}  # a .txt file names no image
+    entries = [
+        {k: v for k, v in entry.items() if k != "_line"}
+        for entry in read_prompt_file(Path(run.config.prompts_file), [])  # checked when the config was loaded
+    ]
+    entries, files = shipped_images(entries, base_dir, known, SHIPPED_IMAGES)
+    lines = "".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in entries) if files else None
+    return lines, files
+
+
 def _copy_image(source: Path, target: Path) -> None:
     """A prompt's input image copied to be shipped, checked against the sha256 its name holds (the one the
     config's check read): an image changed or gone since then is one line, not another image on the workers."""
-    import hashlib
+    from tpugen.config.images import sha256_of
 
     try:
         shutil.copyfile(source, target)
-        sha256 = hashlib.sha256(target.read_bytes()).hexdigest()
     except OSError as exc:
         raise InputError(f"cannot read {str(source)!r} to ship it to the workers: {exc.strerror}") from None
-    if not target.name.startswith(f"image-{sha256[:16]}"):
+    sha256 = sha256_of(str(target))
+    if sha256 is None or not target.name.startswith(f"image-{sha256[:16]}"):
         raise InputError(f"{str(source)!r} changed since the config was checked; run pod-run again")
