@@ -23,14 +23,16 @@ WITHIN = 2
 
 def _control_images(tmp_path) -> None:
     """disc.png (a white disc on black, low left), drawing.png (black strokes on white), photo.png (noise with a
-    red square: an init image), mask.png (its left part repainted), sdxl-controlnet/ (an SDXL ControlNet's config,
-    no weights)."""
+    red square: an init image), mask.png (its left part repainted), sdxl-controlnet/ and flux-controlnet/ (an SDXL
+    and a Flux.1 ControlNet's config, no weights)."""
     disc = Image.new("RGB", (64, 64))
     ImageDraw.Draw(disc).ellipse((8, 30, 30, 52), fill=(255, 255, 255))
     disc.save(tmp_path / "disc.png")
     (tmp_path / "sdxl-controlnet").mkdir()
     sdxl = {"_class_name": "ControlNetModel", "addition_embed_type": "text_time", "cross_attention_dim": 2048}
     (tmp_path / "sdxl-controlnet" / "config.json").write_text(json.dumps(sdxl))
+    (tmp_path / "flux-controlnet").mkdir()
+    (tmp_path / "flux-controlnet" / "config.json").write_text(json.dumps({"_class_name": "FluxControlNetModel"}))
     drawing = Image.new("RGB", (96, 64), (255, 255, 255))
     ImageDraw.Draw(drawing).line((10, 10, 80, 50), fill=(0, 0, 0), width=2)
     drawing.save(tmp_path / "drawing.png")
@@ -103,9 +105,34 @@ def test_the_other_preprocessors():
         (None, {"control_image": "disc.png", "control_module": "none", "control_threshold_a": 5}, "takes no"),
         (None, {"control_image": "disc.png", "control_module": "tile", "control_threshold_a": 0}, "factor must be"),
         (
+            {"id": "tiny-sd3", "controlnets": [{"id": "tiny-sd-controlnet"}]},
+            {"control_image": "disc.png"},
+            "models: tpugen drives ControlNets for Stable Diffusion 1.x/2.x, SDXL, Flux.1, Qwen-Image and Z-Image",
+        ),
+        (
             {"id": "tiny-z-image", "controlnets": [{"id": "tiny-sd-controlnet"}]},
             {"control_image": "disc.png"},
-            "models: tpugen drives ControlNets for Stable Diffusion 1.x/2.x, SDXL, Flux.1 and Qwen-Image models so far",
+            "tiny-sd-controlnet is for Stable Diffusion 1.x/2.x models, not Z-Image",
+        ),
+        (  # ZImageControlNetPipeline runs its ControlNet at every step
+            {"id": "tiny-z-image", "controlnets": [{"id": "tiny-z-image-controlnet"}]},
+            {"control_image": "disc.png", "control_end": 0.5},
+            "prompts[0]: control_start and control_end: Z-Image models: the ControlNet runs at every step",
+        ),
+        (
+            {"id": "tiny-z-image", "controlnets": [{"id": "tiny-z-image-controlnet"}]},
+            {"control_image": "disc.png", "init_image": "photo.png", "mask_image": "mask.png"},
+            "control_image: with an init image, Z-Image models: diffusers 0.42's AutoPipeline makes no ControlNet",
+        ),
+        (
+            {"id": "tiny-z-image", "controlnets": [{"id": "tiny-z-image-controlnet"}] * 2},
+            {"control_image": ["disc.png", "disc.png"]},
+            "model.controlnets: Z-Image models: one ControlNet at a time (diffusers 0.42's ZImageControlNetPipeline",
+        ),
+        (  # a Flux.1 ControlNet's folder under a Z-Image model
+            {"id": "tiny-z-image", "controlnets": [{"id": "./flux-controlnet"}]},
+            {"control_image": "disc.png"},
+            "is a FluxControlNetModel; Z-Image models take a ZImageControlNetModel",
         ),
         (
             {"id": "tiny-flux", "controlnets": [{"id": "tiny-sd-controlnet"}]},
@@ -173,7 +200,7 @@ def test_bad_control_settings_are_one_line_each(tmp_path, model, prompt, wanted)
 def test_models_lists_the_built_in_controlnets():
     listed = run_cli("models").output
     builtins = ("tiny-sd-controlnet", "tiny-shapes-controlnet", "tiny-sdxl-controlnet", "tiny-flux-controlnet")
-    builtins += ("tiny-qwen-image-controlnet",)
+    builtins += ("tiny-qwen-image-controlnet", "tiny-z-image-controlnet")
     assert all(name in listed for name in builtins)
     assert listed.index("ControlNets (model.controlnets ids") < listed.index("tiny-shapes-controlnet")
 
@@ -276,6 +303,8 @@ def _diffusers_controlled(
         if init
         else {family.controlnet_image_argument: control}
     )
+    if not family.control_window_refusal:  # Z-Image's pipeline takes no window (its units run 0 to 1)
+        images.update(control_guidance_start=unit["start"], control_guidance_end=unit["end"])
     if mask:
         images["mask_image"] = mask
     with torch.no_grad():
@@ -288,8 +317,6 @@ def _diffusers_controlled(
             guidance_scale=record["guidance_scale"],
             generator=torch.Generator("cpu").manual_seed(record["seed"]),
             controlnet_conditioning_scale=unit["scale"],
-            control_guidance_start=unit["start"],
-            control_guidance_end=unit["end"],
             output_type="np",
             **images,
             **true_cfg,
@@ -384,21 +411,38 @@ def test_controlled_runs_are_diffusers_own_in_one_step_graph_with_no_compile_aft
 
 @pytest.mark.xla
 @pytest.mark.parametrize(
-    ("model", "guidance", "cfg", "img2img"),
+    ("model", "guidance", "cfg", "img2img", "traced"),
     [
-        ("tiny-sdxl", 7.5, "cfg", True),
+        ("tiny-sdxl", 7.5, "cfg", True, None),
         # Flux.1's ControlNet takes its control image as VAE latents, encoded once before the loop.
-        ("tiny-flux", 7.5, "nocfg", True),
+        ("tiny-flux", 7.5, "nocfg", True, None),
         # Qwen-Image's, as latents of its 5-D VAE; txt2img only (diffusers 0.42's AutoPipeline makes no ControlNet
         # img2img for it: refused at the door, test_bad_control_settings_are_one_line_each).
-        ("tiny-qwen-image", 4.0, "cfg", False),
+        ("tiny-qwen-image", 4.0, "cfg", False, None),
+        # Z-Image's, as latents padded to its 33 channels, through its fixed-length path (the embedders and refiners
+        # the transformer lends it); txt2img only, at every step (no window: refused at the door). Traced once
+        # (compile.trace_once), the ControlNet beside the transformer: the first step's graphs are the CFG batch
+        # and the timestep's scaling, the ControlNet's, the transformer's, the guidance and scheduler's step after
+        # it, and its first call's scale moved to the device.
+        ("tiny-z-image", 4.0, "cfg", False, 5),
     ],
 )
-def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(tmp_path, model, guidance, cfg, img2img):
+def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(
+    tmp_path, model, guidance, cfg, img2img, traced
+):
+    from tpugen.families import CONTROLNETS
+
     _control_images(tmp_path)
+    windows = not CONTROLNETS[f"{model}-controlnet"][1].control_window_refusal
     prompts = [
         {"prompt": "a cat", "control_image": "disc.png"},
-        {"prompt": "a dog", "control_image": "disc.png", "control_start": 0.5, "control_scale": 0.7},  # same key
+        # Another scale (and a unit that sits out the first half) in the same key: the scale is data.
+        {
+            "prompt": "a dog",
+            "control_image": "disc.png",
+            "control_scale": 0.7,
+            **({"control_start": 0.5} if windows else {}),
+        },
     ]
     if img2img:
         prompts.append(
@@ -415,18 +459,26 @@ def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(tmp_pa
         )
     controlled = {"id": model, "controlnets": [{"id": f"{model}-controlnet"}]}
     proc, run_dir = generate_in_new_process(
-        tmp_path, model=controlled, prompts=prompts, batch_size=1, guidance_scale=guidance
+        tmp_path,
+        model=controlled,
+        prompts=prompts,
+        batch_size=1,
+        guidance_scale=guidance,
+        compile={"trace_once": traced is not None},
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((run_dir / "report.json").read_text())
     assert report["compiles_after_warmup"] == 0
+    if traced:
+        assert report["device"]["trace_once"]["beside"] == ["controlnet"], report["device"]["trace_once"]
     warm = {entry["shape_key"]: entry["graphs_per_phase"] for entry in report["warmup"]}
-    # One step graph a key; Flux.1's and Qwen-Image's control latents join the text encoding's graph (both
-    # before the loop); the img2img key after it adds its encoding alone.
+    # One step graph a key (recorded every step; traced, `traced` graphs in the first step); Flux.1's, Qwen-Image's
+    # and Z-Image's control latents join the text encoding's graph (before the loop); the img2img key after it adds
+    # its encoding alone.
     expected = {
         f"64x64 b1 {cfg} 1 controlnet": {
             "text encoding": 1,
-            "first denoising step": 1,
+            "first denoising step": traced or 1,
             "later denoising steps": 0,
             "decoding": 1,
         },

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import yaml
 from conftest import run_cli, tiny_config, write_config
-from PIL import Image
-from serve_support import AUTH, KEY, running_server, serve_config, wait_ready
+from PIL import Image, ImageDraw
+from serve_support import AUTH, KEY, metric, pixels, running_server, serve_config, wait_ready
 
 
 @pytest.mark.xla
@@ -45,3 +45,61 @@ def test_a_qwen_image_server_answers_both_apis_with_generates_images(tmp_path):
     assert result.exit_code == 0, result.output
     (png,) = (tmp_path / "g" / "outputs" / "run").glob("[0-9]*.png")
     assert np.array_equal(np.asarray(Image.open(png).convert("RGB")), served)
+
+
+@pytest.mark.xla
+def test_a_z_image_server_runs_a_controlnet_unit_as_diffusers_does_and_refuses_a_window(tmp_path):
+    # A webuiapi ControlNetUnit for Z-Image's ControlNet, warm from the start: the image diffusers' own
+    # ZImageControlNetPipeline makes; a unit that would sit out steps is a 422 naming why (its pipeline has no window).
+    import torch
+    import webuiapi
+    from diffusers import AutoPipelineForText2Image, DiffusionPipeline, ZImageControlNetModel
+
+    from tpugen.tiny import builtin_path
+
+    path = serve_config(tmp_path, tasks=["txt2img"], batch_window_ms=0)
+    config = yaml.safe_load(path.read_text())
+    config["model"] = {"id": "tiny-z-image", "dtype": "float32", "controlnets": [{"id": "tiny-z-image-controlnet"}]}
+    write_config(path, config)
+    disc = Image.new("RGB", (64, 64))
+    ImageDraw.Draw(disc).ellipse((8, 30, 30, 52), fill=(255, 255, 255))
+    fields = {"prompt": "a red cat", "negative_prompt": "", "seed": 11, "steps": 2, "cfg_scale": 4.0}
+    with running_server(path, tmp_path / "runs", KEY) as (url, service):
+        wait_ready(url, seconds=300)
+        assert service.warm_summary().endswith("; ControlNet units for tiny-z-image-controlnet")
+        host, port = url.removeprefix("http://").split(":")
+        api = webuiapi.WebUIApi(host=host, port=int(port), username="tpugen", password=KEY)
+        unit = webuiapi.ControlNetUnit(image=disc, module="none", model="tiny-z-image-controlnet", weight=0.8)
+        made = api.txt2img(
+            controlnet_units=[unit], alwayson_scripts={}, sampler_name="Euler", width=64, height=64, **fields
+        )
+        assert 'ControlNet 0: "Module: none, Model: tiny-z-image-controlnet, Weight: 0.8' in made.info["infotexts"][0]
+        window = {**unit.to_dict(), "guidance_end": 0.5}
+        with httpx.Client(base_url=url, headers=AUTH, timeout=120) as client:
+            refused = client.post(
+                "/sdapi/v1/txt2img", json={**fields, "alwayson_scripts": {"controlnet": {"args": [window]}}}
+            )
+        assert refused.status_code == 422, refused.text
+        [line] = refused.json()["detail"]  # one line, naming the keys and why
+        assert line.startswith(
+            "ControlNet units' guidance_start and guidance_end: Z-Image models: the ControlNet runs at every step"
+        ), line
+        assert metric(url, "tpugen_compiles_after_warmup_total") == 0
+    base = DiffusionPipeline.from_pretrained(str(builtin_path("tiny-z-image")))
+    controlnet = ZImageControlNetModel.from_pretrained(str(builtin_path("tiny-z-image-controlnet")))
+    pipe = AutoPipelineForText2Image.from_pipe(base, controlnet=controlnet)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        expected = pipe(
+            prompt="a red cat",
+            height=64,
+            width=64,
+            num_inference_steps=2,
+            guidance_scale=4.0,
+            control_image=disc,
+            controlnet_conditioning_scale=0.8,
+            generator=torch.Generator("cpu").manual_seed(11),
+            output_type="np",
+        ).images[0]
+    apart = np.abs(pixels(made.image) - (expected * 255).round().astype(np.int16)).max()
+    assert apart <= 2, apart

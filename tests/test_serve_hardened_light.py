@@ -261,9 +261,11 @@ def test_input_images_past_their_cap_go_least_recently_used_first_save_those_in_
         store.store(b"<svg/>", "image")
 
 
-def test_a_qwen_image_server_refuses_controlnet_units_with_an_image_and_warms_no_controlled_img2img(tmp_path):
-    # Qwen-Image's ControlNets run on txt2img only (diffusers 0.42's AutoPipeline has no controlled img2img for it):
-    # the request is refused in one line (a 422 over HTTP), and the server never warms the key it could not run.
+@pytest.mark.parametrize(("model", "title"), [("tiny-qwen-image", "Qwen-Image"), ("tiny-z-image", "Z-Image")])
+def test_a_server_refuses_controlnet_units_with_an_image_and_warms_no_controlled_img2img(tmp_path, model, title):
+    # Qwen-Image's and Z-Image's ControlNets run on txt2img only (diffusers 0.42's AutoPipeline has no controlled
+    # img2img for them): the request is refused in one line (a 422 over HTTP), and the server never warms the key
+    # it could not run.
     from conftest import tiny_config, write_config
 
     from tpugen.config import load_config
@@ -275,7 +277,7 @@ def test_a_qwen_image_server_refuses_controlnet_units_with_an_image_and_warms_no
     from tpugen.modes.serve.service import Service
 
     config = tiny_config(tmp_path, serve={"tasks": ["txt2img", "img2img"], "new_shapes": "compile"})
-    config["model"] = {"id": "tiny-qwen-image", "controlnets": [{"id": "tiny-qwen-image-controlnet"}]}
+    config["model"] = {"id": model, "controlnets": [{"id": f"{model}-controlnet"}]}
     del config["prompts"]
     run = load_config(write_config(tmp_path / "serve.yaml", config), prompts_required=False)
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())
@@ -286,6 +288,6 @@ def test_a_qwen_image_server_refuses_controlnet_units_with_an_image_and_warms_no
     with pytest.raises(InputError) as refused:
         service.check([ImageSpec("a fox", "", 1, 3, 4.0, 64, 64, source=source, controls=controls)])
     assert refused.value.lines == [
-        "ControlNet units with an image: Qwen-Image models: diffusers 0.42's AutoPipeline makes no ControlNet "
-        "img2img or inpainting pipeline for Qwen-Image; a controlled prompt starts from noise"
+        f"ControlNet units with an image: {title} models: diffusers 0.42's AutoPipeline makes no ControlNet "
+        f"img2img or inpainting pipeline for {title}; a controlled prompt starts from noise"
     ]

@@ -165,9 +165,9 @@ class Backend(Protocol):
 
     def device_for(self, component: str): ...
 
-    def trace_beside(self, module, name: str, hooks) -> None:
-        """A module that runs beside the denoiser at every step (a ControlNet), traced as the denoiser is
-        (compile.trace_once), as a named hook; nothing where the denoiser is not traced."""
+    def trace_beside(self, module, name: str, hooks, method: str = "forward") -> None:
+        """A module that runs beside the denoiser at every step (a ControlNet), its `method` traced as the denoiser
+        is (compile.trace_once), as a named hook; nothing where the denoiser is not traced."""
 
     def bind_thread(self) -> None:
         """Called first in a thread that drives this backend (a server's device loop)."""
@@ -203,7 +203,7 @@ class OneDeviceBackend:
         """The device a component computes on (under offload too, where it waits on the host between calls)."""
         return self.device
 
-    def trace_beside(self, module, name: str, hooks) -> None:
+    def trace_beside(self, module, name: str, hooks, method: str = "forward") -> None:
         """Nothing is traced once on this backend (its compile mode, if any, covers the whole pipeline)."""
 
     def put_weight(self, component: str, name: str, live, host):

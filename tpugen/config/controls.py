@@ -113,6 +113,14 @@ class Controls:
         return cls(tuple(units))
 
 
+def window_problem(controls: Controls, family) -> str | None:
+    """Why these units cannot sit out part of the steps for a model of `family` (None: they can, or do not)."""
+    refusal = family.control_window_refusal
+    if refusal and any(unit.start > 0 or unit.end < 1 for unit in controls.units):
+        return f"{family.title} models: {refusal}"
+    return None
+
+
 def control_name(controlnet_id: str) -> str:
     """How records, the web UI's model list and its units name a ControlNet: a built-in's name, a folder's or hub
     repo's last part."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from tpugen.config.controls import control_name
+from tpugen.config.controls import control_name, window_problem
 from tpugen.config.embeddings import Embedding, embeddings_by_content, resolve_embeddings
 from tpugen.config.hires import hires_problems
 from tpugen.config.loras import Lora, loras_by_content, resolve_loras
@@ -120,7 +120,7 @@ def resolve(
     problems.extend(_img2img_problems(config, resolved_prompts, family))
     problems.extend(_reference_problems(config, resolved_prompts, family, serving=not prompts_required))
     problems.extend(_controlnet_problems(config, base_dir, family, serving=not prompts_required))
-    problems.extend(_controlled_image_problems(resolved_prompts, family))
+    problems.extend(_controlled_prompt_problems(resolved_prompts, family))
     planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
         problems.append(
@@ -296,16 +296,22 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
     return problems
 
 
-def _controlled_image_problems(prompts: list[PromptSpec], family: Family) -> list[str]:
-    """A controlled prompt that starts from an image, for a family whose ControlNets cannot."""
-    if not family.controlled_img2img_refusal:
-        return []
-    found = next((n for n, spec in enumerate(prompts) if spec.controls and spec.source is not None), None)
-    if found is None:
-        return []
-    return [
-        f"prompts[{found}].control_image: with an init image, {family.title} models: {family.controlled_img2img_refusal}"
-    ]
+def _controlled_prompt_problems(prompts: list[PromptSpec], family: Family) -> list[str]:
+    """The first controlled prompt that starts from an image, for a family whose ControlNets cannot, and the first
+    whose units sit out steps, for a family whose ControlNets run at every step."""
+    problems = []
+    if family.controlled_img2img_refusal:
+        found = next((n for n, spec in enumerate(prompts) if spec.controls and spec.source is not None), None)
+        if found is not None:
+            problems.append(
+                f"prompts[{found}].control_image: with an init image, {family.title} models: "
+                f"{family.controlled_img2img_refusal}"
+            )
+    windows = ((n, window_problem(spec.controls, family)) for n, spec in enumerate(prompts) if spec.controls)
+    found = next(((n, problem) for n, problem in windows if problem), None)
+    if found is not None:
+        problems.append(f"prompts[{found[0]}]: control_start and control_end: {found[1]}")
+    return problems
 
 
 def _serve_edit_problems(config: RunConfig, family: Family, serving: bool) -> list[str]:

@@ -85,9 +85,10 @@ class ControlNetConfig(_Section):
     id: str = Field(
         description=(
             "A built-in ControlNet (tiny-shapes-controlnet, tiny-sd-controlnet, tiny-sdxl-controlnet, "
-            "tiny-flux-controlnet, tiny-qwen-image-controlnet; `tpugen models` lists them), a local diffusers "
-            "ControlNet folder (ControlNetModel; FluxControlNetModel for Flux.1, QwenImageControlNetModel for "
-            "Qwen-Image; relative to the config file), or a hub id org/name."
+            "tiny-flux-controlnet, tiny-qwen-image-controlnet, tiny-z-image-controlnet; `tpugen models` lists "
+            "them), a local diffusers ControlNet folder (ControlNetModel; FluxControlNetModel for Flux.1, "
+            "QwenImageControlNetModel for Qwen-Image, ZImageControlNetModel for Z-Image; relative to the config "
+            "file), or a hub id org/name."
         )
     )
     scale: float = Field(

@@ -72,8 +72,11 @@ def _scale_as_data(forward):
     def forward_with_scale_as_data(*args, conditioning_scale=1.0, **kwargs):
         import torch
 
-        # The latents: SD's and SDXL's pipelines hand them first (sample), Flux.1's by name (hidden_states).
+        # The latents: SD's and SDXL's pipelines hand them first (sample), Flux.1's by name (hidden_states),
+        # Z-Image's first as a list of one tensor per row.
         sample = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))
+        if isinstance(sample, list):
+            sample = sample[0]
         if not isinstance(conditioning_scale, torch.Tensor) and sample.device.type != "cpu":
             # Through a one-element tensor: a 0-d one moved to the device is a constant at 0 and 1, as a number is.
             key = (float(conditioning_scale), sample.dtype, str(sample.device))

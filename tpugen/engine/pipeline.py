@@ -166,7 +166,7 @@ class LoadedPipeline:
         for n, controlnet in enumerate(self.controlnets):
             label = f"controlnet {n}" if len(self.controlnets) > 1 else "controlnet"
             self.family.controlnet_hooks(controlnet, self.backend.device, self.hooks, label)
-            self.backend.trace_beside(controlnet, label, self.hooks)
+            self.backend.trace_beside(controlnet, label, self.hooks, self.family.controlnet_traced_method)
         install_scale_as_data(self.controlnets, self.hooks)
 
     def _scheduler_hooks(self) -> None:
@@ -348,12 +348,15 @@ class LoadedPipeline:
             images = [list(column) for column in zip(*per_row, strict=True)]
         else:
             images = per_row
-        return {
+        arguments = {
             image_key: images,
             "controlnet_conditioning_scale": units[0].scale if single else [u.scale for u in units],
             "control_guidance_start": units[0].start if single else [u.start for u in units],
             "control_guidance_end": units[0].end if single else [u.end for u in units],
         }
+        if self.family.control_window_refusal:  # its pipelines take no window (a unit's is 0 to 1: checked at the door)
+            del arguments["control_guidance_start"], arguments["control_guidance_end"]
+        return arguments
 
     def _references(self, batch: Batch) -> list:
         """An edit's references (every row's: a batch has one set), read and fitted to the batch's size on the

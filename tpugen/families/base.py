@@ -182,9 +182,13 @@ class Family:
     # Why model.controlnets cannot run for this family (None: they can, through diffusers' ControlNet pipelines
     # made from the loaded components: AutoPipelineFor*.from_pipe(pipe, controlnet=...)).
     controlnet_refusal: str | None = (
-        "tpugen drives ControlNets for Stable Diffusion 1.x/2.x, SDXL, Flux.1 and Qwen-Image models so far "
-        "(diffusers 0.42 also has them for Z-Image; they are not checked on tpugen yet)"
+        "tpugen drives ControlNets for Stable Diffusion 1.x/2.x, SDXL, Flux.1, Qwen-Image and Z-Image models"
     )
+    # Why a unit cannot sit out part of the steps (control_start above 0 or control_end below 1) for this family
+    # (None: it can, as the family's ControlNet pipelines take control_guidance_start and _end).
+    control_window_refusal: str | None = None
+    # The method of this family's ControlNets that compile.trace_once traces (one that takes only tensors).
+    controlnet_traced_method = "forward"
 
     def covers(self, index: dict) -> bool:
         """Whether a pipeline of one of this family's classes, with this model_index.json, is this family's (two

@@ -93,11 +93,11 @@ class XlaBackend(OneDeviceBackend):
             self._traced = None
         self._trace_component = family.denoiser
 
-    def trace_beside(self, module, name: str, hooks) -> None:
+    def trace_beside(self, module, name: str, hooks, method: str = "forward") -> None:
         """Traced once per shape key as the denoiser is, where it is (a trace dynamo refuses records that module
         every step again, on its own)."""
         if self._traced is not None:
-            beside = TracedDenoiser(module, self.device, name)
+            beside = TracedDenoiser(module, self.device, name, method)
             hooks.add(f"{TRACE_ONCE_HOOK} ({name})", beside.remove)
             self._beside = (*self._beside, beside)
 

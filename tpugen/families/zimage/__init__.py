@@ -48,6 +48,12 @@ def _build(target):
     build(target)
 
 
+def _build_controlnet(target):
+    from tpugen.families.zimage.tiny import build_controlnet
+
+    build_controlnet(target)
+
+
 class ZImage(TransformerFamily):
     latent_upscale_refusal = "ZImageImg2ImgPipeline encodes pixels; use upscaler: lanczos"
     name = "zimage"
@@ -73,6 +79,32 @@ class ZImage(TransformerFamily):
             "Z-Image architecture (Qwen3 text encoder, single-stream DiT with refiners) with tiny random weights; noise",
             1,
             _build,
+        ),
+    )
+    controlnet_refusal = None
+    controlnet_class = "ZImageControlNetModel"
+    controlnet_image_argument = "control_image"
+    # Its ControlNet's traced part takes only tensors, as the transformer's does (static.DEVICE_FORWARD).
+    controlnet_traced_method = "tpugen_device_forward"
+    controlled_img2img_refusal = (
+        "diffusers 0.42's AutoPipeline makes no ControlNet img2img or inpainting pipeline for Z-Image; a controlled "
+        "prompt starts from noise"
+    )
+    multi_controlnet_refusal = (
+        "one ControlNet at a time (diffusers 0.42's ZImageControlNetPipeline takes one ZImageControlNetModel and has "
+        "no multi-ControlNet class)"
+    )
+    control_window_refusal = (
+        "the ControlNet runs at every step (diffusers 0.42's ZImageControlNetPipeline has no control_guidance_start "
+        "or _end); leave the start at 0 and the end at 1"
+    )
+    controlnets = (
+        Builtin(
+            "tiny-z-image-controlnet",
+            "a ControlNet for tiny-z-image (Z-Image's ControlNet in the 2.1 layout: a refiner-stage block and one "
+            "beside each main layer) with tiny random weights, built offline: it steers, but toward nothing",
+            1,
+            _build_controlnet,
         ),
     )
     known_models = (
@@ -125,20 +157,35 @@ class ZImage(TransformerFamily):
         again; with both, 3 and 1)."""
         from tpugen.families.zimage import static
 
-        def to_device(module, args, kwargs):
-            if len(args) > 1 and str(args[1].device) != str(device):
-                args = (args[0], args[1].to(device), *args[2:])
-            return args, kwargs
-
-        handle = pipe.transformer.register_forward_pre_hook(to_device, with_kwargs=True)
-        hooks.add("timesteps at the denoiser's door", handle.remove)
+        _timestep_at_the_door(pipe.transformer, device, hooks, "the denoiser's")
         static.install(pipe, hooks)
         static.precompute_rope(pipe.transformer, device, hooks)
+
+    def controlnet_hooks(self, controlnet, device, hooks, label: str) -> None:
+        """The timestep moved to the device at the ControlNet's door too, and its fixed-length path (its embedders,
+        refiners and rotary tables are the transformer's, lent by the ControlNet pipeline)."""
+        from tpugen.families.zimage import static
+
+        _timestep_at_the_door(controlnet, device, hooks, f"the {label}'s")
+        static.install_on_controlnet(controlnet, hooks, label)
 
     def pipeline_hooks(self, pipe, hooks) -> None:
         from tpugen.families.zimage import static
 
         static.install_on_pipeline(pipe, hooks)
+
+
+def _timestep_at_the_door(module, device, hooks, whose: str) -> None:
+    """The timestep (the second positional argument of Z-Image's transformer and ControlNet) moved to the device as
+    `module` is called: the pipeline keeps its timesteps on the host."""
+
+    def to_device(module, args, kwargs):
+        if len(args) > 1 and str(args[1].device) != str(device):
+            args = (args[0], args[1].to(device), *args[2:])
+        return args, kwargs
+
+    handle = module.register_forward_pre_hook(to_device, with_kwargs=True)
+    hooks.add(f"timesteps at {whose} door", handle.remove)
 
 
 FAMILY = ZImage()

@@ -72,3 +72,34 @@ def build(target: Path) -> None:
     ZImagePipeline(
         transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder, tokenizer=tokenizer
     ).save_pretrained(target)
+
+
+def build_controlnet(target: Path) -> None:
+    """tiny-z-image's ControlNet (diffusers' ZImageControlNetModel in the layout of the published 2.1 ones: control
+    blocks beside the refiner and beside both main layers, a 33-channel control input of which the VAE latents fill
+    16): its own blocks only, since the pipeline lends it the transformer's embedders and refiners
+    (ZImageControlNetModel.from_transformer). Its zero projections are made small and random so that it steers."""
+    import torch
+    from diffusers import ZImageControlNetModel
+
+    torch.manual_seed(4)
+    controlnet = ZImageControlNetModel(
+        control_layers_places=[0, 1],
+        control_refiner_layers_places=[0],
+        control_in_dim=33,
+        add_control_noise_refiner="control_noise_refiner",
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        dim=32,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        norm_eps=1e-5,
+        qk_norm=True,
+    )
+    with torch.no_grad():
+        for block in [*controlnet.control_layers, *controlnet.control_noise_refiner]:
+            for projection in (getattr(block, "before_proj", None), block.after_proj):
+                if projection is not None:
+                    projection.weight.normal_(0, 0.05)
+    controlnet.save_pretrained(target, safe_serialization=True)

@@ -3,6 +3,7 @@ for until the device loops have made them."""
 
 from __future__ import annotations
 
+from tpugen.config.controls import window_problem
 from tpugen.config.loras import loras_key
 from tpugen.config.request import RequestLimits
 from tpugen.config.rules import CLIP_SKIP_NEEDS_WEBUI
@@ -81,6 +82,8 @@ class Admission:
             problems.append(
                 f"ControlNet units with an image: {family.title} models: {family.controlled_img2img_refusal}"
             )
+        if images and images[0].controls and (window := window_problem(images[0].controls, family)):
+            problems.append(f"ControlNet units' guidance_start and guidance_end: {window}")
         if images and images[0].source is None and not images[0].references and family.txt2img_refusal:
             problems.append(f"image: {family.title} models: {family.txt2img_refusal}; send one or more images to edit")
         if images and images[0].tiling and family.tiling_refusal:
