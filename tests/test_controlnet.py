@@ -121,8 +121,13 @@ def test_the_other_preprocessors():
         ),
         (
             {"id": "tiny-z-image", "controlnets": [{"id": "tiny-z-image-controlnet"}]},
-            {"control_image": "disc.png", "init_image": "photo.png", "mask_image": "mask.png"},
-            "control_image: with an init image, Z-Image models: diffusers 0.42's AutoPipeline makes no ControlNet",
+            {"control_image": "disc.png", "init_image": "photo.png"},
+            "control_image: with an init image, Z-Image models: diffusers 0.42 has no ControlNet img2img pipeline",
+        ),
+        (  # Z-Image's ControlNet inpaints from noise: strength 1 only
+            {"id": "tiny-z-image", "controlnets": [{"id": "tiny-z-image-controlnet"}]},
+            {"control_image": "disc.png", "init_image": "photo.png", "mask_image": "mask.png", "strength": 0.75},
+            "prompts[0].strength: with a control_image, Z-Image models: ControlNet inpainting starts from noise",
         ),
         (
             {"id": "tiny-z-image", "controlnets": [{"id": "tiny-z-image-controlnet"}] * 2},
@@ -294,6 +299,8 @@ def _diffusers_controlled(
     controlnet_class = getattr(diffusers, family.controlnet_class)
     controlnet = controlnet_class.from_pretrained(str(builtin_path(f"{model}-controlnet")))
     auto = AutoPipelineForInpainting if mask else AutoPipelineForImage2Image if init else AutoPipelineForText2Image
+    if mask and "inpaint" in family.controlled_pipelines:  # Z-Image's, which AutoPipeline does not make
+        auto = getattr(diffusers, family.controlled_pipelines["inpaint"])
     pipe = auto.from_pipe(base, controlnet=controlnet)
     pipe.set_progress_bar_config(disable=True)
     unit = record["controlnet_units"][0]
@@ -305,6 +312,8 @@ def _diffusers_controlled(
     )
     if not family.control_window_refusal:  # Z-Image's pipeline takes no window (its units run 0 to 1)
         images.update(control_guidance_start=unit["start"], control_guidance_end=unit["end"])
+    if mask and family.controlled_inpaint_strength_refusal:  # nor a strength (it inpaints from noise)
+        del images["strength"]
     if mask:
         images["mask_image"] = mask
     with torch.no_grad():
@@ -411,29 +420,31 @@ def test_controlled_runs_are_diffusers_own_in_one_step_graph_with_no_compile_aft
 
 @pytest.mark.xla
 @pytest.mark.parametrize(
-    ("model", "guidance", "cfg", "img2img", "traced"),
+    ("model", "guidance", "cfg", "tasks", "traced"),
     [
-        ("tiny-sdxl", 7.5, "cfg", True, None),
+        ("tiny-sdxl", 7.5, "cfg", ("img2img", "inpaint"), None),
         # Flux.1's ControlNet takes its control image as VAE latents, encoded once before the loop.
-        ("tiny-flux", 7.5, "nocfg", True, None),
+        ("tiny-flux", 7.5, "nocfg", ("img2img", "inpaint"), None),
         # Qwen-Image's, as latents of its 5-D VAE; txt2img only (diffusers 0.42's AutoPipeline makes no ControlNet
         # img2img for it: refused at the door, test_bad_control_settings_are_one_line_each).
-        ("tiny-qwen-image", 4.0, "cfg", False, None),
+        ("tiny-qwen-image", 4.0, "cfg", (), None),
         # Z-Image's, as latents padded to its 33 channels, through its fixed-length path (the embedders and refiners
-        # the transformer lends it); txt2img only, at every step (no window: refused at the door). Traced once
-        # (compile.trace_once), the ControlNet beside the transformer: the first step's graphs are the CFG batch
-        # and the timestep's scaling, the ControlNet's, the transformer's, the guidance and scheduler's step after
-        # it, and its first call's scale moved to the device.
-        ("tiny-z-image", 4.0, "cfg", False, 5),
+        # the transformer lends it), at every step (no window: refused at the door); it inpaints from noise, the
+        # mask and the masked image's latents filling the other 17 channels (ZImageControlNetInpaintPipeline: no
+        # img2img). Traced once (compile.trace_once), the ControlNet beside the transformer: the first step's
+        # graphs are the CFG batch and the timestep's scaling, the ControlNet's, the transformer's, the guidance and
+        # scheduler's step after it, and its first call's scale moved to the device.
+        ("tiny-z-image", 4.0, "cfg", ("inpaint",), 5),
     ],
 )
 def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(
-    tmp_path, model, guidance, cfg, img2img, traced
+    tmp_path, model, guidance, cfg, tasks, traced
 ):
     from tpugen.families import CONTROLNETS
 
     _control_images(tmp_path)
-    windows = not CONTROLNETS[f"{model}-controlnet"][1].control_window_refusal
+    family = CONTROLNETS[f"{model}-controlnet"][1]
+    windows = not family.control_window_refusal
     prompts = [
         {"prompt": "a cat", "control_image": "disc.png"},
         # Another scale (and a unit that sits out the first half) in the same key: the scale is data.
@@ -444,16 +455,17 @@ def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(
             **({"control_start": 0.5} if windows else {}),
         },
     ]
-    if img2img:
+    if "img2img" in tasks:
         prompts.append(
             {"prompt": "a red square", "init_image": "photo.png", "strength": 0.7, "control_image": "disc.png"}
         )
+    if "inpaint" in tasks:
         prompts.append(
             {
                 "prompt": "a blue circle",
                 "init_image": "photo.png",
                 "mask_image": "mask.png",
-                "strength": 0.8,
+                "strength": 1.0 if family.controlled_inpaint_strength_refusal else 0.8,
                 "control_image": "disc.png",
             }
         )
@@ -483,17 +495,21 @@ def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(
             "decoding": 1,
         },
     }
-    if img2img:
+    if "img2img" in tasks:
         expected[f"64x64 b1 {cfg} img2img 1 controlnet"] = {
             "text encoding": 1,
             "first denoising step": 0,
             "later denoising steps": 0,
             "decoding": 0,
         }
+    if "inpaint" in tasks:
+        # Inpainting blends the init image back after the last step (one more graph); Z-Image's ControlNet
+        # inpainting blends nothing: its steps are the txt2img key's, the masked image encoded before the loop.
+        blends = not family.controlled_inpaint_strength_refusal
         expected[f"64x64 b1 {cfg} inpaint 1 controlnet"] = {
             "text encoding": 1,
-            "first denoising step": 1,
-            "later denoising steps": 1,
+            "first denoising step": int(blends),
+            "later denoising steps": int(blends),
             "decoding": 0,
         }
     assert warm == expected, warm

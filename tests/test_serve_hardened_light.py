@@ -261,10 +261,36 @@ def test_input_images_past_their_cap_go_least_recently_used_first_save_those_in_
         store.store(b"<svg/>", "image")
 
 
-@pytest.mark.parametrize(("model", "title"), [("tiny-qwen-image", "Qwen-Image"), ("tiny-z-image", "Z-Image")])
-def test_a_server_refuses_controlnet_units_with_an_image_and_warms_no_controlled_img2img(tmp_path, model, title):
-    # Qwen-Image's and Z-Image's ControlNets run on txt2img only (diffusers 0.42's AutoPipeline has no controlled
-    # img2img for them): the request is refused in one line (a 422 over HTTP), and the server never warms the key
+QWEN_IMAGE_REFUSAL = (
+    "ControlNet units with an image: Qwen-Image models: diffusers 0.42's AutoPipeline makes no ControlNet img2img "
+    "or inpainting pipeline for Qwen-Image; a controlled prompt starts from noise"
+)
+Z_IMAGE_REFUSAL = (
+    "ControlNet units with an image: Z-Image models: diffusers 0.42 has no ControlNet img2img pipeline for Z-Image; "
+    "a controlled prompt starts from noise, or inpaints with a mask_image"
+)
+
+
+@pytest.mark.parametrize(
+    ("model", "warm", "img2img", "inpaint"),
+    [
+        ("tiny-qwen-image", ["txt2img"], QWEN_IMAGE_REFUSAL, QWEN_IMAGE_REFUSAL),
+        # Z-Image's ControlNet inpaints (ZImageControlNetInpaintPipeline), from noise: strength 1 only.
+        (
+            "tiny-z-image",
+            ["txt2img", "inpaint"],
+            Z_IMAGE_REFUSAL,
+            "denoising_strength with ControlNet units: Z-Image models: ControlNet inpainting starts from noise "
+            "(diffusers 0.42's ZImageControlNetInpaintPipeline takes no strength: the ControlNet is given the masked "
+            "image); set the strength to 1",
+        ),
+    ],
+)
+def test_a_server_refuses_controlnet_units_its_family_cannot_run_and_warms_none_of_them(
+    tmp_path, model, warm, img2img, inpaint
+):
+    # Qwen-Image's and Z-Image's ControlNets have no img2img pipeline in diffusers 0.42 (and Qwen-Image's no
+    # inpainting one): such a request is refused in one line (a 422 over HTTP), and the server never warms the key
     # it could not run.
     from conftest import tiny_config, write_config
 
@@ -276,18 +302,22 @@ def test_a_server_refuses_controlnet_units_with_an_image_and_warms_no_controlled
     from tpugen.modes.serve.queue import ImageSpec
     from tpugen.modes.serve.service import Service
 
-    config = tiny_config(tmp_path, serve={"tasks": ["txt2img", "img2img"], "new_shapes": "compile"})
+    config = tiny_config(tmp_path, serve={"tasks": ["txt2img", "img2img", "inpaint"], "new_shapes": "compile"})
     config["model"] = {"id": model, "controlnets": [{"id": f"{model}-controlnet"}]}
     del config["prompts"]
     run = load_config(write_config(tmp_path / "serve.yaml", config), prompts_required=False)
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())
-    assert service.warm.controlled_tasks == ["txt2img"]
+    assert service.warm.controlled_tasks == warm
     controls = Controls((ControlUnit(InputImage(str(tmp_path / "c.png"), "0" * 64)),))
-    source = ImageSource(str(tmp_path / "i.png"), "0" * 64, 0.5)
     service.check([ImageSpec("a fox", "", 1, 3, 4.0, 64, 64, controls=controls)])  # txt2img: fine
-    with pytest.raises(InputError) as refused:
+    mask = (str(tmp_path / "m.png"), "1" * 64)
+    for source, wanted in (
+        (ImageSource(str(tmp_path / "i.png"), "0" * 64, 0.5), img2img),
+        (ImageSource(str(tmp_path / "i.png"), "0" * 64, 0.5, 0, *mask), inpaint),
+    ):
+        with pytest.raises(InputError) as refused:
+            service.check([ImageSpec("a fox", "", 1, 3, 4.0, 64, 64, source=source, controls=controls)])
+        assert refused.value.lines == [wanted]
+    if "inpaint" in warm:  # at strength 1 it runs
+        source = ImageSource(str(tmp_path / "i.png"), "0" * 64, 1.0, 0, *mask)
         service.check([ImageSpec("a fox", "", 1, 3, 4.0, 64, 64, source=source, controls=controls)])
-    assert refused.value.lines == [
-        f"ControlNet units with an image: {title} models: diffusers 0.42's AutoPipeline makes no ControlNet "
-        f"img2img or inpainting pipeline for {title}; a controlled prompt starts from noise"
-    ]

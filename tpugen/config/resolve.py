@@ -297,16 +297,20 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
 
 
 def _controlled_prompt_problems(prompts: list[PromptSpec], family: Family) -> list[str]:
-    """The first controlled prompt that starts from an image, for a family whose ControlNets cannot, and the first
-    whose units sit out steps, for a family whose ControlNets run at every step."""
+    """The first controlled prompt that starts from an image, for a family whose ControlNets cannot (or inpaints
+    below strength 1, for one whose ControlNet inpaints from noise), and the first whose units sit out steps, for a
+    family whose ControlNets run at every step."""
     problems = []
-    if family.controlled_img2img_refusal:
-        found = next((n for n, spec in enumerate(prompts) if spec.controls and spec.source is not None), None)
-        if found is not None:
-            problems.append(
-                f"prompts[{found}].control_image: with an init image, {family.title} models: "
-                f"{family.controlled_img2img_refusal}"
-            )
+    sources = [(n, spec.source) for n, spec in enumerate(prompts) if spec.controls and spec.source is not None]
+    refused = next(((n, s.task, why) for n, s in sources if (why := family.controlled_refusal(s.task))), None)
+    if refused is not None:
+        n, task, why = refused
+        what = "with an init image" if task == "img2img" else "inpainting"
+        problems.append(f"prompts[{n}].control_image: {what}, {family.title} models: {why}")
+    strength = family.controlled_inpaint_strength_refusal
+    found = next((n for n, s in sources if strength and s.task == "inpaint" and s.strength != 1), None)
+    if found is not None:
+        problems.append(f"prompts[{found}].strength: with a control_image, {family.title} models: {strength}")
     windows = ((n, window_problem(spec.controls, family)) for n, spec in enumerate(prompts) if spec.controls)
     found = next(((n, problem) for n, problem in windows if problem), None)
     if found is not None:

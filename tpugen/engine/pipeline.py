@@ -145,6 +145,8 @@ class LoadedPipeline:
             }[task]
             extra = {"controlnet": combined(self.controlnets, self.family)} if controlled else {}
             kind = f"ControlNet {task}" if controlled else task
+            if controlled and task in self.family.controlled_pipelines:  # one AutoPipeline does not make
+                auto = getattr(diffusers, self.family.controlled_pipelines[task])
             try:
                 made = auto.from_pipe(self.pipe, **extra)
             except (ValueError, KeyError) as exc:

@@ -168,9 +168,15 @@ class Family:
     # before it draws the noise (Flux.1's): a controlled batch then leaves the noise to the pipeline, so that each
     # image's noise is the one diffusers draws for its seed.
     controlnet_samples_control_first = False
-    # Why a controlled prompt cannot start from an image (None: it can, through the family's ControlNet img2img and
-    # inpainting pipelines).
+    # Why a controlled prompt cannot start from an image without a mask, and why it cannot inpaint (None: it can,
+    # through the family's ControlNet img2img and inpainting pipelines).
     controlled_img2img_refusal: str | None = None
+    controlled_inpaint_refusal: str | None = None
+    # Why a controlled inpainting prompt's strength must be 1 (None: any strength runs): a family whose ControlNet
+    # inpaints from noise, the masked image given to the ControlNet alone.
+    controlled_inpaint_strength_refusal: str | None = None
+    # The diffusers class of a controlled task's pipeline where AutoPipeline makes none for the family ({task: name}).
+    controlled_pipelines: dict[str, str] = {}
     # Why two or more ControlNets at once cannot run for this family (None: they can, as diffusers' multi-ControlNet).
     multi_controlnet_refusal: str | None = None
     # The diffusers class that runs this family's ControlNets two or more at once (its pipelines' `controlnet`).
@@ -189,6 +195,10 @@ class Family:
     control_window_refusal: str | None = None
     # The method of this family's ControlNets that compile.trace_once traces (one that takes only tensors).
     controlnet_traced_method = "forward"
+
+    def controlled_refusal(self, task: str) -> str | None:
+        """Why a controlled prompt of `task` (img2img, inpaint) cannot run for this family (None: it can)."""
+        return {"img2img": self.controlled_img2img_refusal, "inpaint": self.controlled_inpaint_refusal}.get(task)
 
     def covers(self, index: dict) -> bool:
         """Whether a pipeline of one of this family's classes, with this model_index.json, is this family's (two

@@ -109,7 +109,7 @@ class QwenImage(TransformerFamily):
     controlnet_class = "QwenImageControlNetModel"
     controlnet_image_argument = "control_image"
     controlnet_samples_control_first = True
-    controlled_img2img_refusal = (
+    controlled_img2img_refusal = controlled_inpaint_refusal = (
         "diffusers 0.42's AutoPipeline makes no ControlNet img2img or inpainting pipeline for Qwen-Image; a "
         "controlled prompt starts from noise"
     )

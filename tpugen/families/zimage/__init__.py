@@ -87,8 +87,15 @@ class ZImage(TransformerFamily):
     # Its ControlNet's traced part takes only tensors, as the transformer's does (static.DEVICE_FORWARD).
     controlnet_traced_method = "tpugen_device_forward"
     controlled_img2img_refusal = (
-        "diffusers 0.42's AutoPipeline makes no ControlNet img2img or inpainting pipeline for Z-Image; a controlled "
-        "prompt starts from noise"
+        "diffusers 0.42 has no ControlNet img2img pipeline for Z-Image; a controlled prompt starts from noise, or "
+        "inpaints with a mask_image"
+    )
+    # ZImageControlNetInpaintPipeline: the ControlNet is given the control, the mask and the masked image's latents
+    # (its 33 channels), and the picture is drawn from noise.
+    controlled_pipelines = {"inpaint": "ZImageControlNetInpaintPipeline"}
+    controlled_inpaint_strength_refusal = (
+        "ControlNet inpainting starts from noise (diffusers 0.42's ZImageControlNetInpaintPipeline takes no "
+        "strength: the ControlNet is given the masked image); set the strength to 1"
     )
     multi_controlnet_refusal = (
         "one ControlNet at a time (diffusers 0.42's ZImageControlNetPipeline takes one ZImageControlNetModel and has "

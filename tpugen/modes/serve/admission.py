@@ -78,10 +78,12 @@ class Admission:
             problems.append(f"{count} images asked for; this server makes at most {limit} per request")
         if images and images[0].source is not None and family.img2img_refusal:
             problems.append(f"image: {family.title} models: {family.img2img_refusal}")
-        if images and images[0].source is not None and images[0].controls and family.controlled_img2img_refusal:
-            problems.append(
-                f"ControlNet units with an image: {family.title} models: {family.controlled_img2img_refusal}"
-            )
+        source = images[0].source if images and images[0].controls else None
+        if source is not None and (why := family.controlled_refusal(source.task)):
+            problems.append(f"ControlNet units with an image: {family.title} models: {why}")
+        elif source is not None and source.task == "inpaint" and source.strength != 1:
+            if strength := family.controlled_inpaint_strength_refusal:
+                problems.append(f"denoising_strength with ControlNet units: {family.title} models: {strength}")
         if images and images[0].controls and (window := window_problem(images[0].controls, family)):
             problems.append(f"ControlNet units' guidance_start and guidance_end: {window}")
         if images and images[0].source is None and not images[0].references and family.txt2img_refusal:

@@ -39,10 +39,11 @@ class WarmEngines:
         self.chunk_counts = list(self.serve.prompt_chunks) if self.reader.chunked else [1]
         # The reference counts an edit is warm for (serve.reference_counts), where edits are warmed at all.
         self.reference_counts = list(self.serve.reference_counts) if "edit" in self.serve.tasks else []
-        # The server's ControlNets (model.controlnets): txt2img and img2img are warm with all of them as well.
+        # The server's ControlNets (model.controlnets): txt2img is warm with all of them as well, and img2img and
+        # inpaint with one where the family's ControlNets take an image.
         self.controlnets = [c.id for c in config.model.controlnets]
-        one = len(self.controlnets) == 1 and not self.family.controlled_img2img_refusal
-        controlled = ("txt2img", "img2img") if one else ("txt2img",)
+        one = len(self.controlnets) == 1
+        controlled = ["txt2img", *(t for t in ("img2img", "inpaint") if one and not self.family.controlled_refusal(t))]
         self.controlled_tasks = [task for task in self.serve.tasks if task in controlled] if self.controlnets else []
         # Each (shape key, scheduler) warmup compiles, one at a time so /readyz can count them.
         plan = self.plan()
@@ -101,7 +102,7 @@ class WarmEngines:
         shapes = [(*kind, chunks) for kind in kinds for chunks in self.chunk_counts]
         tilings = (False, True) if self.serve.tiling else (False,)  # serve.tiling: every warm shape tiled too
         for tiling, (task, hires, refs, controlled, chunks) in itertools.product(tilings, shapes):
-            source, references = self._source(task), self._references(refs)
+            source, references = self._source(task, controlled), self._references(refs)
             controls = self._controls() if controlled else None
             for height, width in self.sizes:
                 item = WorkItem(
@@ -128,9 +129,10 @@ class WarmEngines:
                 batches.append(Batch(len(batches), shape, (item,), self.batch_size - 1))
         return RunPlan(tuple(b.items[0] for b in batches), tuple(batches))
 
-    def _source(self, task: str) -> ImageSource | None:
+    def _source(self, task: str, controlled: bool = False) -> ImageSource | None:
         """The input images an img2img or inpaint warmup call starts from: mid grey, the mask's right half white
-        (the graphs depend on the sizes alone, and each call fits its images to its size)."""
+        (the graphs depend on the sizes alone, and each call fits its images to its size); at strength 1 where the
+        family's ControlNet inpaints only so (`controlled`)."""
         if task not in ("img2img", "inpaint"):
             return None
         from PIL import Image
@@ -141,7 +143,8 @@ class WarmEngines:
             half = Image.new("L", (64, 64), 0)
             half.paste(255, (32, 0, 64, 64))
             mask = self.inputs.store(_png(half), "warmup")
-        return ImageSource(init[0], init[1], 0.75, 0, *(mask or (None, None)))
+        full = controlled and task == "inpaint" and self.family.controlled_inpaint_strength_refusal
+        return ImageSource(init[0], init[1], 1.0 if full else 0.75, 0, *(mask or (None, None)))
 
     def _references(self, count: int) -> References | None:
         """The references an edit warmup call of `count` references gives: mid grey each (the graphs depend on
