@@ -57,7 +57,7 @@ def test_a_z_image_server_runs_a_controlnet_unit_as_diffusers_does_and_refuses_a
 
     from tpugen.tiny import builtin_path
 
-    path = serve_config(tmp_path, tasks=["txt2img"], batch_window_ms=0)
+    path = serve_config(tmp_path, tasks=["txt2img", "inpaint"], batch_window_ms=0)
     config = yaml.safe_load(path.read_text())
     config["model"] = {"id": "tiny-z-image", "dtype": "float32", "controlnets": [{"id": "tiny-z-image-controlnet"}]}
     write_config(path, config)
@@ -74,6 +74,18 @@ def test_a_z_image_server_runs_a_controlnet_unit_as_diffusers_does_and_refuses_a
             controlnet_units=[unit], alwayson_scripts={}, sampler_name="Euler", width=64, height=64, **fields
         )
         assert 'ControlNet 0: "Module: none, Model: tiny-z-image-controlnet, Weight: 0.8' in made.info["infotexts"][0]
+        # Inpainting under the unit (ZImageControlNetInpaintPipeline), warm too: from noise, so at strength 1 only.
+        mask = Image.new("L", (64, 64))
+        ImageDraw.Draw(mask).rectangle((0, 0, 31, 63), fill=255)
+        inpaint = dict(images=[disc], mask_image=mask, inpaint_full_res=False, controlnet_units=[unit], **fields)
+        painted = api.img2img(
+            denoising_strength=1.0, sampler_name="Euler", width=64, height=64, alwayson_scripts={}, **inpaint
+        )
+        assert 'ControlNet 0: "Module: none, Model: tiny-z-image-controlnet' in painted.info["infotexts"][0]
+        with pytest.raises(RuntimeError, match="422.*set the strength to 1"):
+            api.img2img(
+                denoising_strength=0.75, sampler_name="Euler", width=64, height=64, alwayson_scripts={}, **inpaint
+            )
         window = {**unit.to_dict(), "guidance_end": 0.5}
         with httpx.Client(base_url=url, headers=AUTH, timeout=120) as client:
             refused = client.post(
