@@ -13,7 +13,7 @@ fi
 stamp=.venv/.tpugen-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing tpugen[xla,dev,docs] into .venv (torch 2.9.0 + torch_xla 2.9.0, the server, Ray, peft and mkdocs: several GB the first time)"
+  echo "setup: installing tpugen[xla,dev,docs] into .venv (torch 2.9.0 + torch_xla 2.9.0, the server, Ray, peft, controlnet_aux and mkdocs: several GB the first time)"
   # uv installs it: its downloads and unpacking run side by side, where pip's run one after another (a fresh
   # .venv, nothing cached, on 2 cores: 1 min 37 s, where pip took 3 min 35 s). It writes the
   # bytecode too (--compile-bytecode, on both cores): where PYTHONDONTWRITEBYTECODE is set (as on the team's
@@ -26,7 +26,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # Some machines' pip configs point at local index folders that do not exist; those warnings are noise.
     .venv/bin/python -m pip install -q -e '.[xla,dev,docs]' 2>&1 | grep -v "^WARNING: Location 'file:" || true
   fi
-  PJRT_DEVICE=CPU .venv/bin/python -c "import torch, torch_xla, torchvision, diffusers, transformers, peft, cv2, fastapi, uvicorn, multipart, ray, httpx, selenium, webuiapi, mkdocs, material, tpugen" \
+  PJRT_DEVICE=CPU .venv/bin/python -W ignore -c "import torch, torch_xla, torchvision, diffusers, transformers, peft, cv2, fastapi, uvicorn, multipart, ray, httpx, selenium, webuiapi, controlnet_aux, mkdocs, material, tpugen" \
     || { echo "setup: the install failed (see above)" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

@@ -69,6 +69,31 @@ def save_disc(path: Path) -> Path:
     return path
 
 
+def annotator_weights(folder: Path) -> Path:
+    """A model.annotators_dir with random weights of each annotator tpugen runs, under the file names
+    lllyasviel/Annotators gives them (controlnet_aux's own architectures, seeded): what they make means nothing,
+    but it is what controlnet_aux makes of the same files."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from controlnet_aux.hed import ControlNetHED_Apache2
+        from controlnet_aux.lineart import Generator
+        from controlnet_aux.mlsd.models.mbv2_mlsd_large import MobileV2_MLSD_Large
+        from controlnet_aux.pidi.model import pidinet
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    torch.save(ControlNetHED_Apache2().state_dict(), folder / "ControlNetHED.pth")
+    torch.save({"state_dict": pidinet().state_dict()}, folder / "table5_pidinet.pth")
+    torch.save(Generator(3, 1, 3).state_dict(), folder / "sk_model.pth")
+    torch.save(Generator(3, 1, 3).state_dict(), folder / "sk_model2.pth")
+    torch.save(MobileV2_MLSD_Large().state_dict(), folder / "mlsd_large_512_fp32.pth")
+    return folder
+
+
 def assert_same_images(run_dir: Path, reference: Path, max_diff: int, names: list[str] | None = None) -> None:
     """The images of `run_dir` are those of `reference` (the same file names, pixels within `max_diff`)."""
     expected = sorted(p.name for p in reference.glob("[0-9]*.png")) if names is None else sorted(names)

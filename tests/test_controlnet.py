@@ -8,12 +8,13 @@ import json
 
 import numpy as np
 import pytest
-from conftest import generate_in_new_process, run_cli, tiny_config, write_config
+from conftest import annotator_weights, generate_in_new_process, run_cli, tiny_config, write_config
 from PIL import Image, ImageDraw
 
 from tpugen.config import load_config
-from tpugen.config.controls import CONTROL_MODULES
-from tpugen.engine.controls import preprocess
+from tpugen.config.controls import ANNOTATORS, CONTROL_MODULES, module_name
+from tpugen.engine.controls import load_annotators, preprocess
+from tpugen.errors import RunError
 from tpugen.outputs.png import a1111_parameters
 from tpugen.plan import plan_run
 
@@ -86,6 +87,61 @@ def test_the_other_preprocessors():
     assert set(CONTROL_MODULES) == {"none", "canny", "invert", "scribble", "tile"}
 
 
+def test_annotators_are_controlnet_auxs_own_detectors_run_from_the_weights_folder(tmp_path):
+    # Each annotator module is controlnet_aux's detector loaded from model.annotators_dir, called with the module's
+    # options and thresholds at the image's shorter side, then fitted back to the image's size (64x96 here: its
+    # output rounds to multiples of 64). The weights are random: the point is what runs, not what it sees.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import controlnet_aux
+
+    folder = str(annotator_weights(tmp_path / "annotators"))
+    rng = np.random.default_rng(5)
+    photo = Image.fromarray((rng.random((64, 96, 3)) * 255).astype(np.uint8))
+    made = {}
+    for name, annotator in ANNOTATORS.items():
+        made[name] = np.asarray(preprocess(photo, name, None, None, folder))
+        detector = getattr(controlnet_aux, annotator.detector).from_pretrained(folder)
+        options = dict(annotator.options)
+        options.update(dict(spec for spec in (annotator.threshold_a, annotator.threshold_b) if spec))
+        own = detector(photo, detect_resolution=64, image_resolution=64, output_type="pil", **options)
+        own = np.asarray(own.convert("RGB").resize((96, 64), Image.Resampling.BILINEAR))
+        assert made[name].shape == (64, 96, 3) and np.array_equal(made[name], own), name
+    assert made["softedge_hed"].std() > 1 and made["lineart_realistic"].std() > 1  # not blank
+    # The options reach the detector: HED's safe steps and scribbles, and the coarse line-art model, differ.
+    assert not np.array_equal(made["softedge_hed"], made["softedge_hedsafe"])
+    assert not np.array_equal(made["softedge_hed"], made["scribble_hed"])
+    assert not np.array_equal(made["lineart_realistic"], made["lineart_coarse"])
+    assert module_name("hed", folder) == "softedge_hed" and module_name("hed") is None
+    # A weights file that is not the model's is one line naming the detector and the folder (a server's start).
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "table5_pidinet.pth").write_bytes(b"not weights")
+    with pytest.raises(RunError, match=r"^model.annotators_dir: PidiNetDetector cannot load its weights from '/"):
+        load_annotators(str(tmp_path / "other"))
+
+
+def test_the_config_hash_counts_the_annotator_weights_a_run_reads_by_content(tmp_path):
+    import shutil
+
+    _control_images(tmp_path)
+    folder = annotator_weights(tmp_path / "a")
+    shutil.copytree(folder, tmp_path / "b")
+
+    def hash_of(annotators: str, module: str) -> str:
+        config = _config(tmp_path, [{"prompt": "a cat", "control_image": "disc.png", "control_module": module}])
+        config["model"]["annotators_dir"] = annotators
+        return load_config(write_config(tmp_path / "run.yaml", config)).config_hash
+
+    hed = hash_of("a", "softedge_hed")
+    assert hash_of("b", "softedge_hed") == hed  # another folder of the same files
+    assert hash_of("a", "canny") == hash_of("b", "canny")  # a run that reads none
+    (tmp_path / "b" / "ControlNetHED.pth").write_bytes(b"other weights")
+    assert hash_of("b", "softedge_hed") != hed
+    assert hash_of("b", "mlsd") == hash_of("a", "mlsd")  # a file the run does not read changed
+
+
 # ---------------------------------------------------------------- configs at the door (no device)
 
 
@@ -94,7 +150,27 @@ def test_the_other_preprocessors():
     [
         ({}, {"control_image": "disc.png"}, "prompts[0]: control_image: the model has no ControlNet; name one in"),
         (None, {"control_scale": 0.5}, "prompts[0]: control_scale is for a prompt with a control_image"),
-        (None, {"control_image": "disc.png", "control_module": "depth_midas"}, "'depth_midas' needs an annotator"),
+        (
+            None,
+            {"control_image": "disc.png", "control_module": "depth_midas"},
+            "'depth_midas' needs an annotator model tpugen does not run yet (it runs softedge_hed, softedge_hedsafe",
+        ),
+        (
+            None,
+            {"control_image": "disc.png", "control_module": "softedge_hed"},
+            "'softedge_hed' runs an annotator model (controlnet_aux's HEDdetector) from its weights on this machine: "
+            "name a folder holding ControlNetHED.pth in model.annotators_dir",
+        ),
+        (  # a folder without the weights
+            {"controlnets": [{"id": "tiny-sd-controlnet"}], "annotators_dir": "."},
+            {"control_image": "disc.png", "control_module": "lineart_coarse"},
+            "control_module: 'lineart_coarse' needs sk_model.pth, sk_model2.pth in model.annotators_dir (/",
+        ),
+        (
+            {"controlnets": [{"id": "tiny-sd-controlnet"}], "annotators_dir": "nothere"},
+            {"control_image": "disc.png"},
+            "/nothere' is not a folder",
+        ),
         (None, {"control_image": "disc.png", "control_module": "sketchy"}, "unknown module 'sketchy'; built in: none"),
         (None, {"control_image": "disc.png", "control_start": 0.6, "control_end": 0.5}, "control_start (0.6) must"),
         (None, {"control_image": "disc.png", "control_scale": 2.5}, "control_scale must be a number from 0 to 2"),
@@ -651,7 +727,7 @@ def test_two_rows_of_two_units_reach_the_pipeline_in_its_own_layout(tmp_path, mo
     [batch] = plan_run(run).batches
     family = CONTROLNETS[controlnet][1]
     assert family.multi_control_images_per_controlnet is per_controlnet
-    loaded = SimpleNamespace(family=family)
+    loaded = SimpleNamespace(family=family, annotators=None)
     images = LoadedPipeline._control_arguments(loaded, batch, "image")["image"]
 
     def red(image) -> int:

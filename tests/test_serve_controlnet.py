@@ -11,9 +11,12 @@ import json
 import httpx
 import numpy as np
 import pytest
-from conftest import run_cli, tiny_config, write_config
+from conftest import annotator_weights, run_cli, tiny_config, write_config
 from PIL import Image, ImageDraw
 from serve_support import AUTH, KEY, decode, metric, pixels, running_server, wait_ready
+
+from tpugen.config.controls import ANNOTATORS
+from tpugen.engine.controls import preprocess
 
 pytestmark = pytest.mark.xla
 
@@ -55,6 +58,7 @@ def controlnet_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("controlnet-server")
     config = tiny_config(tmp, **SMALL, output={"dir": str(tmp / "runs")})
     config["model"]["controlnets"] = CONTROLNETS
+    config["model"]["annotators_dir"] = str(annotator_weights(tmp / "annotators"))
     del config["prompts"]
     config["output"].pop("run_id")
     config["serve"] = {"batch_window_ms": 0, "tasks": ["txt2img"]}
@@ -123,11 +127,12 @@ def test_a_webuiapi_unit_steers_warm_as_a_run_config_does(controlnet_server, tmp
 def test_the_controlnet_routes(controlnet_server):
     import cv2
 
-    url, _ = controlnet_server
+    url, service = controlnet_server
     with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
         assert http.get("/controlnet/model_list").json() == {"model_list": ["tiny-sd-controlnet"]}
         modules = http.get("/controlnet/module_list").json()
-        assert modules["module_list"] == ["none", "canny", "invert", "scribble", "tile"]
+        assert modules["module_list"][:5] == ["none", "canny", "invert", "scribble", "tile"]
+        assert modules["module_list"][5:] == list(ANNOTATORS)  # model.annotators_dir holds all their weights
         aliases = http.get("/controlnet/module_list", params={"alias_names": "true"}).json()["module_list"]
         assert "tile_resample" in aliases and "invert (from white bg & black line)" in aliases
         rng = np.random.default_rng(1)
@@ -144,6 +149,18 @@ def test_the_controlnet_routes(controlnet_server):
         assert answer.status_code == 200 and answer.json()["info"] == "Success"
         detected = np.asarray(decode(answer.json()["images"][0]))
         assert detected.shape == (48, 80, 3) and (detected == cv2.Canny(picture, 50, 120)[:, :, None]).all()
+        # An annotator, by the extension's old name, from the server's model.annotators_dir.
+        body = {"controlnet_module": "hed", "controlnet_input_images": [_b64(Image.fromarray(picture))]}
+        answer = http.post("/controlnet/detect", json=body)
+        assert answer.status_code == 200, answer.text
+        own = preprocess(Image.fromarray(picture), "softedge_hed", annotators=service.run.config.model.annotators_dir)
+        assert np.array_equal(np.asarray(decode(answer.json()["images"][0])), np.asarray(own))
+        # A unit with it steers as the canny one does: 200, and the parameters name the module.
+        answer = http.post(
+            "/sdapi/v1/txt2img", json={**FIELDS, "alwayson_scripts": {"controlnet": {"args": [_unit(module="hed")]}}}
+        )
+        assert answer.status_code == 200, answer.text
+        assert '"Module: softedge_hed, Model: tiny-sd-controlnet' in json.loads(answer.json()["info"])["infotexts"][0]
 
 
 @pytest.mark.parametrize(
@@ -167,7 +184,7 @@ def test_the_controlnet_routes(controlnet_server):
         ({"controlnet": {"args": [_unit(enabled="false")]}}, "args[0].enabled: must be true or false, got 'false'"),
         ({"controlnet": {"args": [_unit(model=["a list"])]}}, "args[0].model: \"['a list']\" is not loaded"),
         ({"controlnet": {"args": [_unit(guidance_start=0.9, guidance_end=0.2)]}}, "guidance_start (0.9) must be below"),
-        ({"controlnet": {"args": [_unit(module="depth_midas")]}}, "'depth_midas' needs an annotator model's weights"),
+        ({"controlnet": {"args": [_unit(module="depth_midas")]}}, "'depth_midas' needs an annotator model tpugen"),
         ({"controlnet": {"args": [_unit(resize_mode="Stretch")]}}, "args[0].resize_mode: 'Stretch'"),
         ({"controlnet": {"args": [_unit(), _unit()]}}, "args[1].model: 'tiny-sd-controlnet' has a unit already"),
         ({"controlnet": {"args": [_unit()] * 5}}, "args: 5 units; at most 4"),

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpugen.config.images import InputImage, read_input_image
+from tpugen.config.images import InputImage, read_input_image, sha256_of
 from tpugen.config.schema import CONTROL_SCALE_MAX, RunConfig
 
 # The preprocessors (the web UI's ControlNet "modules") that need no weights, by tpugen's name: what each makes of
@@ -26,8 +26,51 @@ MODULE_ALIASES = {
     "scribble_thr": "scribble",
     "tile_resample": "tile",
 }
-# Preprocessors that need an annotator's weights, which tpugen does not run: named, so a request for one is refused
-# saying what it needs rather than that it is unknown.
+
+
+@dataclass(frozen=True)
+class Annotator:
+    """A preprocessor that runs an annotator model (controlnet_aux's detector of that name) on the host, from the
+    weights files model.annotators_dir holds, as the web UI's ControlNet extension runs it."""
+
+    detector: str
+    files: tuple[str, ...]  # the files it reads from the folder, by lllyasviel/Annotators' names
+    description: str
+    options: tuple[tuple[str, object], ...] = ()  # its call's fixed keyword arguments
+    # The detector's keyword arguments that threshold_a and threshold_b set, with their defaults (None: none).
+    threshold_a: tuple[str, float] | None = None
+    threshold_b: tuple[str, float] | None = None
+
+
+_HED, _PIDINET, _LINEART = ("ControlNetHED.pth",), ("table5_pidinet.pth",), ("sk_model.pth", "sk_model2.pth")
+# The annotators tpugen runs, by the extension's module names (lllyasviel's ControlNet 1.1 preprocessors).
+ANNOTATORS: dict[str, Annotator] = {
+    "softedge_hed": Annotator("HEDdetector", _HED, "HED's soft edges, white on black"),
+    "softedge_hedsafe": Annotator("HEDdetector", _HED, "HED's soft edges, quantized", (("safe", True),)),
+    "scribble_hed": Annotator(
+        "HEDdetector", _HED, "HED's edges thinned and thickened into scribbles", (("scribble", True),)
+    ),
+    "softedge_pidinet": Annotator("PidiNetDetector", _PIDINET, "PiDiNet's soft edges, white on black"),
+    "softedge_pidisafe": Annotator("PidiNetDetector", _PIDINET, "PiDiNet's soft edges, quantized", (("safe", True),)),
+    "scribble_pidinet": Annotator(
+        "PidiNetDetector", _PIDINET, "PiDiNet's edges as scribbles", (("safe", True), ("scribble", True))
+    ),
+    "lineart_realistic": Annotator("LineartDetector", _LINEART, "line art of a photo, white on black"),
+    "lineart_coarse": Annotator("LineartDetector", _LINEART, "coarse line art of a photo", (("coarse", True),)),
+    "mlsd": Annotator(
+        "MLSDdetector",
+        ("mlsd_large_512_fp32.pth",),
+        "M-LSD's straight lines (threshold_a: value, threshold_b: distance)",
+        threshold_a=("thr_v", 0.1),
+        threshold_b=("thr_d", 0.1),
+    ),
+}
+# What running them needs installed (the tpugen[annotators] extra).
+ANNOTATORS_NEED = "the annotators run through controlnet_aux, which is not installed: pip install 'tpugen[annotators]'"
+# The extension's older names of these.
+ANNOTATOR_ALIASES = {"hed": "softedge_hed", "pidinet": "softedge_pidinet", "lineart": "lineart_realistic"}
+# Preprocessors that need an annotator's weights, which tpugen does not run yet: named, so a request for one is
+# refused saying what it needs rather than that it is unknown.
 NEEDS_WEIGHTS = ("depth", "openpose", "lineart", "hed", "mlsd", "normal", "seg", "softedge", "shuffle")
 
 # Why an img2img or inpainting image cannot take two or more ControlNets.
@@ -127,21 +170,64 @@ def control_name(controlnet_id: str) -> str:
     return controlnet_id.rstrip("/").split("/")[-1]
 
 
-def module_name(name: str) -> str | None:
-    """tpugen's name of a preprocessor a config or the web UI names (None: not one tpugen runs)."""
+def _missing(annotator: Annotator, folder: str | None) -> list[str]:
+    return [name for name in annotator.files if folder is None or not (Path(folder) / name).is_file()]
+
+
+def module_name(name: str, annotators: str | None = None) -> str | None:
+    """tpugen's name of a preprocessor a config or the web UI names (None: not one tpugen runs here): a built-in,
+    or an annotator whose weights the folder `annotators` (model.annotators_dir) holds."""
     name = MODULE_ALIASES.get(name, name)
-    return name if name in CONTROL_MODULES else None
+    if name in CONTROL_MODULES:
+        return name
+    name = ANNOTATOR_ALIASES.get(name, name)
+    return name if name in ANNOTATORS and not _missing(ANNOTATORS[name], annotators) else None
 
 
-def module_problem(name: str) -> str:
-    """Why tpugen cannot run the preprocessor `name`, in one line."""
-    wanted = name.split("_")[0]
-    if wanted in NEEDS_WEIGHTS:
+def module_problem(name: str, annotators: str | None = None) -> str:
+    """Why tpugen cannot run the preprocessor `name` here, in one line."""
+    annotator = ANNOTATORS.get(ANNOTATOR_ALIASES.get(name, name))
+    if annotator is not None and annotators is None:
         return (
-            f"{name!r} needs an annotator model's weights, which tpugen does not run; preprocess the image "
-            f"yourself and send it with module none (built in: {', '.join(CONTROL_MODULES)})"
+            f"{name!r} runs an annotator model (controlnet_aux's {annotator.detector}) from its weights on this "
+            f"machine: name a folder holding {', '.join(annotator.files)} in model.annotators_dir"
+        )
+    if annotator is not None:
+        return f"{name!r} needs {', '.join(_missing(annotator, annotators))} in model.annotators_dir ({annotators})"
+    if name.split("_")[0] in NEEDS_WEIGHTS:
+        return (
+            f"{name!r} needs an annotator model tpugen does not run yet (it runs {', '.join(ANNOTATORS)} from "
+            f"model.annotators_dir); preprocess the image yourself and send it with module none (built in: "
+            f"{', '.join(CONTROL_MODULES)})"
         )
     return f"unknown module {name!r}; built in: {', '.join(CONTROL_MODULES)}"
+
+
+def annotator_weights(folder: str | None, prompts) -> dict[str, str | None]:
+    """The sha256 of each weights file of `folder` (model.annotators_dir) the prompts' units read, by file name."""
+    files = sorted(
+        {name for spec in prompts if spec.controls for unit in spec.controls.units for name in _files(unit.module)}
+    )
+    return {name: sha256_of(str(Path(folder) / name)) for name in files} if folder else {}
+
+
+def _files(module: str) -> tuple[str, ...]:
+    return ANNOTATORS[module].files if module in ANNOTATORS else ()
+
+
+def module_thresholds(named: str) -> tuple[float | None, float | None]:
+    """The defaults of a preprocessor's threshold_a and threshold_b (None: it takes none)."""
+    if named in CONTROL_MODULES:
+        return CONTROL_MODULES[named][1:]
+    annotator = ANNOTATORS[named]
+    return tuple(None if spec is None else spec[1] for spec in (annotator.threshold_a, annotator.threshold_b))
+
+
+def module_descriptions(annotators: str | None = None) -> dict[str, str]:
+    """Every preprocessor tpugen runs here, and what it makes: the built-ins, and the annotators the folder
+    `annotators` has the weights of."""
+    runnable = {name: a.description for name, a in ANNOTATORS.items() if not _missing(a, annotators)}
+    return {**{name: text for name, (text, _, _) in CONTROL_MODULES.items()}, **runnable}
 
 
 def _each(value, count: int, key: str, problems: list[str], where: str) -> list | None:
@@ -196,10 +282,11 @@ def read_controls(entry: dict, run: RunConfig, base_dir: Path, where: str, probl
             problems.append(f"{at}: must be a path to an image (relative to the config), got {path!r}")
             continue
         module = lists.get("control_module", ["none"] * count)[n]
-        named = module_name(module) if isinstance(module, str) else None
+        annotators = run.model.annotators_dir
+        named = module_name(module, annotators) if isinstance(module, str) else None
         if named is None:
             at_module = f"{where}: control_module[{n}]" if count > 1 else f"{where}: control_module"
-            problems.append(f"{at_module}: {module_problem(str(module)[:80])}")
+            problems.append(f"{at_module}: {module_problem(str(module)[:80], annotators)}")
             continue
         scale = lists.get("control_scale", [run.model.controlnets[n].scale] * count)[n]
         start = lists.get("control_start", [0.0] * count)[n]
@@ -215,7 +302,7 @@ def read_controls(entry: dict, run: RunConfig, base_dir: Path, where: str, probl
         ]
         if not bad and start >= end:
             bad.append(f"control_start ({start:g}) must be below control_end ({end:g})")
-        _, default_a, default_b = CONTROL_MODULES[named]
+        default_a, default_b = module_thresholds(named)
         thresholds = []
         for key, default in (("control_threshold_a", default_a), ("control_threshold_b", default_b)):
             value = lists.get(key, [default] * count)[n]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from tpugen.config.controls import control_name, window_problem
+from tpugen.config.controls import ANNOTATORS_NEED, annotator_weights, control_name, window_problem
 from tpugen.config.embeddings import Embedding, embeddings_by_content, resolve_embeddings
 from tpugen.config.hires import hires_problems
 from tpugen.config.loras import Lora, loras_by_content, resolve_loras
@@ -114,6 +115,10 @@ def resolve(
         config.height = config.height or defaults["height"]
         config.width = config.width or defaults["width"]
 
+    if config.model.annotators_dir is not None:  # before the prompts, whose control modules it may run
+        config.model.annotators_dir = _folder("model.annotators_dir", config.model.annotators_dir, base_dir, problems)
+        if importlib.util.find_spec("controlnet_aux") is None:
+            problems.append(f"model.annotators_dir: {ANNOTATORS_NEED}")
     resolved_prompts = resolve_prompts(config, base_dir, prompts, problems, required=prompts_required)
     problems.extend(_size_problems(config, resolved_prompts, family))
     problems.extend(_hires_problems(config, family))
@@ -136,11 +141,7 @@ def resolve(
     for key in ("lora_dir", "embeddings_dir"):  # the server's folders, relative to the config
         value = getattr(config.serve, key)
         if value is not None:
-            folder = Path(value).expanduser()
-            folder = folder if folder.is_absolute() else base_dir / folder
-            if not folder.is_dir():
-                problems.append(f"serve.{key}: {str(folder)!r} is not a folder")
-            setattr(config.serve, key, str(folder.resolve()))
+            setattr(config.serve, key, _folder(f"serve.{key}", value, base_dir, problems))
 
     _read_mag_ratios(config, base_dir, problems)
 
@@ -239,6 +240,15 @@ def _reference_problems(
         if why:
             return [*problems, f"{where}: {why}"]
     return problems
+
+
+def _folder(key: str, value: str, base_dir: Path, problems: list[str]) -> str:
+    """A folder a config names (relative to the config file), made absolute; a problem where it is not one."""
+    folder = Path(value).expanduser()
+    folder = folder if folder.is_absolute() else base_dir / folder
+    if not folder.is_dir():
+        problems.append(f"{key}: {str(folder)!r} is not a folder")
+    return str(folder.resolve())
 
 
 def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, serving: bool = False) -> list[str]:
@@ -405,6 +415,11 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec], embeddings: tuple[
         del payload["model"]["loras"]
     if not payload["model"]["controlnets"]:
         del payload["model"]["controlnets"]
+    # The annotators count by the content of the weights the prompts' modules read, not by where the folder is.
+    if weights := annotator_weights(config.model.annotators_dir, prompts):
+        payload["model"]["annotators_dir"] = weights
+    else:
+        del payload["model"]["annotators_dir"]
     if payload["model"]["embeddings"]:
         payload["model"]["embeddings"] = embeddings_by_content(embeddings)
     else:

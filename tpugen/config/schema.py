@@ -157,9 +157,19 @@ class ModelConfig(_Section):
         default=[],
         description=(
             "ControlNets run beside the denoiser, inside its step graph, for prompts that give a control_image (one "
-            "image per ControlNet, in this order); two or more run as diffusers' multi-ControlNet (not yet for "
-            "Flux.1 and Qwen-Image). Stable Diffusion 1.x/2.x, SDXL, Flux.1 and Qwen-Image models (a ControlNet of "
-            "the model's family)."
+            "image per ControlNet, in this order); two or more run as diffusers' multi-ControlNet (Stable Diffusion "
+            "1.x/2.x, SDXL, Flux.1; Qwen-Image and Z-Image one at a time). Stable Diffusion 1.x/2.x, SDXL, Flux.1, "
+            "Qwen-Image and Z-Image models (a ControlNet of the model's family)."
+        ),
+    )
+    annotators_dir: str | None = Field(
+        default=None,
+        description=(
+            "A local folder of annotator weights, named as lllyasviel/Annotators names them (ControlNetHED.pth, "
+            "table5_pidinet.pth, sk_model.pth and sk_model2.pth, mlsd_large_512_fp32.pth; relative to the config "
+            "file): the ControlNet preprocessors that need them (softedge_hed, softedge_hedsafe, scribble_hed, "
+            "softedge_pidinet, softedge_pidisafe, scribble_pidinet, lineart_realistic, lineart_coarse, mlsd) run "
+            "on the host through controlnet_aux, each whose files the folder holds."
         ),
     )
     embeddings: list[str] = Field(

@@ -8,8 +8,8 @@ import contextlib
 import functools
 import io
 
-from tpugen.config.controls import ControlUnit
-from tpugen.errors import RunError
+from tpugen.config.controls import ANNOTATORS, ANNOTATORS_NEED, Annotator, ControlUnit, module_descriptions
+from tpugen.errors import RunError, one_line
 from tpugen.models import classify_controlnet_id, hub_failure
 
 SCALE_AS_DATA = "controlnet scale handed in as data"
@@ -93,20 +93,30 @@ def _scale_as_data(forward):
 # ---------------------------------------------------------------- control images on the host
 
 
-def control_image(unit: ControlUnit, width: int, height: int):
+def control_image(unit: ControlUnit, width: int, height: int, annotators: str | None = None):
     """A unit's control image as the ControlNet takes it (PIL RGB, width x height): the image fitted to the size as
-    the unit says (the web UI's ControlNet default: crop and resize), then its preprocessor."""
+    the unit says (the web UI's ControlNet default: crop and resize), then its preprocessor (`annotators`: the
+    folder of model.annotators_dir, for one that runs an annotator model)."""
     from tpugen.engine import images
 
     fitted = images.load(unit.image.path, width, height, unit.resize_mode)
-    return preprocess(fitted, unit.module, unit.threshold_a, unit.threshold_b)
+    return preprocess(fitted, unit.module, unit.threshold_a, unit.threshold_b, annotators)
 
 
-def preprocess(image, module: str, threshold_a: float | None = None, threshold_b: float | None = None):
-    """The control a preprocessor makes of a PIL image (tpugen.config.controls.CONTROL_MODULES), as PIL RGB."""
+def preprocess(
+    image,
+    module: str,
+    threshold_a: float | None = None,
+    threshold_b: float | None = None,
+    annotators: str | None = None,
+):
+    """The control a preprocessor makes of a PIL image (tpugen.config.controls.CONTROL_MODULES, or ANNOTATORS from
+    the weights in the folder `annotators`), as PIL RGB of the image's size."""
     import numpy as np
     from PIL import Image
 
+    if module in ANNOTATORS:
+        return _annotate(image, ANNOTATORS[module], threshold_a, threshold_b, annotators)
     rgb = np.asarray(image.convert("RGB"))
     if module == "none":
         out = rgb
@@ -134,3 +144,58 @@ def preprocess(image, module: str, threshold_a: float | None = None, threshold_b
     else:
         raise ValueError(f"unknown ControlNet module {module!r}")
     return Image.fromarray(np.ascontiguousarray(out))
+
+
+# The largest side an annotator runs at: an 8192-pixel image sent to /controlnet/detect would take an annotator tens of
+# gigabytes of activations on the host; the web UI's processor_res slider stops at 2048, its default is 512.
+ANNOTATOR_MAX_SIDE = 1024
+
+
+def _annotate(image, annotator: Annotator, threshold_a, threshold_b, folder: str | None):
+    """An annotator's control of a PIL image, run on the host by controlnet_aux at the image's shorter side (at most
+    ANNOTATOR_MAX_SIDE: its detect and image resolutions), then fitted to the image's size (controlnet_aux rounds
+    its sides to multiples of 64)."""
+    import torch
+    from PIL import Image
+
+    options = dict(annotator.options)
+    for spec, value in ((annotator.threshold_a, threshold_a), (annotator.threshold_b, threshold_b)):
+        if spec is not None:
+            options[spec[0]] = spec[1] if value is None else value
+    side = min(*image.size, ANNOTATOR_MAX_SIDE)
+    detector = _detector(annotator.detector, folder)
+    with torch.no_grad():
+        made = detector(
+            image.convert("RGB"), detect_resolution=side, image_resolution=side, output_type="pil", **options
+        )
+    made = made.convert("RGB")
+    return made if made.size == image.size else made.resize(image.size, Image.Resampling.BILINEAR)
+
+
+def load_annotators(folder: str) -> list[str]:
+    """Every annotator whose weights `folder` holds, loaded now (a server's start): the modules, by name."""
+    runnable = [name for name in module_descriptions(folder) if name in ANNOTATORS]
+    for name in runnable:
+        _detector(ANNOTATORS[name].detector, folder)
+    return runnable
+
+
+@functools.lru_cache(maxsize=8)
+def _detector(name: str, folder: str | None):
+    """controlnet_aux's detector `name` loaded once per process from the weights in `folder` (on the host)."""
+    import warnings
+
+    if folder is None:
+        raise RunError(f"{name} needs model.annotators_dir (a folder of its weights)")
+    with warnings.catch_warnings():  # its import re-registers timm's models, with a warning for each
+        warnings.simplefilter("ignore")
+        try:
+            import controlnet_aux
+        except ImportError:
+            raise RunError(f"model.annotators_dir: {ANNOTATORS_NEED}") from None
+    try:
+        return getattr(controlnet_aux, name).from_pretrained(folder)
+    except Exception as exc:  # a weights file of another model, or none: one line naming it
+        raise RunError(
+            f"model.annotators_dir: {name} cannot load its weights from {folder!r}: {one_line(exc)}"
+        ) from exc

@@ -201,6 +201,7 @@ class Engine:
         for controlnet in controlnets:
             controlnet.to(backend.device)
         loaded = LoadedPipeline(pipe, backend, family, label, scheduler_name, controlnets)
+        loaded.annotators = spec.model.annotators_dir
         backend.prepare_on_device(pipe, family, spec.compile, loaded.hooks)
         loaded.controlnet_hooks()
         loaded.use_step_cache(spec.compile.step_cache)

@@ -54,6 +54,7 @@ class LoadedPipeline:
         # model.controlnets on the device: the controlled pipelines (task_pipe) are made from the loaded
         # components with them, so they run inside the step graph beside the denoiser.
         self.controlnets = list(controlnets or [])
+        self.annotators: str | None = None  # model.annotators_dir: the weights of the control modules that need them
         self.backend = backend
         self.family = family
         self.model_label = model_label
@@ -339,7 +340,7 @@ class LoadedPipeline:
 
         def control(unit):
             if unit not in made:
-                made[unit] = control_image(unit, shape.width, shape.height)
+                made[unit] = control_image(unit, shape.width, shape.height, self.annotators)
             return made[unit]
 
         per_row = [[control(unit) for unit in row.controls.units] for row in batch.rows]

@@ -11,12 +11,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from tpugen.config.controls import (
-    CONTROL_MODULES,
     MODULE_ALIASES,
     Controls,
     ControlUnit,
     control_name,
+    module_descriptions,
     module_name,
+    module_thresholds,
     number_in,
 )
 from tpugen.config.controls import module_problem as why_not_module
@@ -87,6 +88,7 @@ def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
         raise InputError(f"alwayson_scripts.controlnet.args: {len(units)} units; at most {MAX_UNITS}")
     loaded = [c.id for c in service.run.config.model.controlnets]
     names = [control_name(c) for c in loaded]
+    annotators = service.run.config.model.annotators_dir
     problems: list[str] = []
     by_model: dict[int, ControlUnit] = {}
     for n, unit in enumerate(units):
@@ -106,9 +108,9 @@ def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
             problems.append(f"{where}.model: {model[:80]!r} is not loaded on this server; it has {have}")
             continue
         module = unit.get("module") or "none"
-        named = module_name(module) if isinstance(module, str) else None
+        named = module_name(module, annotators) if isinstance(module, str) else None
         if named is None:
-            problems.append(f"{where}.module: {why_not_module(str(module)[:80])}")
+            problems.append(f"{where}.module: {why_not_module(str(module)[:80], annotators)}")
             continue
         mode = unit.get("control_mode", 0)
         if (mode.lower() if isinstance(mode, str) else mode) not in BALANCED:
@@ -127,7 +129,7 @@ def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
         end = _number(unit, "guidance_end", 1.0, 0, 1, where, problems)
         if start >= end:
             problems.append(f"{where}: guidance_start ({start:g}) must be below guidance_end ({end:g})")
-        _, default_a, default_b = CONTROL_MODULES[named]
+        default_a, default_b = module_thresholds(named)
         thresholds = [
             _number(unit, key, default, 0, 10_000, where, problems, unset=True) if default is not None else None
             for key, default in (("threshold_a", default_a), ("threshold_b", default_b))
@@ -179,12 +181,14 @@ def model_list(request: Request) -> dict:
 
 
 @router.get("/module_list")
-def module_list(alias_names: bool = False) -> dict:
-    """The preprocessors tpugen runs (none needs weights), by tpugen's names or (alias_names) the extension's."""
+def module_list(request: Request, alias_names: bool = False) -> dict:
+    """The preprocessors this server runs (the built-ins, and the annotators model.annotators_dir has the weights
+    of), by tpugen's names or (alias_names) the extension's."""
+    service: Service = request.app.state.service
+    modules = module_descriptions(service.run.config.model.annotators_dir)
     aliases = {name: alias for alias, name in MODULE_ALIASES.items()}
-    names = [aliases.get(name, name) if alias_names else name for name in CONTROL_MODULES]
-    detail = {name: {"description": text} for name, (text, _, _) in CONTROL_MODULES.items()}
-    return {"module_list": names, "module_detail": detail}
+    names = [aliases.get(name, name) if alias_names else name for name in modules]
+    return {"module_list": names, "module_detail": {name: {"description": text} for name, text in modules.items()}}
 
 
 class Detect(BaseModel):
@@ -211,15 +215,16 @@ def detect_reply(service: Service, body: Detect):
     from tpugen.engine.controls import preprocess
 
     problems = []
-    named = module_name(body.controlnet_module)
+    annotators = service.run.config.model.annotators_dir
+    named = module_name(body.controlnet_module, annotators)
     if named is None:
-        problems.append(f"controlnet_module: {why_not_module(body.controlnet_module[:80])}")
+        problems.append(f"controlnet_module: {why_not_module(body.controlnet_module[:80], annotators)}")
     count = len(body.controlnet_input_images)
     if not 1 <= count <= MAX_DETECT_IMAGES:
         problems.append(f"controlnet_input_images: {count} images; give 1 to {MAX_DETECT_IMAGES}")
     if problems:
         raise InputError(*problems)
-    _, default_a, default_b = CONTROL_MODULES[named]
+    default_a, default_b = module_thresholds(named)
     # Unset, null or negative (the extension's -1): the preprocessor's own default.
     a, b = body.controlnet_threshold_a, body.controlnet_threshold_b
     a = a if default_a is not None and a is not None and a >= 0 else default_a
@@ -239,7 +244,7 @@ def detect_reply(service: Service, body: Detect):
         if why:
             raise InputError(f"{where}: {why}")
         buffer = io.BytesIO()
-        preprocess(image, named, a, b).save(buffer, format="PNG")
+        preprocess(image, named, a, b, annotators).save(buffer, format="PNG")
         del image
         out.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
     return json_response({"images": out, "info": "Success"})

@@ -55,8 +55,12 @@ def check_start(run: ResolvedRun, host: str, api_key: str | None) -> None:
 
 def open_engines(run: ResolvedRun, display: Display) -> list[Engine]:
     """One engine, or under execution.mode: multi one per local device, in this process; each loads the
-    embeddings of serve.embeddings_dir."""
+    embeddings of serve.embeddings_dir. The annotators model.annotators_dir has the weights of are loaded first."""
     spec = replace(EngineSpec.of(run), embeddings_dir=run.config.serve.embeddings_dir)
+    if run.config.model.annotators_dir is not None:  # a weights file that does not load fails the start, not a request
+        from tpugen.engine.controls import load_annotators
+
+        load_annotators(run.config.model.annotators_dir)
     execution = run.config.execution
     if execution.mode != "multi":
         return [Engine.open(spec, display=display)]
