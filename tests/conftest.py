@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import shutil
 import signal
@@ -84,13 +85,29 @@ def annotator_weights(folder: Path) -> Path:
         from controlnet_aux.mlsd.models.mbv2_mlsd_large import MobileV2_MLSD_Large
         from controlnet_aux.pidi.model import pidinet
 
+    def weights(make) -> dict:
+        """A random state dict of the architecture `make` builds (on the meta device, so no initialisation runs):
+        normal values scaled by each tensor's fan-in, positive running variances, zero counters."""
+        with torch.device("meta"):
+            shapes = {name: (t.shape, t.dtype) for name, t in make().state_dict().items()}
+        state = {}
+        for name, (shape, dtype) in shapes.items():
+            if not dtype.is_floating_point:
+                state[name] = torch.zeros(shape, dtype=dtype)
+            elif name.endswith("running_var"):
+                state[name] = torch.rand(shape, generator=seed) + 0.5
+            else:
+                fan_in = max(1, math.prod(shape[1:]))
+                state[name] = torch.randn(shape, generator=seed) / math.sqrt(fan_in)
+        return state
+
     folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    torch.save(ControlNetHED_Apache2().state_dict(), folder / "ControlNetHED.pth")
-    torch.save({"state_dict": pidinet().state_dict()}, folder / "table5_pidinet.pth")
-    torch.save(Generator(3, 1, 3).state_dict(), folder / "sk_model.pth")
-    torch.save(Generator(3, 1, 3).state_dict(), folder / "sk_model2.pth")
-    torch.save(MobileV2_MLSD_Large().state_dict(), folder / "mlsd_large_512_fp32.pth")
+    seed = torch.Generator().manual_seed(0)
+    torch.save(weights(ControlNetHED_Apache2), folder / "ControlNetHED.pth")
+    torch.save({"state_dict": weights(pidinet)}, folder / "table5_pidinet.pth")
+    torch.save(weights(lambda: Generator(3, 1, 3)), folder / "sk_model.pth")
+    torch.save(weights(lambda: Generator(3, 1, 3)), folder / "sk_model2.pth")
+    torch.save(weights(MobileV2_MLSD_Large), folder / "mlsd_large_512_fp32.pth")
     return folder
 
 

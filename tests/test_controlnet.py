@@ -24,8 +24,9 @@ WITHIN = 2
 
 def _control_images(tmp_path) -> None:
     """disc.png (a white disc on black, low left), drawing.png (black strokes on white), photo.png (noise with a
-    red square: an init image), mask.png (its left part repainted), sdxl-controlnet/ and flux-controlnet/ (an SDXL
-    and a Flux.1 ControlNet's config, no weights)."""
+    red square: an init image), mask.png (its left part repainted), and ControlNet folders holding a config alone:
+    sdxl-controlnet/, flux-controlnet/ (InstantX's kind), xlabs-controlnet/ (XLabs' Flux.1 kind), zimage-1.0/ (a
+    Z-Image ControlNet with a 16-channel control)."""
     disc = Image.new("RGB", (64, 64))
     ImageDraw.Draw(disc).ellipse((8, 30, 30, 52), fill=(255, 255, 255))
     disc.save(tmp_path / "disc.png")
@@ -34,6 +35,12 @@ def _control_images(tmp_path) -> None:
     (tmp_path / "sdxl-controlnet" / "config.json").write_text(json.dumps(sdxl))
     (tmp_path / "flux-controlnet").mkdir()
     (tmp_path / "flux-controlnet" / "config.json").write_text(json.dumps({"_class_name": "FluxControlNetModel"}))
+    xlabs = {"_class_name": "FluxControlNetModel", "conditioning_embedding_channels": 16}
+    (tmp_path / "xlabs-controlnet").mkdir()
+    (tmp_path / "xlabs-controlnet" / "config.json").write_text(json.dumps(xlabs))
+    (tmp_path / "zimage-1.0").mkdir()
+    zimage = {"_class_name": "ZImageControlNetModel", "control_in_dim": 16, "control_layers_places": [0]}
+    (tmp_path / "zimage-1.0" / "config.json").write_text(json.dumps(zimage))
     drawing = Image.new("RGB", (96, 64), (255, 255, 255))
     ImageDraw.Draw(drawing).line((10, 10, 80, 50), fill=(0, 0, 0), width=2)
     drawing.save(tmp_path / "drawing.png")
@@ -97,15 +104,26 @@ def test_annotators_are_controlnet_auxs_own_detectors_run_from_the_weights_folde
         warnings.simplefilter("ignore")
         import controlnet_aux
 
+    from controlnet_aux.processor import MODEL_PARAMS, MODELS
+
+    from tpugen.errors import InputError
+
     folder = str(annotator_weights(tmp_path / "annotators"))
     rng = np.random.default_rng(5)
     photo = Image.fromarray((rng.random((64, 96, 3)) * 255).astype(np.uint8))
-    made = {}
+    made, detectors = {}, {}
     for name, annotator in ANNOTATORS.items():
         made[name] = np.asarray(preprocess(photo, name, None, None, folder))
-        detector = getattr(controlnet_aux, annotator.detector).from_pretrained(folder)
-        options = dict(annotator.options)
-        options.update(dict(spec for spec in (annotator.threshold_a, annotator.threshold_b) if spec))
+        # Each module as controlnet_aux's own processor table runs it (its name for pidisafe is pidsafe).
+        theirs = name.replace("pidisafe", "pidsafe")
+        assert MODELS[theirs]["class"].__name__ == annotator.detector, name
+        if annotator.detector not in detectors:
+            detectors[annotator.detector] = getattr(controlnet_aux, annotator.detector).from_pretrained(folder)
+        detector = detectors[annotator.detector]
+        options = {
+            **MODEL_PARAMS[theirs],
+            **dict(spec for spec in (annotator.threshold_a, annotator.threshold_b) if spec),
+        }
         own = detector(photo, detect_resolution=64, image_resolution=64, output_type="pil", **options)
         own = np.asarray(own.convert("RGB").resize((96, 64), Image.Resampling.BILINEAR))
         assert made[name].shape == (64, 96, 3) and np.array_equal(made[name], own), name
@@ -115,6 +133,12 @@ def test_annotators_are_controlnet_auxs_own_detectors_run_from_the_weights_folde
     assert not np.array_equal(made["softedge_hed"], made["scribble_hed"])
     assert not np.array_equal(made["lineart_realistic"], made["lineart_coarse"])
     assert module_name("hed", folder) == "softedge_hed" and module_name("hed") is None
+    # Sizes a request may send: a tiny image runs at the least side (controlnet_aux would round it to 0), a large
+    # one at most 1024 pixels a side; one too long for both is refused in one line.
+    assert preprocess(Image.new("RGB", (1, 1)), "softedge_pidinet", annotators=folder).size == (1, 1)
+    assert preprocess(Image.new("RGB", (2048, 128)), "softedge_pidinet", annotators=folder).size == (2048, 128)
+    with pytest.raises(InputError, match="^10x300: an annotator takes images at most 16 times as long as wide$"):
+        preprocess(Image.new("RGB", (10, 300)), "softedge_pidinet", annotators=folder)
     # A weights file that is not the model's is one line naming the detector and the folder (a server's start).
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "table5_pidinet.pth").write_bytes(b"not weights")
@@ -199,6 +223,16 @@ def test_the_config_hash_counts_the_annotator_weights_a_run_reads_by_content(tmp
             {"id": "tiny-z-image", "controlnets": [{"id": "tiny-z-image-controlnet"}]},
             {"control_image": "disc.png", "init_image": "photo.png"},
             "control_image: with an init image, Z-Image models: diffusers 0.42 has no ControlNet img2img pipeline",
+        ),
+        (  # a 1.0 Z-Image ControlNet (16-channel control) has no room for the mask and the masked image
+            {"id": "tiny-z-image", "controlnets": [{"id": "./zimage-1.0"}]},
+            {"control_image": "disc.png", "init_image": "photo.png", "mask_image": "mask.png", "strength": 1},
+            "prompts[0].control_image: inpainting, Z-Image models: a ControlNet whose control has 16 channels",
+        ),
+        (  # XLabs' Flux.1 ControlNet (an input hint block) beside InstantX's: refused before anything loads
+            {"id": "tiny-flux", "controlnets": [{"id": "./flux-controlnet"}, {"id": "./xlabs-controlnet"}]},
+            {"control_image": ["disc.png", "disc.png"]},
+            "model.controlnets: Flux.1 (schnell, dev) models: XLabs' ControlNets (with an input hint block) and",
         ),
         (  # Z-Image's ControlNet inpaints from noise: strength 1 only
             {"id": "tiny-z-image", "controlnets": [{"id": "tiny-z-image-controlnet"}]},
@@ -620,6 +654,7 @@ def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(
     ("model", "cfg"),
     [
         ("tiny-sd", "cfg"),
+        ("tiny-sdxl", "cfg"),  # SD's MultiControlNetModel too, with SDXL's text-time embeddings in each ControlNet
         # Flux.1's FluxMultiControlNetModel takes its control images one list per ControlNet (SD's, one per row).
         ("tiny-flux", "nocfg"),
     ],
@@ -703,11 +738,94 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
     assert np.abs(made[0] - (first_only * 255).round().astype(np.int16)).mean() > 1
 
 
-@pytest.mark.parametrize(("model", "per_controlnet"), [("tiny-sd", False), ("tiny-flux", True)])
-def test_two_rows_of_two_units_reach_the_pipeline_in_its_own_layout(tmp_path, model, per_controlnet):
-    """SD's multi-ControlNet txt2img pipeline takes a list per row, Flux.1's a list per ControlNet: with two rows
-    and two ControlNets (the square case, where a wrong layout would swap images silently), each image lands where
-    the family's pipeline reads it."""
+@pytest.mark.xla
+def test_plan_counts_what_each_familys_controlnet_hands_its_denoiser(tmp_path):
+    # Family.controlnet_residuals against what diffusers' own ControlNet returns, eager on the CPU, one step at
+    # 64x96 (no CFG: one row): a UNet ControlNet's down and mid residuals, the transformer ones' block hints.
+    # Z-Image's joint sequence pads the text to 32 tokens here (diffusers' real caption length; tpugen's is 512).
+    import diffusers
+    import torch
+    from diffusers import AutoPipelineForText2Image, DiffusionPipeline
+
+    from tpugen import app
+    from tpugen.families import CONTROLNETS
+    from tpugen.memory import denoiser_config
+    from tpugen.models import classify_model_id
+    from tpugen.tiny import builtin_path
+
+    def elements(output) -> int:
+        if isinstance(output, torch.Tensor):
+            return output.numel()
+        values = output.values() if isinstance(output, dict) else output
+        return sum(elements(value) for value in values)
+
+    for model in ("tiny-sd", "tiny-sdxl", "tiny-flux", "tiny-qwen-image", "tiny-z-image"):
+        family = CONTROLNETS[f"{model}-controlnet"][1]
+        base = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
+        folder = builtin_path(f"{model}-controlnet")
+        controlnet = getattr(diffusers, family.controlnet_class).from_pretrained(str(folder))
+        pipe = AutoPipelineForText2Image.from_pipe(base, controlnet=controlnet)
+        pipe.set_progress_bar_config(disable=True)
+        handed: list[int] = []
+        controlnet.register_forward_hook(lambda module, args, output, seen=handed: seen.append(elements(output)))
+        with torch.no_grad():
+            pipe(
+                prompt="a cat",
+                height=64,
+                width=96,
+                num_inference_steps=1,
+                guidance_scale=0.0 if model == "tiny-z-image" else 1.0,
+                **{family.controlnet_image_argument: Image.new("RGB", (96, 64))},
+                output_type="latent",
+            )
+        config = json.loads((folder / "config.json").read_text())
+        _, vae_scale = denoiser_config(classify_model_id(model), family.denoiser)
+        counted = family.controlnet_residuals(config, 64, 96, vae_scale=vae_scale, text_tokens=32)
+        assert counted == handed[0], (model, counted, handed[0])
+
+    # tpugen plan says it for the largest controlled key: tiny-sd's two rows of CFG, float32.
+    _control_images(tmp_path)
+    config = _config(tmp_path, [{"prompt": "a cat", "control_image": "disc.png"}, "a plain prompt"])
+    view = app.plan(load_config(write_config(tmp_path / "run.yaml", config)))
+    residuals = CONTROLNETS["tiny-sd-controlnet"][1].controlnet_residuals(
+        json.loads((builtin_path("tiny-sd-controlnet") / "config.json").read_text()), 64, 64, vae_scale=8, text_tokens=0
+    )
+    assert view.controlnets["bytes"] == 2 * 2 * residuals * 4  # batch 2, doubled by CFG, float32
+    assert view.controlnets["note"].startswith("controlnets: the ControlNet's residuals, handed to the unet")
+
+
+@pytest.mark.xla
+def test_two_kinds_of_flux_controlnet_are_refused_when_loaded(tmp_path):
+    # An XLabs Flux.1 ControlNet (an input hint block: it takes pixels) beside an InstantX one (VAE latents): diffusers'
+    # multi-ControlNet pipeline would give both the first one's kind of control. Known once both are loaded (a hub
+    # ControlNet's config is read only then): one line, before any warmup.
+    from diffusers import FluxControlNetModel
+
+    from tpugen.tiny import builtin_path
+
+    _control_images(tmp_path)
+    instantx = dict(FluxControlNetModel.load_config(str(builtin_path("tiny-flux-controlnet"))))
+    FluxControlNetModel.from_config({**instantx, "conditioning_embedding_channels": 16}).save_pretrained(
+        tmp_path / "xlabs"
+    )
+    config = _config(tmp_path, [{"prompt": "a cat", "control_image": ["disc.png", "disc.png"]}])
+    config["model"] = {"id": "tiny-flux", "controlnets": [{"id": "tiny-flux-controlnet"}, {"id": "./xlabs"}]}
+    result = run_cli("generate", write_config(tmp_path / "run.yaml", config), "--quiet")
+    assert result.exit_code != 0 and "warmup" not in result.output, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: model.controlnets: Flux.1 (schnell, dev) models: XLabs' ControlNets (with an input hint block) and "
+        "InstantX's (without) cannot run together: diffusers 0.42's FluxMultiControlNetModel gives every ControlNet "
+        "the first one's kind of control image"
+    ), result.stderr
+
+
+@pytest.mark.parametrize(
+    ("model", "layout"), [("tiny-sd", "rows"), ("tiny-flux", "controlnets"), ("tiny-sdxl", "controlnet batches")]
+)
+def test_two_rows_of_two_units_reach_the_pipeline_in_its_own_layout(tmp_path, model, layout):
+    """SD's multi-ControlNet txt2img pipeline takes a list per row, Flux.1's a list per ControlNet, SDXL's a batch
+    tensor per ControlNet: with two rows and two ControlNets (the square case, where a wrong layout would swap
+    images silently), each image lands where the family's pipeline reads it."""
     from types import SimpleNamespace
 
     from tpugen.engine.pipeline import LoadedPipeline
@@ -726,17 +844,20 @@ def test_two_rows_of_two_units_reach_the_pipeline_in_its_own_layout(tmp_path, mo
     run = load_config(write_config(tmp_path / "run.yaml", config))
     [batch] = plan_run(run).batches
     family = CONTROLNETS[controlnet][1]
-    assert family.multi_control_images_per_controlnet is per_controlnet
+    assert family.multi_control_layout == layout
     loaded = SimpleNamespace(family=family, annotators=None)
     images = LoadedPipeline._control_arguments(loaded, batch, "image")["image"]
 
     def red(image) -> int:
         return int(np.asarray(image)[0, 0, 0])
 
-    if per_controlnet:
-        assert [[red(image) for image in column] for column in images] == [[10, 70], [30, 90]]
-    else:
+    if layout == "rows":
         assert [[red(image) for image in row] for row in images] == [[10, 30], [70, 90]]
+    elif layout == "controlnets":
+        assert [[red(image) for image in column] for column in images] == [[10, 70], [30, 90]]
+    else:  # a (rows, 3, height, width) tensor in [0, 1] per ControlNet
+        assert [tuple(batch.shape) for batch in images] == [(2, 3, 64, 64)] * 2
+        assert [[round(float(batch[row, 0, 0, 0]) * 255) for row in (0, 1)] for batch in images] == [[10, 70], [30, 90]]
 
 
 def test_a_run_record_holds_the_units_and_a_plain_prompt_as_before(tmp_path):

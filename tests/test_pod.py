@@ -15,6 +15,7 @@ import pytest
 from conftest import (
     FORKED_TPUGEN,
     OTHER_DEVICE_COUNT,
+    annotator_weights,
     forked_tpugen,
     generate,
     run_cli,
@@ -125,6 +126,71 @@ def test_a_jsonl_prompts_images_are_shipped_by_content_in_one_folder(tmp_path, f
     # The sha256 the config's check read names the file: it is not read again.
     shipped, files = shipped_images(lines[1:2], tmp_path, {str(photo.resolve()): "f" * 64}, "images")
     assert shipped[0]["init_image"] == f"images/image-{'f' * 16}.png" and files == {f"image-{'f' * 16}.png": photo}
+
+
+def test_local_controlnets_and_the_annotator_weights_a_run_reads_are_shipped_once_and_keep_the_hash(tmp_path, fake_pod):
+    from safetensors.numpy import save_file
+
+    from tpugen.config import load_config
+
+    folder = tmp_path / "models" / "my-canny"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"_class_name": "ControlNetModel"}))
+    save_file({"weight": np.zeros(4, np.float32)}, str(folder / "diffusion_pytorch_model.safetensors"))
+    annotators = tmp_path / "annotators"
+    annotators.mkdir()
+    for name in ("ControlNetHED.pth", "sk_model.pth", "sk_model2.pth"):  # the run reads the first alone
+        (annotators / name).write_bytes(name.encode())
+    save_disc(tmp_path / "disc.png")
+    model = {"id": "tiny-sd", "controlnets": [{"id": "./models/my-canny"}], "annotators_dir": "annotators"}
+    prompts = [{"prompt": "a cat", "control_image": "disc.png", "control_module": "softedge_hed"}]
+    config = tiny_config(tmp_path, model=model, prompts=prompts, output={"dir": str(tmp_path / "out"), "run_id": "p"})
+    result = dry_run(write_config(tmp_path / "c.yaml", config))
+    assert result.exit_code == 0, result.output
+    remote, tail = "tpugen-pod/p", "--worker=all --zone=us-east5-b"
+    assert (
+        f"--command=mkdir -p {remote} && rm -rf {remote}/images && rm -rf {remote}/models && mkdir -p "
+        f"{remote}/models/annotators {remote}/models/controlnets"
+    ) in result.output
+    copies = [line for line in result.output.splitlines() if "t:tpugen-pod/p/models/" in line]
+    assert copies == [
+        f"gcloud compute tpus tpu-vm scp --recurse {folder} t:{remote}/models/controlnets/my-canny {tail}",
+        f"gcloud compute tpus tpu-vm scp {annotators}/ControlNetHED.pth t:{remote}/models/annotators/"
+        f"ControlNetHED.pth {tail}",
+    ], result.output
+    assert result.output.count("rm -rf images models; tail") == 2  # gone once each worker's run ends
+
+    # What a worker reads: the folder beside its config, under the name records give it; the same config hash.
+    shipped = tmp_path / "worker"
+    shutil.copytree(folder, shipped / "models" / "controlnets" / "my-canny")
+    shutil.copytree(annotators, shipped / "models" / "annotators")
+    save_disc(shipped / "disc.png")
+    worker = {**config, "model": {**model, "controlnets": [{"id": "./models/controlnets/my-canny"}]}}
+    worker["model"]["annotators_dir"] = "models/annotators"
+    here = load_config(tmp_path / "c.yaml").config_hash
+    assert load_config(write_config(shipped / "c.yaml", worker)).config_hash == here
+    (shipped / "models" / "annotators" / "ControlNetHED.pth").write_bytes(b"other weights")
+    assert load_config(shipped / "c.yaml").config_hash != here  # weights the run reads count by content
+
+    # A run none of whose prompts reads an annotator ships no weights, and the workers' config names no folder.
+    from tpugen.config.controls import shipped_models
+
+    plain = load_config(write_config(tmp_path / "plain.yaml", {**config, "prompts": ["a cat"]}))
+    shipped_config = plain.config.model_copy(deep=True)
+    assert shipped_models(shipped_config, plain.prompts, "models") == [(folder, "models/controlnets/my-canny")]
+    assert shipped_config.model.annotators_dir is None
+    assert shipped_config.model.controlnets[0].id == "./models/controlnets/my-canny"
+
+    # Two ControlNet folders of one name cannot sit side by side: one line, nothing run.
+    (tmp_path / "other" / "my-canny").mkdir(parents=True)
+    shutil.copy(folder / "config.json", tmp_path / "other" / "my-canny")
+    config["model"]["controlnets"] = [{"id": "./models/my-canny"}, {"id": "./other/my-canny"}]
+    config["prompts"] = [{"prompt": "a cat", "control_image": ["disc.png", "disc.png"]}]
+    result = dry_run(write_config(tmp_path / "c.yaml", config))
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        "error: model.controlnets[1].id: pod-run ships ControlNet folders side by side, and model.controlnets[0] is "
+        "a folder named 'my-canny' too; rename one"
+    ), result.stderr
 
 
 def test_an_image_changed_since_the_check_is_one_line_and_nothing_reaches_a_worker(tmp_path, fake_pod, monkeypatch):
@@ -297,17 +363,24 @@ def test_three_worker_pod_makes_each_image_once_like_one_chip(single, tmp_path, 
 @pytest.mark.xla
 def test_a_pod_ships_each_prompts_images_and_its_controlnet_runs_on_every_worker(tmp_path, fake_pod, monkeypatch):
     """Control images (and init images) relative to the config reach every worker beside the shipped config,
-    named by content; the images are one chip's."""
+    named by content, and so do a local ControlNet folder and the annotator weights the prompts read; the images
+    are one chip's."""
+    from tpugen.tiny import builtin_path
+
     monkeypatch.setenv("FAKE_POD_WORKERS", "2")
     prompts = [
         {"prompt": "a painted cat", "control_image": "disc.png"},
-        {"prompt": "a painted dog", "control_image": "disc.png", "control_module": "invert"},
+        {"prompt": "a painted dog", "control_image": "disc.png", "control_module": "softedge_hed"},
     ]
-    model = {"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}]}
+    annotators = annotator_weights(tmp_path / "annotators")
+    model = {"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}], "annotators_dir": str(annotators)}
     for folder in (tmp_path / "single", tmp_path / "pod-config"):
         folder.mkdir()
         save_disc(folder / "disc.png")
     one_chip = generate(tmp_path / "single", prompts=prompts, batch_size=1, model=model)
+    # The pod's ControlNet: the built-in's files in a folder of the same name beside the config.
+    shutil.copytree(builtin_path("tiny-sd-controlnet"), tmp_path / "pod-config" / "tiny-sd-controlnet")
+    model = {**model, "controlnets": [{"id": "./tiny-sd-controlnet"}]}
     # The prompts in a .jsonl file, which is shipped rewritten (inline prompts: the dry-run test above).
     lines = "".join(json.dumps(prompt) + "\n" for prompt in prompts)
     (tmp_path / "pod-config" / "prompts.jsonl").write_text(lines)
@@ -327,7 +400,8 @@ def test_a_pod_ships_each_prompts_images_and_its_controlnet_runs_on_every_worker
     run_dir = tmp_path / "out" / "p"
     records = read_manifest(run_dir / "manifest.jsonl")
     assert [(r["index"], r["worker"]) for r in records] == [(0, 0), (1, 1)]
-    assert [r["controlnet_units"][0]["module"] for r in records] == ["none", "invert"]
+    assert [r["controlnet_units"][0]["module"] for r in records] == ["none", "softedge_hed"]
+    assert {r["controlnet_units"][0]["controlnet"] for r in records} == {"tiny-sd-controlnet"}
     for record in records:
         made = np.asarray(Image.open(run_dir / record["file"]).convert("RGB"), np.int16)
         name = record["file"].rsplit("/", 1)[-1]
@@ -336,12 +410,15 @@ def test_a_pod_ships_each_prompts_images_and_its_controlnet_runs_on_every_worker
     # One copy of the images' folder (both prompts name one image) beside the config every worker got, which
     # names it by content; each worker removed it once its run ended, so nothing came back with the gathering.
     copies = [c for c in calls(tmp_path) if c[:5] == ["compute", "tpus", "tpu-vm", "scp", "--recurse"]]
-    assert [Path(c[5]).name for c in copies if "--worker=all" in c] == ["images"], copies
+    assert [Path(c[5]).name for c in copies if "--worker=all" in c] == ["images", "tiny-sd-controlnet"], copies
+    hed = [c for c in calls(tmp_path) if c[:4] == ["compute", "tpus", "tpu-vm", "scp"] and "ControlNetHED.pth" in c[4]]
+    assert len(hed) == 1 and not any("sk_model" in " ".join(c) for c in calls(tmp_path))  # what the run reads
     disc = f"images/image-{hashlib.sha256((tmp_path / 'single' / 'disc.png').read_bytes()).hexdigest()[:16]}.png"
     for worker in (0, 1):
         [shipped_prompts] = (fake_pod / f"worker-{worker}").glob("*/*/prompts.jsonl")
         assert disc in shipped_prompts.read_text() and 'disc.png"' not in shipped_prompts.read_text()
         assert not list((fake_pod / f"worker-{worker}").rglob("image-*"))
+        assert not list((fake_pod / f"worker-{worker}").rglob("*.safetensors"))  # the models' folder removed too
     assert not list(run_dir.rglob("image-*"))
 
 

@@ -211,10 +211,20 @@ def test_hostile_detect_requests(controlnet_server):
             ({"controlnet_module": "canny", "controlnet_input_images": ["bm90IGFuIGltYWdl"]}, "not an image PIL"),
             ({"controlnet_module": "tile", "controlnet_input_images": [one], "controlnet_threshold_a": 0}, "factor"),
             ({"controlnet_module": ["canny"], "controlnet_input_images": [one]}, "controlnet_module"),
+            (
+                {"controlnet_module": "softedge_hed", "controlnet_input_images": [_b64(Image.new("RGB", (10, 300)))]},
+                "10x300: an annotator takes images at most 16 times as long as wide",
+            ),
         ):
             answer = http.post("/controlnet/detect", json=body)
             assert answer.status_code == 422, answer.text
             assert any(wanted in line for line in answer.json()["detail"]), answer.json()["detail"]
+        # A 1x1 image runs through an annotator (at its least side, 64), as the extension's detect does.
+        dot = http.post(
+            "/controlnet/detect",
+            json={"controlnet_module": "hed", "controlnet_input_images": [_b64(Image.new("RGB", (1, 1)))]},
+        )
+        assert dot.status_code == 200 and decode(dot.json()["images"][0]).size == (1, 1), dot.text
         # A page on another site can send text/plain unasked: refused before anything is read.
         form = http.post(
             "/controlnet/detect", content=b"controlnet_module=canny", headers={"content-type": "text/plain"}

@@ -18,6 +18,7 @@ from tpugen.memory import (
     MemoryPlan,
     attention_summary,
     config_fit,
+    controlnet_activations,
     denoiser_config,
     how_it_runs,
     largest_attention,
@@ -76,6 +77,7 @@ class PlanView:
     flash_attention: FlashAttention  # as a run here would start (a failure at warmup can still turn it off)
     attention: dict | None  # the largest attention matrix, or that flash attention holds none
     trace_once: str | None = None  # xla: whether the denoiser is traced once, or why it is recorded every step
+    controlnets: dict | None = None  # what the ControlNets hand the denoiser at the largest controlled key
 
 
 def plan(run: ResolvedRun) -> PlanView:
@@ -90,8 +92,17 @@ def plan(run: ResolvedRun) -> PlanView:
     flash = planned_flash_attention(
         config.compile.flash_attention, route, backend=execution.backend, spmd=execution.sharding == "spmd"
     )
-    attention = None
+    attention = controlnets = None
     found = denoiser_config(run.model_source, family_.denoiser)
+    if found is not None and config.model.controlnets:
+        controlnets = controlnet_activations(
+            family_,
+            config.model,
+            run_plan.shape_keys,
+            vae_scale=found[1],
+            text_tokens=family_.max_sequence_length or 0,
+            denoiser=family_.denoiser,
+        )
     if found is not None:
         largest = largest_attention(
             family_,
@@ -106,7 +117,8 @@ def plan(run: ResolvedRun) -> PlanView:
             attention = attention_summary(largest, flash_on=flash.on, min_tokens=route.min_tokens)
     if fit == "fits" and memory and attention and attention["materialised"]:
         fit = attention_fit(memory, attention, execution, flash_route=bool(route.components)) or fit
-    return PlanView(run_plan, memory, how_it_runs(execution), fit, flash, attention, planned_trace(config, family_))
+    trace = planned_trace(config, family_)
+    return PlanView(run_plan, memory, how_it_runs(execution), fit, flash, attention, trace, controlnets)
 
 
 def planned_trace(config, family_) -> str | None:

@@ -138,6 +138,8 @@ def _show_plan(run) -> None:
         out.print(view.trace_once, markup=False)
     if view.attention:
         out.print(view.attention["note"], markup=False)
+    if view.controlnets:
+        out.print(view.controlnets["note"], markup=False)
     for line in app.mode_plan(run):
         typer.echo(line)
     if memory is None:

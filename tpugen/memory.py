@@ -367,21 +367,69 @@ def memory_plan_for(
     return plan_memory(counts, dtype=model.dtype, chip=chip, chip_gb=chip_gb, source=how)
 
 
-def controlnet_counts(model) -> dict[str, int]:
-    """Parameters of each ControlNet of model.controlnets whose files are on this machine (a local folder, a
-    built-in already built), from their safetensors headers: they sit on the device beside the denoiser."""
-    from tpugen.models import classify_controlnet_id
-    from tpugen.tiny import builtin_path, is_built
+def controlnet_folders(model) -> dict[str, Path]:
+    """Each ControlNet of model.controlnets whose files are on this machine (a local folder, a built-in already
+    built), by its name in the memory plan."""
+    from tpugen.models import controlnet_folder
 
-    counts = {}
+    folders = {}
     for n, controlnet in enumerate(model.controlnets):
-        source = classify_controlnet_id(controlnet.id)
-        if isinstance(source, str) or source.kind == "hub" or (source.kind == "builtin" and not is_built(source.ref)):
+        if (folder := controlnet_folder(controlnet.id)) is not None:
+            folders["controlnet" if len(model.controlnets) == 1 else f"controlnet {n}"] = folder
+    return folders
+
+
+def controlnet_counts(model) -> dict[str, int]:
+    """Parameters of each ControlNet whose files are on this machine, from their safetensors headers: they sit on
+    the device beside the denoiser."""
+    return {
+        name: sum(safetensors_parameters(f) for f in sorted(folder.glob("*.safetensors")))
+        for name, folder in controlnet_folders(model).items()
+    }
+
+
+def controlnet_activations(
+    family: Family, model, shapes, *, vae_scale: int, text_tokens: int, denoiser: str
+) -> dict | None:
+    """What the ControlNets add to a step's activations at the run's largest controlled shape key: what they hand
+    the denoiser (Family.controlnet_residuals), held until it has added them; their own attention is no larger
+    than the denoiser's, which the plan gives already. None: no controlled key, or a ControlNet's config is not
+    here (a hub id) or not counted for the family."""
+    configs = {}
+    for name, folder in controlnet_folders(model).items():
+        try:
+            configs[name] = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    if not configs or len(configs) < len(model.controlnets):
+        return None
+    largest = None
+    for shape in shapes:
+        if not shape.controls:
             continue
-        folder = builtin_path(source.ref) if source.kind == "builtin" else Path(source.ref)
-        name = "controlnet" if len(model.controlnets) == 1 else f"controlnet {n}"
-        counts[name] = sum(safetensors_parameters(f) for f in sorted(folder.glob("*.safetensors")))
-    return counts
+        sizes = [
+            family.controlnet_residuals(config, shape.height, shape.width, vae_scale=vae_scale, text_tokens=text_tokens)
+            for config in configs.values()
+        ]
+        if None in sizes:
+            return None
+        rows = shape.batch_size * (2 if shape.cfg else 1)
+        total = rows * sum(sizes) * DTYPE_BYTES[model.dtype]
+        if largest is None or total > largest[0]:
+            largest = (total, shape, rows)
+    if largest is None:
+        return None
+    total, shape, rows = largest
+    size = f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.3g} MB"
+    whose = "the ControlNet's" if len(configs) == 1 else f"the {len(configs)} ControlNets'"
+    return {
+        "bytes": total,
+        "shape_key": str(shape),
+        "note": (
+            f"controlnets: {whose} residuals, handed to the {denoiser} at every step, take {size} at {shape} "
+            f"({rows} rows, {model.dtype})"
+        ),
+    }
 
 
 # ---------------------------------------------------------------- the largest attention matrix (pure)
@@ -578,6 +626,8 @@ def denoiser_config(source, denoiser: str) -> tuple[dict, int] | None:
         vae = components.get("vae", (None, {}))[1]
     else:
         return None
+    if "temperal_downsample" in vae:  # Qwen-Image's 5-D VAE: one halving per entry (diffusers' vae_scale_factor)
+        return config, 2 ** len(vae["temperal_downsample"])
     return config, 2 ** (len(vae.get("block_out_channels") or [0] * 4) - 1)
 
 

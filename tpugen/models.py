@@ -70,6 +70,29 @@ def classify_controlnet_id(controlnet_id: str, base_dir: Path | None = None) -> 
     return _classify(controlnet_id, base_dir, CONTROLNETS, "ControlNet", problem)
 
 
+def controlnet_folder(controlnet_id: str) -> Path | None:
+    """Where a ControlNet's files are on this machine, its id resolved: a local folder, or a built-in already built
+    (None: a hub id, a built-in not built yet, or an id that points nowhere)."""
+    from tpugen.tiny import builtin_path, is_built
+
+    source = classify_controlnet_id(controlnet_id)
+    if isinstance(source, str) or source.kind == "hub" or (source.kind == "builtin" and not is_built(source.ref)):
+        return None
+    return builtin_path(source.ref) if source.kind == "builtin" else Path(source.ref)
+
+
+def controlnet_configs(controlnets) -> list[dict]:
+    """The config.json of each of model.controlnets whose files are on this machine (controlnet_folder)."""
+    found = []
+    for controlnet in controlnets:
+        folder = controlnet_folder(controlnet.id)
+        try:
+            found.extend([json.loads((folder / "config.json").read_text())] if folder else [])
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 # ---------------------------------------------------------------- which family a model is
 
 

@@ -4,12 +4,15 @@ steps each steers the denoiser."""
 
 from __future__ import annotations
 
+import hashlib
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from tpugen.config.images import InputImage, read_input_image, sha256_of
 from tpugen.config.schema import CONTROL_SCALE_MAX, RunConfig
+from tpugen.errors import InputError
 
 # The preprocessors (the web UI's ControlNet "modules") that need no weights, by tpugen's name: what each makes of
 # the image, and its thresholds' defaults (the extension's threshold_a and threshold_b; None: it takes none).
@@ -52,9 +55,7 @@ ANNOTATORS: dict[str, Annotator] = {
     ),
     "softedge_pidinet": Annotator("PidiNetDetector", _PIDINET, "PiDiNet's soft edges, white on black"),
     "softedge_pidisafe": Annotator("PidiNetDetector", _PIDINET, "PiDiNet's soft edges, quantized", (("safe", True),)),
-    "scribble_pidinet": Annotator(
-        "PidiNetDetector", _PIDINET, "PiDiNet's edges as scribbles", (("safe", True), ("scribble", True))
-    ),
+    "scribble_pidinet": Annotator("PidiNetDetector", _PIDINET, "PiDiNet's edges as scribbles", (("scribble", True),)),
     "lineart_realistic": Annotator("LineartDetector", _LINEART, "line art of a photo, white on black"),
     "lineart_coarse": Annotator("LineartDetector", _LINEART, "coarse line art of a photo", (("coarse", True),)),
     "mlsd": Annotator(
@@ -68,7 +69,15 @@ ANNOTATORS: dict[str, Annotator] = {
 # What running them needs installed (the tpugen[annotators] extra).
 ANNOTATORS_NEED = "the annotators run through controlnet_aux, which is not installed: pip install 'tpugen[annotators]'"
 # The extension's older names of these.
-ANNOTATOR_ALIASES = {"hed": "softedge_hed", "pidinet": "softedge_pidinet", "lineart": "lineart_realistic"}
+ANNOTATOR_ALIASES = {
+    "hed": "softedge_hed",
+    "hed_safe": "softedge_hedsafe",
+    "pidinet": "softedge_pidinet",
+    "pidinet_safe": "softedge_pidisafe",
+    "pidinet_scribble": "scribble_pidinet",
+    "softedge_pidsafe": "softedge_pidisafe",  # controlnet_aux's own name of it
+    "lineart": "lineart_realistic",
+}
 # Preprocessors that need an annotator's weights, which tpugen does not run yet: named, so a request for one is
 # refused saying what it needs rather than that it is unknown.
 NEEDS_WEIGHTS = ("depth", "openpose", "lineart", "hed", "mlsd", "normal", "seg", "softedge", "shuffle")
@@ -156,12 +165,26 @@ class Controls:
         return cls(tuple(units))
 
 
-def window_problem(controls: Controls, family) -> str | None:
-    """Why these units cannot sit out part of the steps for a model of `family` (None: they can, or do not)."""
+def controlled_problems(family, controls: Controls, source=None, controlnets: list[dict] | tuple = ()) -> dict:
+    """Why an image with these units (and the image it starts from, `source`) cannot run for a model of `family`,
+    whose ControlNets' configs are `controlnets` (those known), by what each reason is about: "image" (its task),
+    "strength", "window" (the units' start and end). Empty: it can. A run config and a server word them apart."""
+    found = {}
+    if source is not None and (why := family.controlled_refusal(source.task, controlnets)):
+        found["image"] = f"{family.title} models: {why}"
+    elif source is not None and source.task == "inpaint" and source.strength != 1:
+        if strength := family.controlled_inpaint_strength_refusal:
+            found["strength"] = f"{family.title} models: {strength}"
     refusal = family.control_window_refusal
     if refusal and any(unit.start > 0 or unit.end < 1 for unit in controls.units):
-        return f"{family.title} models: {refusal}"
-    return None
+        found["window"] = f"{family.title} models: {refusal}"
+    return found
+
+
+def recorded_name(controlnet_id: str) -> str:
+    """How an image record names a ControlNet: a built-in or hub id as it is, a local folder by its name (where it
+    is, on this machine or a pod worker, is not what made the image; the config hash counts its content)."""
+    return control_name(controlnet_id) if Path(controlnet_id).is_absolute() else controlnet_id
 
 
 def control_name(controlnet_id: str) -> str:
@@ -209,6 +232,70 @@ def annotator_weights(folder: str | None, prompts) -> dict[str, str | None]:
         {name for spec in prompts if spec.controls for unit in spec.controls.units for name in _files(unit.module)}
     )
     return {name: sha256_of(str(Path(folder) / name)) for name in files} if folder else {}
+
+
+# What pod-run may name a shipped folder: gcloud scp hands the remote path to a shell on each worker.
+_SHIPPABLE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,123}")
+
+
+def shipped_models(config: RunConfig, prompts, folder: str) -> list[tuple[Path, str]]:
+    """The local model files pod-run ships beside the config it ships (`config`: its copy of the run's, edited
+    here): each local ControlNet folder as `folder`/controlnets/NAME (its id made ./ that, so records and the
+    server's unit names, its last part, stay the same), and the weights of model.annotators_dir the prompts read
+    as `folder`/annotators/FILE (the folder made that). (local path, path beside the config) each. InputError:
+    two ControlNet folders of one name, or a name a worker's shell would read as something else."""
+    from tpugen.models import classify_controlnet_id
+
+    shipped, named, problems = [], {}, []
+    for n, controlnet in enumerate(config.model.controlnets):
+        source = classify_controlnet_id(controlnet.id)
+        if isinstance(source, str) or source.kind != "local":
+            continue
+        name = Path(source.ref).name
+        if not _SHIPPABLE.fullmatch(name):
+            problems.append(
+                f"model.controlnets[{n}].id: pod-run ships ControlNet folders by name, and {name!r} holds characters "
+                "a shell reads (use letters, digits, '.', '_' and '-'); rename the folder"
+            )
+        elif name in named:
+            problems.append(
+                f"model.controlnets[{n}].id: pod-run ships ControlNet folders side by side, and "
+                f"model.controlnets[{named[name]}] is a folder named {name!r} too; rename one"
+            )
+        else:
+            named[name] = n
+            controlnet.id = f"./{folder}/controlnets/{name}"
+            shipped.append((Path(source.ref), f"{folder}/controlnets/{name}"))
+    if problems:
+        raise InputError(*problems)
+    weights = annotator_weights(config.model.annotators_dir, prompts)
+    source = config.model.annotators_dir
+    config.model.annotators_dir = f"{folder}/annotators" if weights else None  # no prompt reads one: none shipped
+    return shipped + [(Path(source) / name, f"{folder}/annotators/{name}") for name in weights]
+
+
+def controlnet_identity(controlnet: dict) -> dict:
+    """What the config hash counts of a ControlNet (model.controlnets' entry, its id resolved): a local folder by
+    its name and content (its config.json and each safetensors file's header: the tensors' names, shapes and
+    dtypes, not their values, which would mean reading gigabytes at every check), so that moving the folder, or
+    pod-run shipping it, keeps the hash; a built-in or hub id as it is."""
+    folder = Path(controlnet["id"])
+    if not folder.is_absolute() or not folder.is_dir():
+        return controlnet
+    digest = hashlib.sha256()
+    for path in sorted([folder / "config.json", *folder.glob("*.safetensors")]):
+        digest.update(path.name.encode())
+        try:
+            with path.open("rb") as handle:
+                if path.suffix == ".safetensors":
+                    head = handle.read(8)
+                    size = int.from_bytes(head, "little") if len(head) == 8 else 0
+                    digest.update(head + handle.read(min(size, 100 << 20)))
+                else:
+                    digest.update(handle.read(1 << 20))
+        except OSError:
+            digest.update(b"unreadable")
+    return {**controlnet, "id": f"{folder.name} {digest.hexdigest()[:16]}"}
 
 
 def _files(module: str) -> tuple[str, ...]:

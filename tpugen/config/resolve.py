@@ -12,7 +12,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from tpugen.config.controls import ANNOTATORS_NEED, annotator_weights, control_name, window_problem
+from tpugen.config.controls import (
+    ANNOTATORS_NEED,
+    annotator_weights,
+    control_name,
+    controlled_problems,
+    controlnet_identity,
+)
 from tpugen.config.embeddings import Embedding, embeddings_by_content, resolve_embeddings
 from tpugen.config.hires import hires_problems
 from tpugen.config.loras import Lora, loras_by_content, resolve_loras
@@ -29,6 +35,7 @@ from tpugen.models import (
     ModelSource,
     classify_controlnet_id,
     classify_model_id,
+    controlnet_configs,
     family_of,
     local_config,
     model_defaults,
@@ -125,7 +132,9 @@ def resolve(
     problems.extend(_img2img_problems(config, resolved_prompts, family))
     problems.extend(_reference_problems(config, resolved_prompts, family, serving=not prompts_required))
     problems.extend(_controlnet_problems(config, base_dir, family, serving=not prompts_required))
-    problems.extend(_controlled_prompt_problems(resolved_prompts, family))
+    if config.model.controlnets:
+        known = controlnet_configs(config.model.controlnets) if not problems else []
+        problems.extend(_controlled_prompt_problems(resolved_prompts, family, known))
     planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
         problems.append(
@@ -296,6 +305,9 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
                     f"model.controlnets[{n}].id: {source.ref!r} is another family's ControlNet (its config's "
                     f"addition_embed_type is {embed!r}; a {family.title} one's is {family.controlnet_addition_embed!r})"
                 )
+    known = controlnet_configs(config.model.controlnets) if not problems else []
+    if len(known) == len(config.model.controlnets) > 1 and (why := family.mixed_controlnets(known)):
+        problems.append(f"model.controlnets: {family.title} models: {why}")  # a hub one's: when it is loaded
     names = [control_name(c.id) for c in config.model.controlnets]
     twice = next((name for name in names if names.count(name) > 1), None)
     if serving and twice:
@@ -306,25 +318,24 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
     return problems
 
 
-def _controlled_prompt_problems(prompts: list[PromptSpec], family: Family) -> list[str]:
-    """The first controlled prompt that starts from an image, for a family whose ControlNets cannot (or inpaints
-    below strength 1, for one whose ControlNet inpaints from noise), and the first whose units sit out steps, for a
-    family whose ControlNets run at every step."""
+def _controlled_prompt_problems(prompts: list[PromptSpec], family: Family, controlnets: list[dict]) -> list[str]:
+    """The first controlled prompt of each kind the family cannot run (controlled_problems): one starting from an
+    image, or inpainting, its ControlNets cannot take; one inpainting below strength 1 where its ControlNet inpaints
+    from noise; one whose units sit out steps where its ControlNets run at every step."""
+    first: dict[str, tuple[int, PromptSpec, str]] = {}
+    for n, spec in enumerate(prompts):
+        if spec.controls:
+            for kind, why in controlled_problems(family, spec.controls, spec.source, controlnets).items():
+                first.setdefault(kind, (n, spec, why))
     problems = []
-    sources = [(n, spec.source) for n, spec in enumerate(prompts) if spec.controls and spec.source is not None]
-    refused = next(((n, s.task, why) for n, s in sources if (why := family.controlled_refusal(s.task))), None)
-    if refused is not None:
-        n, task, why = refused
-        what = "with an init image" if task == "img2img" else "inpainting"
-        problems.append(f"prompts[{n}].control_image: {what}, {family.title} models: {why}")
-    strength = family.controlled_inpaint_strength_refusal
-    found = next((n for n, s in sources if strength and s.task == "inpaint" and s.strength != 1), None)
-    if found is not None:
-        problems.append(f"prompts[{found}].strength: with a control_image, {family.title} models: {strength}")
-    windows = ((n, window_problem(spec.controls, family)) for n, spec in enumerate(prompts) if spec.controls)
-    found = next(((n, problem) for n, problem in windows if problem), None)
-    if found is not None:
-        problems.append(f"prompts[{found[0]}]: control_start and control_end: {found[1]}")
+    for kind, (n, spec, why) in first.items():
+        if kind == "image":
+            what = "with an init image" if spec.source.task == "img2img" else "inpainting"
+            problems.append(f"prompts[{n}].control_image: {what}, {why}")
+        elif kind == "strength":
+            problems.append(f"prompts[{n}].strength: with a control_image, {why}")
+        else:
+            problems.append(f"prompts[{n}]: control_start and control_end: {why}")
     return problems
 
 
@@ -413,7 +424,9 @@ def config_hash(config: RunConfig, prompts: list[PromptSpec], embeddings: tuple[
         payload["model"]["loras"] = loras_by_content(payload["model"]["loras"])
     else:
         del payload["model"]["loras"]
-    if not payload["model"]["controlnets"]:
+    if payload["model"]["controlnets"]:
+        payload["model"]["controlnets"] = [controlnet_identity(c) for c in payload["model"]["controlnets"]]
+    else:
         del payload["model"]["controlnets"]
     # The annotators count by the content of the weights the prompts' modules read, not by where the folder is.
     if weights := annotator_weights(config.model.annotators_dir, prompts):

@@ -7,9 +7,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import threading
 
 from tpugen.config.controls import ANNOTATORS, ANNOTATORS_NEED, Annotator, ControlUnit, module_descriptions
-from tpugen.errors import RunError, one_line
+from tpugen.errors import InputError, RunError, one_line
 from tpugen.models import classify_controlnet_id, hub_failure
 
 SCALE_AS_DATA = "controlnet scale handed in as data"
@@ -40,6 +41,9 @@ def read_controlnets(model, family, base_dir=None) -> list:
         except Exception as exc:  # any loader failure becomes one line naming the ControlNet
             why = hub_failure(exc, from_hub=source.kind == "hub")
             raise RunError(f"model.controlnets[{n}].id: cannot load {controlnet.id!r}: {why}") from exc
+    # Known once loaded (a hub ControlNet's config is read here): kinds its family's pipelines cannot mix.
+    if len(found) > 1 and (why := family.mixed_controlnets([dict(c.config) for c in found])):
+        raise RunError(f"model.controlnets: {family.title} models: {why}")
     return found
 
 
@@ -146,25 +150,37 @@ def preprocess(
     return Image.fromarray(np.ascontiguousarray(out))
 
 
-# The largest side an annotator runs at: an 8192-pixel image sent to /controlnet/detect would take an annotator tens of
-# gigabytes of activations on the host; the web UI's processor_res slider stops at 2048, its default is 512.
+# The sides an annotator runs at: at most ANNOTATOR_MAX_SIDE (an 8192-pixel image sent to /controlnet/detect would
+# take an annotator tens of gigabytes of activations on the host; the web UI's processor_res stops at 2048, its default
+# is 512), at least ANNOTATOR_MIN_SIDE (controlnet_aux rounds each side to a multiple of 64: a smaller one would be 0).
 ANNOTATOR_MAX_SIDE = 1024
+ANNOTATOR_MIN_SIDE = 64
+ANNOTATOR_MAX_RATIO = ANNOTATOR_MAX_SIDE // ANNOTATOR_MIN_SIDE
+# One annotator runs at a time in a process (a server's /controlnet/detect requests run on its thread pool).
+_ANNOTATING = threading.Lock()
 
 
 def _annotate(image, annotator: Annotator, threshold_a, threshold_b, folder: str | None):
-    """An annotator's control of a PIL image, run on the host by controlnet_aux at the image's shorter side (at most
-    ANNOTATOR_MAX_SIDE: its detect and image resolutions), then fitted to the image's size (controlnet_aux rounds
-    its sides to multiples of 64)."""
+    """An annotator's control of a PIL image, run on the host by controlnet_aux with the image scaled so that its
+    sides lie from ANNOTATOR_MIN_SIDE to ANNOTATOR_MAX_SIDE (its detect and image resolution: the shorter side so
+    scaled), then fitted to the image's size. InputError: an image longer than ANNOTATOR_MAX_RATIO times its width,
+    which no such scale fits."""
     import torch
     from PIL import Image
 
+    width, height = image.size
+    if max(width, height) > ANNOTATOR_MAX_RATIO * min(width, height):
+        raise InputError(
+            f"{width}x{height}: an annotator takes images at most {ANNOTATOR_MAX_RATIO} times as long as wide"
+        )
+    scale = max(min(1.0, ANNOTATOR_MAX_SIDE / max(width, height)), ANNOTATOR_MIN_SIDE / min(width, height))
+    side = max(ANNOTATOR_MIN_SIDE, min(round(min(width, height) * scale), ANNOTATOR_MAX_SIDE))
     options = dict(annotator.options)
     for spec, value in ((annotator.threshold_a, threshold_a), (annotator.threshold_b, threshold_b)):
         if spec is not None:
             options[spec[0]] = spec[1] if value is None else value
-    side = min(*image.size, ANNOTATOR_MAX_SIDE)
     detector = _detector(annotator.detector, folder)
-    with torch.no_grad():
+    with _ANNOTATING, torch.no_grad():
         made = detector(
             image.convert("RGB"), detect_resolution=side, image_resolution=side, output_type="pil", **options
         )

@@ -39,6 +39,24 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def multi_control_images(per_row: list[list], layout: str) -> list:
+    """Each row's control images (one per ControlNet, PIL) as a multi-ControlNet pipeline of `layout` takes them
+    (Family.multi_control_layout): the rows' lists; a list per ControlNet; or a batch tensor per ControlNet, its
+    pixels in [0, 1] as diffusers' control image processor makes of a PIL image."""
+    if layout == "rows":
+        return per_row
+    columns = [list(column) for column in zip(*per_row, strict=True)]
+    if layout == "controlnets":
+        return columns
+    import numpy as np
+    import torch
+
+    return [
+        torch.from_numpy(np.stack([np.asarray(image.convert("RGB")) for image in column])).permute(0, 3, 1, 2) / 255.0
+        for column in columns
+    ]
+
+
 class LoadedPipeline:
     """A pipeline on its device, patched for XLA: a sync per step, CPU noise, one host read per batch.
 
@@ -333,9 +351,9 @@ class LoadedPipeline:
         from tpugen.engine.controls import control_image
 
         shape, units = batch.shape, batch.items[0].controls.units
-        # Per row, each unit's image: SD's multi-ControlNet txt2img pipeline takes one list per row (and transposes
-        # it), Flux.1's one list per ControlNet (Family.multi_control_images_per_controlnet); their img2img and
-        # inpaint ones take one per ControlNet (MULTI_IMG2IMG: refused at the door).
+        # Per row, each unit's image, laid out as the family's multi-ControlNet txt2img pipeline takes them
+        # (Family.multi_control_layout); their img2img and inpaint ones take one per ControlNet (MULTI_IMG2IMG:
+        # refused at the door).
         made: dict = {}  # each distinct unit's control made once (padding rows repeat the last item's units)
 
         def control(unit):
@@ -347,10 +365,8 @@ class LoadedPipeline:
         single = len(units) == 1
         if single:
             images = [row[0] for row in per_row]
-        elif self.family.multi_control_images_per_controlnet:
-            images = [list(column) for column in zip(*per_row, strict=True)]
         else:
-            images = per_row
+            images = multi_control_images(per_row, self.family.multi_control_layout)
         arguments = {
             image_key: images,
             "controlnet_conditioning_scale": units[0].scale if single else [u.scale for u in units],

@@ -14,7 +14,7 @@ from PIL import Image
 from tpugen import __version__
 from tpugen.backends import versions
 from tpugen.config import ModelConfig, PromptSpec, ResolvedRun, RunConfig, dump_config, load_config
-from tpugen.config.controls import Controls
+from tpugen.config.controls import Controls, recorded_name
 from tpugen.config.images import ImageSource, References, sha256_of
 from tpugen.config.loras import loras_by_content
 from tpugen.config.prompts import planned_images, resolve_prompts
@@ -128,7 +128,7 @@ def image_record(
     source = {**source, **references.record()} if references else source
     controls = getattr(image, "controls", None)
     if controls:  # each unit's control image by content, and how it steered
-        controlnets = [c.id for c in model.controlnets]
+        controlnets = [recorded_name(c.id) for c in model.controlnets]
         units = [{"controlnet": name, **unit.record()} for name, unit in zip(controlnets, controls.units, strict=True)]
         source = {**source, "controlnet_units": units}
     multiple = FAMILIES[run.family].size_multiple

@@ -181,10 +181,11 @@ class Family:
     multi_controlnet_refusal: str | None = None
     # The diffusers class that runs this family's ControlNets two or more at once (its pipelines' `controlnet`).
     multi_controlnet_class = "MultiControlNetModel"
-    # How the family's multi-ControlNet txt2img pipeline takes its control images: one list per row, each with an
-    # image per ControlNet (SD's and SDXL's, which transpose it), or one list per ControlNet, each with an image per
-    # row (Flux.1's).
-    multi_control_images_per_controlnet = False
+    # How the family's multi-ControlNet txt2img pipeline takes its control images (MULTI_CONTROL_LAYOUTS): "rows",
+    # one list per row with an image per ControlNet (SD's, which transposes it); "controlnets", one list per
+    # ControlNet with an image per row (Flux.1's); "controlnet batches", one batch tensor per ControlNet (SDXL's,
+    # which refuses nested lists: "a single batch of multiple conditionings").
+    multi_control_layout = "rows"
     # Why model.controlnets cannot run for this family (None: they can, through diffusers' ControlNet pipelines
     # made from the loaded components: AutoPipelineFor*.from_pipe(pipe, controlnet=...)).
     controlnet_refusal: str | None = (
@@ -196,8 +197,13 @@ class Family:
     # The method of this family's ControlNets that compile.trace_once traces (one that takes only tensors).
     controlnet_traced_method = "forward"
 
-    def controlled_refusal(self, task: str) -> str | None:
-        """Why a controlled prompt of `task` (img2img, inpaint) cannot run for this family (None: it can)."""
+    def mixed_controlnets(self, configs: list[dict]) -> str | None:
+        """Why ControlNets with these configs cannot run together for this family (None: they can)."""
+        return None
+
+    def controlled_refusal(self, task: str, controlnets: list[dict] | tuple = ()) -> str | None:
+        """Why a controlled prompt of `task` (img2img, inpaint) cannot run for this family (None: it can), with
+        the ControlNets whose configs are known (`controlnets`)."""
         return {"img2img": self.controlled_img2img_refusal, "inpaint": self.controlled_inpaint_refusal}.get(task)
 
     def covers(self, index: dict) -> bool:
@@ -221,6 +227,24 @@ class Family:
         heads = heads[level] if isinstance(heads, (list, tuple)) else heads
         side = vae_scale * 2**level
         return (height // side) * (width // side), heads
+
+    def controlnet_residuals(
+        self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int
+    ) -> int | None:
+        """Elements of what one of this family's ControlNets (its config.json) hands the denoiser per batch row at
+        this size, held until the denoiser has added it: a UNet ControlNet's residuals, one per down-block output
+        (the stem's, each resnet's, each downsampler's) and the mid block's, at their levels' channels and sizes.
+        None: not counted for this family."""
+        channels = config.get("block_out_channels") or (320, 640, 1280, 1280)
+        layers = config.get("layers_per_block", 2)
+        height, width = height // vae_scale, width // vae_scale
+        total = channels[0] * height * width  # the stem
+        for level, width_ in enumerate(channels):
+            total += layers * width_ * height * width
+            if level < len(channels) - 1:  # a stride-2 convolution halves the size, rounding up
+                height, width = (height + 1) // 2, (width + 1) // 2
+                total += width_ * height * width
+        return total + channels[-1] * height * width  # the mid block's
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Whether a call at this guidance runs classifier-free guidance (a second pass, another shape key)."""
@@ -376,6 +400,19 @@ class TransformerFamily(Family):
         """(tokens, heads): the latent's patches joined by the text tokens in one joint attention."""
         side = vae_scale * (self.patch or config.get("patch_size") or 2)
         return (height // side) * (width // side) + text_tokens + self.extra_text_tokens, config["num_attention_heads"]
+
+    def controlnet_residuals(
+        self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int
+    ) -> int | None:
+        """A transformer ControlNet's hints (Flux.1's and Qwen-Image's): one per block of it, over the image's
+        patches at its inner width."""
+        if "num_layers" not in config:
+            return None
+        side = vae_scale * (self.patch or 2)
+        blocks = config["num_layers"] + config.get("num_single_layers", 0)
+        return (
+            blocks * (height // side) * (width // side) * config["num_attention_heads"] * config["attention_head_dim"]
+        )
 
 
 def _timesteps_at_the_door(module, device, hooks, whose: str) -> None:

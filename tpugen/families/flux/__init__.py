@@ -100,7 +100,7 @@ class Flux(TransformerFamily):
     controlnet_image_argument = "control_image"
     controlnet_samples_control_first = True
     multi_controlnet_class = "FluxMultiControlNetModel"
-    multi_control_images_per_controlnet = True
+    multi_control_layout = "controlnets"
     controlnets = (
         Builtin(
             "tiny-flux-controlnet",
@@ -110,6 +110,18 @@ class Flux(TransformerFamily):
             _build_controlnet,
         ),
     )
+
+    def mixed_controlnets(self, configs: list[dict]) -> str | None:
+        """XLabs' Flux.1 ControlNets take the control image as pixels through their input hint block
+        (conditioning_embedding_channels), InstantX's as VAE latents: diffusers 0.42's Flux ControlNet pipelines
+        prepare the control for every ControlNet as the first one takes it."""
+        if len({bool(config.get("conditioning_embedding_channels")) for config in configs}) > 1:
+            return (
+                "XLabs' ControlNets (with an input hint block) and InstantX's (without) cannot run together: diffusers "
+                "0.42's FluxMultiControlNetModel gives every ControlNet the first one's kind of control image"
+            )
+        return None
+
     known_models = (
         KnownModel(
             "black-forest-labs/FLUX.1-schnell",

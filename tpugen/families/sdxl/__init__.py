@@ -56,6 +56,7 @@ class StableDiffusionXL(Family):
     )
     controlnet_refusal = None
     controlnet_addition_embed = "text_time"
+    multi_control_layout = "controlnet batches"
     controlnets = (
         Builtin(
             "tiny-sdxl-controlnet",

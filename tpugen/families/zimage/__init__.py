@@ -152,6 +152,27 @@ class ZImage(TransformerFamily):
         side = vae_scale * 2
         return (height // side) * (width // side) + text_tokens, config["n_heads"]
 
+    def controlled_refusal(self, task: str, controlnets: list[dict] | tuple = ()) -> str | None:
+        """ZImageControlNetInpaintPipeline takes a 2.x ControlNet (33 channels: the mask and the masked image beside
+        the control); a 1.0 one's control is the latents alone (16 channels, the transformer's own)."""
+        if task == "inpaint" and any(config.get("control_in_dim", 33) <= 16 for config in controlnets):
+            return (
+                "a ControlNet whose control has 16 channels (Z-Image-Turbo-Fun-Controlnet-Union 1.0) cannot inpaint: "
+                "diffusers 0.42's ZImageControlNetInpaintPipeline takes a 2.x one (33 channels: the mask and the "
+                "masked image beside the control)"
+            )
+        return super().controlled_refusal(task, controlnets)
+
+    def controlnet_residuals(
+        self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int
+    ) -> int | None:
+        """A ZImageControlNetModel's hints: one per control layer over the joint sequence (the image's patches and
+        the text, each padded to a multiple of 32; its refiner-stage hints stay inside it)."""
+        side = vae_scale * 2
+        image = (height // side) * (width // side)
+        joint = image + (-image) % 32 + text_tokens + (-text_tokens) % 32
+        return len(config["control_layers_places"]) * joint * config["dim"]
+
     def uses_cfg(self, guidance_scale: float) -> bool:
         return guidance_scale > 0  # ZImagePipeline's own rule: g = 1 still runs the negative pass
 

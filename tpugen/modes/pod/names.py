@@ -13,6 +13,8 @@ WORKER_STATUS = "worker.status"
 WORKER_RUN = "run"  # the worker's own run directory, inside its pod-run folder
 STAGING = ".pod-staging"
 SHIPPED_IMAGES = "images"  # the prompts' input images, shipped in one folder beside the config
+# Local model folders (ControlNets, model.annotators_dir's weights the prompts read), shipped beside the config.
+SHIPPED_MODELS = "models"
 # gcloud scp hands NAME:PATH to a shell on the worker, which no local quoting reaches: remote folders hold
 # only characters that shell leaves alone.
 REMOTE_DIR_RULE = (

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpugen.modes.pod.gather import gathering_folder
-from tpugen.modes.pod.names import SHIPPED_IMAGES, WORKER_LOG, WORKER_RUN, WORKER_STATUS, Pod
+from tpugen.modes.pod.names import SHIPPED_IMAGES, SHIPPED_MODELS, WORKER_LOG, WORKER_RUN, WORKER_STATUS, Pod
 
 
 def _command_word(path: str) -> str:
@@ -22,12 +22,14 @@ def worker_command(
     tpugen: str = "tpugen",
     upload: str | None = None,
     images: bool = False,
+    models: bool = False,
 ) -> str:
     """What worker `worker` runs: its share of the run, its output kept in worker.log, its exit status in
     worker.status (so a failed worker is named after gathering), and the log's last lines echoed.
     With `upload` (gs://bucket/prefix/RUN_ID), the worker then copies its folder to upload/worker-WORKER/.
-    With `images` (the prompts' input images shipped in SHIPPED_IMAGES), that folder is removed once the run
-    ends, so that no gathering or upload copies every input back from every worker (a resume ships it again).
+    With `images` (the prompts' input images shipped in SHIPPED_IMAGES) and `models` (local model folders in
+    SHIPPED_MODELS), those folders are removed once the run ends, so that no gathering or upload copies every
+    input back from every worker (a resume ships them again).
 
     pod-run gives every worker its index here, the one it gathers that worker's folder by: a worker never
     guesses it (a TPU VM's ssh session has no TPU_WORKER_ID), so a worker that fails before its report still
@@ -50,7 +52,8 @@ def worker_command(
             f"$([ -f {WORKER_RUN}/config.yaml ] && echo --resume {WORKER_RUN})",
         ]
     )
-    after_run = f"rm -rf {SHIPPED_IMAGES}; " if images else ""
+    shipped = [name for name, sent in ((SHIPPED_IMAGES, images), (SHIPPED_MODELS, models)) if sent]
+    after_run = f"rm -rf {' '.join(shipped)}; " if shipped else ""
     if upload:
         after_run += f"gcloud storage cp -r ./* {q(f'{upload}/worker-{worker}/')} > upload.log 2>&1 || status=1; "
     return (
@@ -87,17 +90,26 @@ def plan_pod(
     gather: bool = True,
     bucket: str | None = None,
     images: Path | None = None,
+    models: list[tuple[Path, str]] | None = None,
 ) -> PodPlan:
     """`remote_dir` as remote_base gives it. With `bucket` (output.dir: gs://...), workers upload there and
     gathering downloads from there into `local_run`, a scratch folder. With `images`, the local folder of the
-    prompts' input images, shipped whole in one copy (one left by an earlier try is removed first)."""
+    prompts' input images, shipped whole in one copy (one left by an earlier try is removed first). With `models`,
+    local model folders and files (tpugen.config.controls.shipped_models: (local path, path beside the config)),
+    each copied once into SHIPPED_MODELS, made anew."""
     remote_run = f"{remote_dir.rstrip('/')}/{run_id}"
     q = shlex.quote
     make = f"mkdir -p {q(remote_run)}" + (f" && rm -rf {q(f'{remote_run}/{SHIPPED_IMAGES}')}" if images else "")
+    if models:
+        parents = sorted({f"{remote_run}/{Path(target).parent}" for _, target in models})
+        make += f" && rm -rf {q(f'{remote_run}/{SHIPPED_MODELS}')} && mkdir -p {' '.join(q(p) for p in parents)}"
     prepare = [pod.ssh_all(make)]
     prepare += [pod.scp_to_all(path, f"{remote_run}/{path.name}") for path in staged]
     if images:
         prepare.append(pod.scp_folder_to_all(images, f"{remote_run}/{SHIPPED_IMAGES}"))
+    for source, target in models or []:
+        copy = pod.scp_folder_to_all if source.is_dir() else pod.scp_to_all
+        prepare.append(copy(source, f"{remote_run}/{target}"))
     upload = f"{bucket.rstrip('/')}/{run_id}" if bucket else None
     if not gather:
         gathers = []
@@ -109,7 +121,9 @@ def plan_pod(
     if upload and gather:
         finish = [pod.storage_cp(*(f"{local_run}/{name}" for name in POD_REPORT_FILES), f"{upload}/")]
     runs = [
-        pod.ssh(i, worker_command(remote_run, i, workers, tpugen, upload, images=images is not None))
+        pod.ssh(
+            i, worker_command(remote_run, i, workers, tpugen, upload, images=images is not None, models=bool(models))
+        )
         for i in range(workers)
     ]
     return PodPlan(prepare, runs, gathers, finish)

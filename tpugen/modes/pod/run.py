@@ -10,7 +10,7 @@ from pathlib import Path
 from tpugen.errors import InputError, RunError
 from tpugen.modes.pod.gather import adopt_gathered, fold_in, folding_folder, gathering_folder
 from tpugen.modes.pod.gcloud import _call, _call_all, _gcloud_path, _last_line, count_workers, step_failure
-from tpugen.modes.pod.names import SHIPPED_IMAGES, STAGING, WORKER_RUN, Pod, remote_base
+from tpugen.modes.pod.names import SHIPPED_IMAGES, SHIPPED_MODELS, STAGING, WORKER_RUN, Pod, remote_base
 from tpugen.modes.pod.plan import plan_pod
 from tpugen.modes.pod.report import merge_workers, pod_report
 from tpugen.modes.pod.resume import _already_complete, check_pod_resumable, resume_run_id
@@ -33,6 +33,7 @@ def run_pod(
 
     With `resume_id`, the workers continue that run's folders, each keeping the images it finished."""
     from tpugen.config import dump_config
+    from tpugen.config.controls import shipped_models
     from tpugen.config.embeddings import shipped_embeddings
     from tpugen.config.loras import shipped_loras
     from tpugen.engine.session import make_run_dir, read_run_record, run_id_for, write_run_record
@@ -80,6 +81,7 @@ def run_pod(
     lora_files += shipped_embeddings(config, run.embeddings, {path.name for path in lora_files})  # named so too
     prompt_lines, image_files = _ship_prompt_images(config, run)
     images_folder = staging / SHIPPED_IMAGES if image_files else None
+    models = shipped_models(config, run.prompts, SHIPPED_MODELS)
     plan = plan_pod(
         pod,
         workers=workers,
@@ -88,6 +90,7 @@ def run_pod(
         local_run=local_run,
         staged=[*staged, *lora_files],
         images=images_folder,
+        models=models,
         tpugen=tpugen,
         gather=gather,
         bucket=bucket,

@@ -3,7 +3,7 @@ for until the device loops have made them."""
 
 from __future__ import annotations
 
-from tpugen.config.controls import window_problem
+from tpugen.config.controls import controlled_problems
 from tpugen.config.loras import loras_key
 from tpugen.config.request import RequestLimits
 from tpugen.config.rules import CLIP_SKIP_NEEDS_WEBUI
@@ -16,6 +16,14 @@ from tpugen.modes.serve.warm import WarmEngines
 from tpugen.plan import task_of
 
 COMPILED_MAX_SIDE = 2048  # serve.max_side's default under new_shapes: compile
+
+
+# What each reason a controlled image cannot run is about, in a request's words (controlled_problems' kinds).
+CONTROLLED_WHAT = {
+    "image": "ControlNet units with an image",
+    "strength": "denoising_strength with ControlNet units",
+    "window": "ControlNet units' guidance_start and guidance_end",
+}
 
 
 class Admission:
@@ -78,14 +86,9 @@ class Admission:
             problems.append(f"{count} images asked for; this server makes at most {limit} per request")
         if images and images[0].source is not None and family.img2img_refusal:
             problems.append(f"image: {family.title} models: {family.img2img_refusal}")
-        source = images[0].source if images and images[0].controls else None
-        if source is not None and (why := family.controlled_refusal(source.task)):
-            problems.append(f"ControlNet units with an image: {family.title} models: {why}")
-        elif source is not None and source.task == "inpaint" and source.strength != 1:
-            if strength := family.controlled_inpaint_strength_refusal:
-                problems.append(f"denoising_strength with ControlNet units: {family.title} models: {strength}")
-        if images and images[0].controls and (window := window_problem(images[0].controls, family)):
-            problems.append(f"ControlNet units' guidance_start and guidance_end: {window}")
+        if images and images[0].controls:
+            found = controlled_problems(family, images[0].controls, images[0].source, warm.controlnet_configs())
+            problems.extend(f"{CONTROLLED_WHAT[kind]}: {why}" for kind, why in found.items())
         if images and images[0].source is None and not images[0].references and family.txt2img_refusal:
             problems.append(f"image: {family.title} models: {family.txt2img_refusal}; send one or more images to edit")
         if images and images[0].tiling and family.tiling_refusal:

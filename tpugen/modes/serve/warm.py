@@ -42,12 +42,18 @@ class WarmEngines:
         # The server's ControlNets (model.controlnets): txt2img is warm with all of them as well, and img2img and
         # inpaint with one where the family's ControlNets take an image.
         self.controlnets = [c.id for c in config.model.controlnets]
-        one = len(self.controlnets) == 1
-        controlled = ["txt2img", *(t for t in ("img2img", "inpaint") if one and not self.family.controlled_refusal(t))]
+        one, known = len(self.controlnets) == 1, self.controlnet_configs()
+        taking = [task for task in ("img2img", "inpaint") if not self.family.controlled_refusal(task, known)]
+        controlled = ["txt2img", *(taking if one else [])]
         self.controlled_tasks = [task for task in self.serve.tasks if task in controlled] if self.controlnets else []
         # Each (shape key, scheduler) warmup compiles, one at a time so /readyz can count them.
         plan = self.plan()
         self.keys = [(batch, scheduler) for scheduler in self.schedulers for batch in plan.batches]
+
+    def controlnet_configs(self) -> list[dict]:
+        """The configs of the ControlNets the engines loaded (none until they are open)."""
+        loaded = getattr(self.engines[0].loaded, "controlnets", []) if self.engines else []
+        return [dict(controlnet.config) for controlnet in loaded]
 
     @property
     def reader(self) -> PromptReader:
