@@ -96,6 +96,18 @@ def test_plan_counts_the_largest_attention_matrix_beside_the_weights(tmp_path):
         "(549.76 GB per layer) are over the v5e's 16 GB; use a smaller size or batch, or flash attention "
         "(compile.flash_attention)"
     )
+    # What ControlNets hand the denoiser is held beside the weights too (tpugen.memory.controlnet_activations).
+    small = app.plan(load_config(path))
+    run = load_config(path)
+    residuals = {"bytes": 20e9}
+    assert app.attention_fit(small.memory, None, run.config.execution, flash_route=True, controlnets=residuals) == (
+        f"does not fit: the weights ({small.memory.total_bytes / 1e9:.2f} GB) and the ControlNets' residuals "
+        "(20.00 GB) are over the v5e's 16 GB; use a smaller size or batch"
+    )
+    assert (
+        app.attention_fit(small.memory, None, run.config.execution, flash_route=True, controlnets={"bytes": 1e6})
+        is None
+    )
 
 
 def test_every_execution_mode_is_one_mode_of_the_registry():

@@ -165,6 +165,23 @@ def test_the_config_hash_counts_the_annotator_weights_a_run_reads_by_content(tmp
     assert hash_of("b", "softedge_hed") != hed
     assert hash_of("b", "mlsd") == hash_of("a", "mlsd")  # a file the run does not read changed
 
+    # A resume compares them so too: another folder of the same weights goes on, weights changed in place do not.
+    from tpugen.engine.session import check_resumable, write_run_record
+    from tpugen.errors import InputError
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    hash_of("a", "softedge_hed")
+    shutil.copy(tmp_path / "run.yaml", run_dir / "config.yaml")
+    write_run_record(run_dir, load_config(tmp_path / "run.yaml"), "run")
+    shutil.rmtree(tmp_path / "b")
+    shutil.copytree(folder, tmp_path / "b")
+    hash_of("b", "softedge_hed")
+    assert check_resumable(load_config(tmp_path / "run.yaml"), run_dir) is None
+    (tmp_path / "b" / "ControlNetHED.pth").write_bytes(b"other weights")
+    with pytest.raises(InputError, match="in keys that change images: model.annotators_dir"):
+        check_resumable(load_config(tmp_path / "run.yaml"), run_dir)
+
 
 # ---------------------------------------------------------------- configs at the door (no device)
 

@@ -171,6 +171,12 @@ def test_local_controlnets_and_the_annotator_weights_a_run_reads_are_shipped_onc
     assert load_config(write_config(shipped / "c.yaml", worker)).config_hash == here
     (shipped / "models" / "annotators" / "ControlNetHED.pth").write_bytes(b"other weights")
     assert load_config(shipped / "c.yaml").config_hash != here  # weights the run reads count by content
+    (shipped / "models" / "annotators" / "ControlNetHED.pth").write_bytes(b"ControlNetHED.pth")
+    assert load_config(shipped / "c.yaml").config_hash == here
+    # Another checkpoint of the same ControlNet (same names and shapes, other values) is another hash.
+    other = shipped / "models" / "controlnets" / "my-canny" / "diffusion_pytorch_model.safetensors"
+    save_file({"weight": np.ones(4, np.float32)}, str(other))
+    assert load_config(shipped / "c.yaml").config_hash != here
 
     # A run none of whose prompts reads an annotator ships no weights, and the workers' config names no folder.
     from tpugen.config.controls import shipped_models

@@ -115,8 +115,9 @@ def plan(run: ResolvedRun) -> PlanView:
         )
         if largest is not None:
             attention = attention_summary(largest, flash_on=flash.on, min_tokens=route.min_tokens)
-    if fit == "fits" and memory and attention and attention["materialised"]:
-        fit = attention_fit(memory, attention, execution, flash_route=bool(route.components)) or fit
+    held = attention if attention and attention["materialised"] else None
+    if fit == "fits" and memory and (held or controlnets):
+        fit = attention_fit(memory, held, execution, flash_route=bool(route.components), controlnets=controlnets) or fit
     trace = planned_trace(config, family_)
     return PlanView(run_plan, memory, how_it_runs(execution), fit, flash, attention, trace, controlnets)
 
@@ -143,22 +144,29 @@ def planned_trace(config, family_) -> str | None:
     return f"trace once: off, the {family_.denoiser} is recorded every step -- {reason}"
 
 
-def attention_fit(memory, attention: dict, execution, *, flash_route: bool) -> str | None:
-    """Why weights that fit a chip still do not, once one layer's full attention matrix is held beside them (a
-    lower bound on what a denoiser call needs), or None. Under SPMD a chip holds its share of the weights and of
-    the matrix (the mesh splits rows and heads)."""
+def attention_fit(
+    memory, attention: dict | None, execution, *, flash_route: bool, controlnets: dict | None = None
+) -> str | None:
+    """Why weights that fit a chip still do not, once one layer's full attention matrix (None: none is held, the
+    kernel's) and what the ControlNets hand the denoiser (`controlnets`) are held beside them (a lower bound on
+    what a denoiser call needs), or None. Under SPMD a chip holds its share of the weights and of the matrix (the
+    mesh splits rows and heads); ControlNets run on one device."""
     devices = execution.cores or (execution.mesh.data * execution.mesh.model) or 1
     share = devices if execution.sharding == "spmd" else 1
     weights = weights_per_chip(memory, execution, devices) / 1e9
-    held = attention["gb"] / share
-    if weights + held <= memory.chip_gb:
+    matrix = attention["gb"] / share if attention else 0.0
+    hints = controlnets["bytes"] / 1e9 if controlnets else 0.0
+    if weights + matrix + hints <= memory.chip_gb:
         return None
-    remedy = "a smaller size or batch" + (", or flash attention (compile.flash_attention)" if flash_route else "")
-    held_text = f"({weights:.2f} GB) and the largest attention matrix ({held:.2f} GB per layer)"
+    remedy = "a smaller size or batch" + (
+        ", or flash attention (compile.flash_attention)" if flash_route and attention else ""
+    )
+    held = [f"the largest attention matrix ({matrix:.2f} GB per layer)"] if attention else []
+    held += [f"the ControlNets' residuals ({hints:.2f} GB)"] if controlnets else []
     if share > 1:
-        held_text = f"a chip's share of the weights ({weights:.2f} GB) and of the largest attention matrix ({held:.2f} GB per layer)"
+        held_text = f"a chip's share of the weights ({weights:.2f} GB) and of {' and '.join(held)}"
     else:
-        held_text = f"the weights {held_text}"
+        held_text = f"the weights ({weights:.2f} GB) and {' and '.join(held)}"
     return f"does not fit: {held_text} are over the {memory.chip}'s {memory.chip_gb:g} GB; use {remedy}"
 
 

@@ -5,11 +5,13 @@ steps each steers the denoiser."""
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpugen.config.digests import file_sha256
 from tpugen.config.images import InputImage, read_input_image, sha256_of
 from tpugen.config.schema import CONTROL_SCALE_MAX, RunConfig
 from tpugen.errors import InputError
@@ -276,26 +278,16 @@ def shipped_models(config: RunConfig, prompts, folder: str) -> list[tuple[Path, 
 
 def controlnet_identity(controlnet: dict) -> dict:
     """What the config hash counts of a ControlNet (model.controlnets' entry, its id resolved): a local folder by
-    its name and content (its config.json and each safetensors file's header: the tensors' names, shapes and
-    dtypes, not their values, which would mean reading gigabytes at every check), so that moving the folder, or
-    pod-run shipping it, keeps the hash; a built-in or hub id as it is."""
+    its name and content (the sha256 of its config.json and of each weights file, read once per file version:
+    tpugen.config.digests), so that moving the folder, or pod-run shipping it, keeps the hash, and another checkpoint
+    of the same architecture does not; a built-in or hub id as it is."""
     folder = Path(controlnet["id"])
     if not folder.is_absolute() or not folder.is_dir():
         return controlnet
-    digest = hashlib.sha256()
-    for path in sorted([folder / "config.json", *folder.glob("*.safetensors")]):
-        digest.update(path.name.encode())
-        try:
-            with path.open("rb") as handle:
-                if path.suffix == ".safetensors":
-                    head = handle.read(8)
-                    size = int.from_bytes(head, "little") if len(head) == 8 else 0
-                    digest.update(head + handle.read(min(size, 100 << 20)))
-                else:
-                    digest.update(handle.read(1 << 20))
-        except OSError:
-            digest.update(b"unreadable")
-    return {**controlnet, "id": f"{folder.name} {digest.hexdigest()[:16]}"}
+    weights = [*folder.glob("*.safetensors"), *folder.glob("*.bin")]
+    files = {path.name: file_sha256(path) for path in sorted([folder / "config.json", *weights])}
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    return {**controlnet, "id": f"{folder.name} {digest[:16]}"}
 
 
 def _files(module: str) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from PIL import Image
 from tpugen import __version__
 from tpugen.backends import versions
 from tpugen.config import ModelConfig, PromptSpec, ResolvedRun, RunConfig, dump_config, load_config
-from tpugen.config.controls import Controls, recorded_name
+from tpugen.config.controls import Controls, annotator_weights, controlnet_identity, recorded_name
 from tpugen.config.images import ImageSource, References, sha256_of
 from tpugen.config.loras import loras_by_content
 from tpugen.config.prompts import planned_images, resolve_prompts
@@ -424,7 +424,15 @@ def _plain(value):
 
 
 def _config_data(run: ResolvedRun) -> dict:
-    return _plain(run.config.model_dump())
+    """The config as a run record holds it: a local ControlNet and the annotator weights the prompts read by
+    content, as the config hash counts them (a resume then refuses weights changed in place, and takes a folder
+    moved)."""
+    data = _plain(run.config.model_dump())
+    model = data["model"]
+    model["controlnets"] = [controlnet_identity(controlnet) for controlnet in model["controlnets"]]
+    if model.get("annotators_dir") is not None:
+        model["annotators_dir"] = annotator_weights(model["annotators_dir"], run.prompts) or None
+    return data
 
 
 def _prompts_data(prompts: list[PromptSpec]) -> list[dict]:
