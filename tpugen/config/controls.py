@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpugen.config.digests import file_sha256
-from tpugen.config.images import InputImage, read_input_image, sha256_of
+from tpugen.config.images import InputImage, read_input_image, sha256_of, shipped_name_problem
 from tpugen.config.schema import CONTROL_SCALE_MAX, RunConfig
 from tpugen.errors import InputError
 
@@ -254,16 +254,9 @@ def shipped_models(config: RunConfig, prompts, folder: str) -> list[tuple[Path, 
         if isinstance(source, str) or source.kind != "local":
             continue
         name = Path(source.ref).name
-        if not _SHIPPABLE.fullmatch(name):
-            problems.append(
-                f"model.controlnets[{n}].id: pod-run ships ControlNet folders by name, and {name!r} holds characters "
-                "a shell reads (use letters, digits, '.', '_' and '-'); rename the folder"
-            )
-        elif name in named:
-            problems.append(
-                f"model.controlnets[{n}].id: pod-run ships ControlNet folders side by side, and "
-                f"model.controlnets[{named[name]}] is a folder named {name!r} too; rename one"
-            )
+        where = f"model.controlnets[{n}].id"
+        if problem := shipped_name_problem(where, "ControlNet folders", name, _SHIPPABLE, named, "model.controlnets"):
+            problems.append(problem)
         else:
             named[name] = n
             controlnet.id = f"./{folder}/controlnets/{name}"

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpugen.config.images import shipped_name_problem
 from tpugen.config.loras import safetensors_header
 from tpugen.errors import InputError
 from tpugen.families import Family
@@ -331,11 +332,9 @@ def shipped_embeddings(config, embeddings: Sequence[Embedding], taken: set[str] 
     problems = []
     for number, embedding in enumerate(embeddings):
         name = Path(embedding.path).name
-        if not _SHIPPABLE.fullmatch(name):
-            problems.append(
-                f"model.embeddings[{number}]: pod-run ships embedding files by name, and {name!r} holds characters "
-                "a shell reads (use letters, digits, '.', '_' and '-'); rename the file"
-            )
+        where = f"model.embeddings[{number}]"
+        if problem := shipped_name_problem(where, "embedding files", name, _SHIPPABLE, {}, "model.embeddings"):
+            problems.append(problem)
         elif name in taken:
             problems.append(
                 f"model.embeddings[{number}]: pod-run ships files side by side, and a LoRA file is named {name!r} too; "

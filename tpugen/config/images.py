@@ -159,6 +159,22 @@ def sha256_of(path: str) -> str | None:
 
 # ---------------------------------------------------------------- input images for other machines
 
+
+def shipped_name_problem(where: str, what: str, name: str, pattern, named: dict[str, int], key: str) -> str | None:
+    """Why pod-run cannot ship a file or folder named `name` beside the config (`what`: "LoRA files", "ControlNet
+    folders"...): a name a worker's shell would read as something else (gcloud scp hands the remote path to it;
+    `pattern` is what may ship), or one already shipped (`named`: name -> its number under `key`). None: it can."""
+    noun = what.split()[-1].removesuffix("s")
+    if not pattern.fullmatch(name):
+        return (
+            f"{where}: pod-run ships {what} by name, and {name!r} holds characters a shell reads (use letters, "
+            f"digits, '.', '_' and '-'); rename the {noun}"
+        )
+    if name in named:
+        return f"{where}: pod-run ships {what} side by side, and {key}[{named[name]}] is a {noun} named {name!r} too; rename one"
+    return None
+
+
 # A prompt's input images, each a path relative to the config's folder (or a list of them: references, the
 # control images of several ControlNets).
 IMAGE_KEYS = ("init_image", "mask_image", "reference_images", "control_image")

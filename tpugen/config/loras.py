@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpugen.config.images import shipped_name_problem
 from tpugen.config.schema import LoraConfig, RunConfig
 from tpugen.errors import InputError
 from tpugen.families import FAMILIES
@@ -355,16 +356,9 @@ def shipped_loras(config: RunConfig, loras: Sequence[Lora]) -> list[Path]:
         if lora is None or lora.from_hub:
             continue
         name = Path(lora.path).name
-        if not _SHIPPABLE.fullmatch(name):
-            problems.append(
-                f"model.loras[{number}].id: pod-run ships LoRA files by name, and {name!r} holds characters a shell "
-                "reads (use letters, digits, '.', '_' and '-'); rename the file"
-            )
-        elif name in named:
-            problems.append(
-                f"model.loras[{number}].id: pod-run ships LoRA files side by side, and model.loras[{named[name]}] "
-                f"is a file named {name!r} too; rename one"
-            )
+        where = f"model.loras[{number}].id"
+        if problem := shipped_name_problem(where, "LoRA files", name, _SHIPPABLE, named, "model.loras"):
+            problems.append(problem)
         else:
             named[name] = number
             entry.id, entry.weight_name = name, None
