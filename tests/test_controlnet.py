@@ -287,11 +287,6 @@ def test_the_config_hash_counts_the_annotator_weights_a_run_reads_by_content(tmp
             "model.controlnets: Qwen-Image models: one ControlNet at a time (diffusers 0.42's "
             "QwenImageMultiControlNetModel runs a single ControlNet-Union only",
         ),
-        (  # Flux.1's two ControlNets run (FluxMultiControlNetModel), but not from an init image
-            {"id": "tiny-flux", "controlnets": [{"id": "tiny-flux-controlnet"}] * 2},
-            {"control_image": ["disc.png", "disc.png"], "init_image": "photo.png"},
-            "control_image: with an init image, one ControlNet at a time",
-        ),
         (
             {"id": "tiny-sdxl", "controlnets": [{"id": "tiny-sd-controlnet"}]},
             {"control_image": "disc.png"},
@@ -301,11 +296,6 @@ def test_the_config_hash_counts_the_annotator_weights_a_run_reads_by_content(tmp
             {"id": "tiny-sd", "controlnets": [{"id": "./sdxl-controlnet"}]},
             {"control_image": "disc.png"},
             "is another family's ControlNet (its config's addition_embed_type is 'text_time'; a Stable Diffusion",
-        ),
-        (
-            {"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}] * 2},
-            {"control_image": ["disc.png", "disc.png"], "init_image": "photo.png"},
-            "control_image: with an init image, one ControlNet at a time",
         ),
         (
             {"id": "tiny-sd", "controlnets": [{"id": "./photo.png"}]},
@@ -677,10 +667,12 @@ def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(
     ],
 )
 def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_path, model, cfg):
+    import inspect
+
     import cv2
     import diffusers
     import torch
-    from diffusers import AutoPipelineForText2Image, DiffusionPipeline
+    from diffusers import AutoPipelineForImage2Image, AutoPipelineForText2Image, DiffusionPipeline
 
     from tpugen.families import CONTROLNETS
     from tpugen.tiny import builtin_path
@@ -692,6 +684,9 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
     prompts = [
         {"prompt": "a cat", **units},
         {"prompt": "a dog", **units, "control_start": [0.0, 0.5], "control_end": [0.5, 1.0]},
+        # From an init image: diffusers' ControlNet img2img pipelines take a batch per ControlNet (SD's and SDXL's a
+        # tensor, Flux.1's a list: Family.multi_control_layout_from_image).
+        {"prompt": "a red square", "init_image": "photo.png", "strength": 0.7, **units},
     ]
     # compile.trace_once on (tiny_config turns it off): the denoiser and both ControlNets under dynamo.
     proc, run_dir = generate_in_new_process(
@@ -701,16 +696,20 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
     report = json.loads((run_dir / "report.json").read_text())
     assert report["device"]["trace_once"]["state"] == "on"
     assert report["device"]["trace_once"]["beside"] == ["controlnet 0", "controlnet 1"]
-    assert [e["shape_key"] for e in report["warmup"]] == [f"64x64 b1 {cfg} 2 controlnets"]
+    keys = [f"64x64 b1 {cfg} 2 controlnets", f"64x64 b1 {cfg} img2img 2 controlnets"]
+    assert [e["shape_key"] for e in report["warmup"]] == keys
     # The second prompt's units sit out half the steps each: their scales are data, nothing compiles again.
     assert report["compiles_after_warmup"] == 0
-    assert [b["transfers_to_host"] for b in report["timed_phase"]["batches"]] == [1, 1]
+    assert [b["transfers_to_host"] for b in report["timed_phase"]["batches"]] == [1, 1, 1]
 
     base = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
     controlnet = getattr(diffusers, family.controlnet_class).from_pretrained(str(builtin_path(f"{model}-controlnet")))
     pipe = AutoPipelineForText2Image.from_pipe(base, controlnet=[controlnet, controlnet])
     assert type(pipe.controlnet).__name__ == family.multi_controlnet_class
     pipe.set_progress_bar_config(disable=True)
+    from_image = AutoPipelineForImage2Image.from_pipe(base, controlnet=[controlnet, controlnet])
+    from_image.set_progress_bar_config(disable=True)
+    photo = Image.open(tmp_path / "photo.png").convert("RGB")
     drawing = np.asarray(Image.open(tmp_path / "drawing.png").convert("RGB"))[:, 16:80]
     canny = Image.fromarray(np.repeat(cv2.Canny(np.ascontiguousarray(drawing), 100, 200)[:, :, None], 3, axis=2))
     controls = [Image.open(tmp_path / "disc.png").convert("RGB"), canny]
@@ -721,11 +720,15 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
         starts = [u["start"] for u in record["controlnet_units"]]
         ends = [u["end"] for u in record["controlnet_units"]]
         negative = {"negative_prompt": record["negative_prompt"]} if family.negative_prompt else {}
+        started = "strength" in record and record.get("init_image_sha256")
+        images = {"image": photo, "control_image": controls, "strength": record["strength"]} if started else {}
+        if started and "control_mode" in inspect.signature(type(from_image).__call__).parameters:
+            images["control_mode"] = [None, None]  # Flux.1's img2img runs no ControlNet without a mode for each
         with torch.no_grad():
-            expected = pipe(
+            expected = (from_image if started else pipe)(
                 prompt=record["prompt"],
                 **negative,
-                **{family.controlnet_image_argument: controls},
+                **(images or {family.controlnet_image_argument: controls}),
                 height=64,
                 width=64,
                 num_inference_steps=record["steps"],

@@ -84,11 +84,6 @@ ANNOTATOR_ALIASES = {
 # refused saying what it needs rather than that it is unknown.
 NEEDS_WEIGHTS = ("depth", "openpose", "lineart", "hed", "mlsd", "normal", "seg", "softedge", "shuffle")
 
-# Why an img2img or inpainting image cannot take two or more ControlNets.
-MULTI_IMG2IMG = (
-    "with an init image, one ControlNet at a time: diffusers 0.42's ControlNet img2img and inpaint pipelines take one "
-    "control image per ControlNet for a whole batch"
-)
 # The keys a prompt's entry may hold for its control images.
 CONTROL_KEYS = (
     "control_image",
@@ -338,9 +333,6 @@ def read_controls(entry: dict, run: RunConfig, base_dir: Path, where: str, probl
         return None
     if "reference_images" in entry:
         problems.append(f"{where}: control_image: a prompt that edits by reference takes no control image")
-        return None
-    if count > 1 and "init_image" in entry:
-        problems.append(f"{where}: control_image: {MULTI_IMG2IMG}")
         return None
     before = len(problems)
     lists = {key: _each(entry[key], count, key, problems, where) for key in given}

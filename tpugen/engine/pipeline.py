@@ -351,9 +351,8 @@ class LoadedPipeline:
         from tpugen.engine.controls import control_image
 
         shape, units = batch.shape, batch.items[0].controls.units
-        # Per row, each unit's image, laid out as the family's multi-ControlNet txt2img pipeline takes them
-        # (Family.multi_control_layout); their img2img and inpaint ones take one per ControlNet (MULTI_IMG2IMG:
-        # refused at the door).
+        # Per row, each unit's image, laid out as the family's multi-ControlNet pipeline of the task takes them
+        # (Family.multi_control_layout, and multi_control_layout_from_image for img2img and inpainting).
         made: dict = {}  # each distinct unit's control made once (padding rows repeat the last item's units)
 
         def control(unit):
@@ -366,7 +365,9 @@ class LoadedPipeline:
         if single:
             images = [row[0] for row in per_row]
         else:
-            images = multi_control_images(per_row, self.family.multi_control_layout)
+            family = self.family
+            layout = family.multi_control_layout if shape.task == "txt2img" else family.multi_control_layout_from_image
+            images = multi_control_images(per_row, layout)
         arguments = {
             image_key: images,
             "controlnet_conditioning_scale": units[0].scale if single else [u.scale for u in units],
@@ -375,6 +376,10 @@ class LoadedPipeline:
         }
         if self.family.control_window_refusal:  # its pipelines take no window (a unit's is 0 to 1: checked at the door)
             del arguments["control_guidance_start"], arguments["control_guidance_end"]
+        if not single and shape.task != "txt2img":
+            # Flux.1's ControlNet img2img and inpaint pipelines zip the ControlNets with their modes (a Union one's
+            # control type): without a list of one per ControlNet none runs. Pipelines without the argument drop it.
+            arguments["control_mode"] = [None] * len(units)
         return arguments
 
     def _references(self, batch: Batch) -> list:

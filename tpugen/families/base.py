@@ -186,6 +186,9 @@ class Family:
     # ControlNet with an image per row (Flux.1's); "controlnet batches", one batch tensor per ControlNet (SDXL's,
     # which refuses nested lists: "a single batch of multiple conditionings").
     multi_control_layout = "rows"
+    # How its multi-ControlNet img2img and inpaint pipelines take them (SD's and SDXL's: a batch tensor per ControlNet;
+    # Flux.1's: a list per ControlNet).
+    multi_control_layout_from_image = "controlnet batches"
     # Why model.controlnets cannot run for this family (None: they can, through diffusers' ControlNet pipelines
     # made from the loaded components: AutoPipelineFor*.from_pipe(pipe, controlnet=...)).
     controlnet_refusal: str | None = (

@@ -100,7 +100,7 @@ class Flux(TransformerFamily):
     controlnet_image_argument = "control_image"
     controlnet_samples_control_first = True
     multi_controlnet_class = "FluxMultiControlNetModel"
-    multi_control_layout = "controlnets"
+    multi_control_layout = multi_control_layout_from_image = "controlnets"
     controlnets = (
         Builtin(
             "tiny-flux-controlnet",

@@ -13,7 +13,6 @@ import anyio.to_thread
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from tpugen.config.controls import MULTI_IMG2IMG
 from tpugen.config.hires import MAX_HIRES_SCALE, UPSCALERS, HiresFix, hires_problems
 from tpugen.config.images import ImageSource
 from tpugen.config.loras import safetensors_header
@@ -456,8 +455,6 @@ def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageSpec], di
     if problems or not txt:
         refuse(problems or ["init_images: missing"], service, None)
     first = txt[0]
-    if first.controls and first.controls.count > 1:
-        raise InputError(f"alwayson_scripts.controlnet.args: {MULTI_IMG2IMG}")
     if first.controls and body.mask and body.inpaint_full_res:
         raise InputError(
             "inpaint_full_res: inpainting the masked area alone with ControlNet units is not built (the control "

@@ -40,11 +40,10 @@ class WarmEngines:
         # The reference counts an edit is warm for (serve.reference_counts), where edits are warmed at all.
         self.reference_counts = list(self.serve.reference_counts) if "edit" in self.serve.tasks else []
         # The server's ControlNets (model.controlnets): txt2img is warm with all of them as well, and img2img and
-        # inpaint with one where the family's ControlNets take an image.
+        # inpaint where the family's ControlNets take an image.
         self.controlnets = [c.id for c in config.model.controlnets]
-        one, known = len(self.controlnets) == 1, self.controlnet_configs()
-        taking = [task for task in ("img2img", "inpaint") if not self.family.controlled_refusal(task, known)]
-        controlled = ["txt2img", *(taking if one else [])]
+        known = self.controlnet_configs()
+        controlled = ["txt2img", *(t for t in ("img2img", "inpaint") if not self.family.controlled_refusal(t, known))]
         self.controlled_tasks = [task for task in self.serve.tasks if task in controlled] if self.controlnets else []
         # Each (shape key, scheduler) warmup compiles, one at a time so /readyz can count them.
         plan = self.plan()
