@@ -70,10 +70,10 @@ def save_disc(path: Path) -> Path:
     return path
 
 
-def annotator_weights(folder: Path) -> Path:
+def annotator_weights(folder: Path, *, depth: bool = False) -> Path:
     """A model.annotators_dir with random weights of each annotator tpugen runs, under the file names
     lllyasviel/Annotators gives them (controlnet_aux's own architectures, seeded): what they make means nothing,
-    but it is what controlnet_aux makes of the same files."""
+    but it is what controlnet_aux makes of the same files. MiDaS's (490 MB) only with `depth`."""
     import warnings
 
     import torch
@@ -108,6 +108,11 @@ def annotator_weights(folder: Path) -> Path:
     torch.save(weights(lambda: Generator(3, 1, 3)), folder / "sk_model.pth")
     torch.save(weights(lambda: Generator(3, 1, 3)), folder / "sk_model2.pth")
     torch.save(weights(MobileV2_MLSD_Large), folder / "mlsd_large_512_fp32.pth")
+    if depth:
+        from controlnet_aux.midas.midas.dpt_depth import DPTDepthModel
+
+        midas = weights(lambda: DPTDepthModel(path=None, backbone="vitb_rn50_384", non_negative=True))
+        torch.save(midas, folder / "dpt_hybrid-midas-501f0c75.pt")
     return folder
 
 

@@ -60,6 +60,7 @@ ANNOTATORS: dict[str, Annotator] = {
     "scribble_pidinet": Annotator("PidiNetDetector", _PIDINET, "PiDiNet's edges as scribbles", (("scribble", True),)),
     "lineart_realistic": Annotator("LineartDetector", _LINEART, "line art of a photo, white on black"),
     "lineart_coarse": Annotator("LineartDetector", _LINEART, "coarse line art of a photo", (("coarse", True),)),
+    "depth_midas": Annotator("MidasDetector", ("dpt_hybrid-midas-501f0c75.pt",), "MiDaS's depth map, near in white"),
     "mlsd": Annotator(
         "MLSDdetector",
         ("mlsd_large_512_fp32.pth",),
@@ -79,6 +80,7 @@ ANNOTATOR_ALIASES = {
     "pidinet_scribble": "scribble_pidinet",
     "softedge_pidsafe": "softedge_pidisafe",  # controlnet_aux's own name of it
     "lineart": "lineart_realistic",
+    "depth": "depth_midas",
 }
 # Preprocessors that need an annotator's weights, which tpugen does not run yet: named, so a request for one is
 # refused saying what it needs rather than that it is unknown.

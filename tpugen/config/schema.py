@@ -166,10 +166,11 @@ class ModelConfig(_Section):
         default=None,
         description=(
             "A local folder of annotator weights, named as lllyasviel/Annotators names them (ControlNetHED.pth, "
-            "table5_pidinet.pth, sk_model.pth and sk_model2.pth, mlsd_large_512_fp32.pth; relative to the config "
-            "file): the ControlNet preprocessors that need them (softedge_hed, softedge_hedsafe, scribble_hed, "
-            "softedge_pidinet, softedge_pidisafe, scribble_pidinet, lineart_realistic, lineart_coarse, mlsd) run "
-            "on the host through controlnet_aux, each whose files the folder holds."
+            "table5_pidinet.pth, sk_model.pth and sk_model2.pth, dpt_hybrid-midas-501f0c75.pt, "
+            "mlsd_large_512_fp32.pth; relative to the config file): the ControlNet preprocessors that need them "
+            "(softedge_hed, softedge_hedsafe, scribble_hed, softedge_pidinet, softedge_pidisafe, scribble_pidinet, "
+            "lineart_realistic, lineart_coarse, depth_midas, mlsd) run on the host through controlnet_aux, each "
+            "whose files the folder holds."
         ),
     )
     embeddings: list[str] = Field(
