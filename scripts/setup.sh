@@ -26,7 +26,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # Some machines' pip configs point at local index folders that do not exist; those warnings are noise.
     .venv/bin/python -m pip install -q -e '.[xla,dev,docs]' 2>&1 | grep -v "^WARNING: Location 'file:" || true
   fi
-  PJRT_DEVICE=CPU .venv/bin/python -W ignore -c "import torch, torch_xla, torchvision, diffusers, transformers, peft, cv2, fastapi, uvicorn, multipart, ray, httpx, selenium, webuiapi, controlnet_aux, mkdocs, material, tpugen" \
+  PJRT_DEVICE=CPU .venv/bin/python -W ignore -c "import torch, torch_xla, torchvision, diffusers, transformers, peft, cv2, fastapi, uvicorn, multipart, ray, httpx, selenium, webuiapi, controlnet_aux, matplotlib, mkdocs, material, tpugen" \
     || { echo "setup: the install failed (see above)" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

@@ -70,10 +70,11 @@ def save_disc(path: Path) -> Path:
     return path
 
 
-def annotator_weights(folder: Path, *, depth: bool = False) -> Path:
+def annotator_weights(folder: Path, *, depth: bool = False, pose: bool = False) -> Path:
     """A model.annotators_dir with random weights of each annotator tpugen runs, under the file names
     lllyasviel/Annotators gives them (controlnet_aux's own architectures, seeded): what they make means nothing,
-    but it is what controlnet_aux makes of the same files. MiDaS's (490 MB) only with `depth`."""
+    but it is what controlnet_aux makes of the same files. MiDaS's (490 MB) and OpenPose's (510 MB) only with
+    `depth` and `pose`."""
     import warnings
 
     import torch
@@ -85,13 +86,15 @@ def annotator_weights(folder: Path, *, depth: bool = False) -> Path:
         from controlnet_aux.mlsd.models.mbv2_mlsd_large import MobileV2_MLSD_Large
         from controlnet_aux.pidi.model import pidinet
 
-    def weights(make) -> dict:
+    def weights(make, drop_prefix: bool = False) -> dict:
         """A random state dict of the architecture `make` builds (on the meta device, so no initialisation runs):
-        normal values scaled by each tensor's fan-in, positive running variances, zero counters."""
+        normal values scaled by each tensor's fan-in, positive running variances, zero counters; `drop_prefix`:
+        named without their first part, as OpenPose's checkpoints are."""
         with torch.device("meta"):
             shapes = {name: (t.shape, t.dtype) for name, t in make().state_dict().items()}
         state = {}
         for name, (shape, dtype) in shapes.items():
+            name = name.split(".", 1)[1] if drop_prefix else name
             if not dtype.is_floating_point:
                 state[name] = torch.zeros(shape, dtype=dtype)
             elif name.endswith("running_var"):
@@ -113,6 +116,13 @@ def annotator_weights(folder: Path, *, depth: bool = False) -> Path:
 
         midas = weights(lambda: DPTDepthModel(path=None, backbone="vitb_rn50_384", non_negative=True))
         torch.save(midas, folder / "dpt_hybrid-midas-501f0c75.pt")
+    if pose:
+        from controlnet_aux.open_pose.face import FaceNet
+        from controlnet_aux.open_pose.model import bodypose_model, handpose_model
+
+        torch.save(weights(bodypose_model, drop_prefix=True), folder / "body_pose_model.pth")
+        torch.save(weights(handpose_model, drop_prefix=True), folder / "hand_pose_model.pth")
+        torch.save(weights(FaceNet), folder / "facenet.pth")
     return folder
 
 

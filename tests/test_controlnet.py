@@ -112,8 +112,11 @@ def test_annotators_are_controlnet_auxs_own_detectors_run_from_the_weights_folde
     rng = np.random.default_rng(5)
     photo = Image.fromarray((rng.random((64, 96, 3)) * 255).astype(np.uint8))
     made, detectors = {}, {}
-    runnable = {name: a for name, a in ANNOTATORS.items() if module_name(name, folder)}  # MiDaS: the next test
-    assert set(ANNOTATORS) - set(runnable) == {"depth_midas"}
+    runnable = {name: a for name, a in ANNOTATORS.items() if module_name(name, folder)}  # the next test: the rest
+    assert {a.detector for name, a in ANNOTATORS.items() if name not in runnable} == {
+        "MidasDetector",
+        "OpenposeDetector",
+    }
     for name, annotator in runnable.items():
         made[name] = np.asarray(preprocess(photo, name, None, None, folder))
         # Each module as controlnet_aux's own processor table runs it (its name for pidisafe is pidsafe).
@@ -195,8 +198,8 @@ def test_the_config_hash_counts_the_annotator_weights_a_run_reads_by_content(tmp
         (None, {"control_scale": 0.5}, "prompts[0]: control_scale is for a prompt with a control_image"),
         (
             None,
-            {"control_image": "disc.png", "control_module": "openpose_full"},
-            "'openpose_full' needs an annotator model tpugen does not run yet (it runs softedge_hed, softedge_hedsafe",
+            {"control_image": "disc.png", "control_module": "normal_bae"},
+            "'normal_bae' needs an annotator model tpugen does not run yet (it runs softedge_hed, softedge_hedsafe",
         ),
         (
             None,
@@ -816,21 +819,35 @@ def test_plan_counts_what_each_familys_controlnet_hands_its_denoiser(tmp_path):
     assert view.controlnets["note"].startswith("controlnets: the ControlNet's residuals, handed to the unet")
 
 
-def test_depth_midas_is_controlnet_auxs_midas_from_the_weights_folder(tmp_path):
-    # MiDaS (DPT-hybrid, 123M parameters: 490 MB of random weights written here) as controlnet_aux runs it.
+@pytest.mark.xla  # no device, but 1 GB of weights and two real-size models: the slow tier
+def test_depth_and_pose_are_controlnet_auxs_own_from_the_weights_folder(tmp_path):
+    # MiDaS (DPT-hybrid, 123M parameters) and OpenPose (body, hand and face models): 1 GB of random weights of their
+    # real architectures written here, each module run as controlnet_aux's processor table runs it (the extension's
+    # openpose_hand draws the body too, where controlnet_aux's does not).
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from controlnet_aux import MidasDetector
+        import controlnet_aux
+        from controlnet_aux.processor import MODEL_PARAMS
 
-    folder = str(annotator_weights(tmp_path / "annotators", depth=True))
+    folder = str(annotator_weights(tmp_path / "annotators", depth=True, pose=True))
     photo = Image.fromarray((np.random.default_rng(6).random((64, 96, 3)) * 255).astype(np.uint8))
     assert module_name("depth", folder) == "depth_midas"  # the extension's older name
-    made = preprocess(photo, "depth_midas", None, None, folder)
-    own = MidasDetector.from_pretrained(folder)(photo, detect_resolution=64, image_resolution=64, output_type="pil")
-    assert made.size == (96, 64) and own.size == (128, 64)  # controlnet_aux rounds sides to multiples of 64
-    assert np.array_equal(np.asarray(made), np.asarray(own.convert("RGB").resize((96, 64), Image.Resampling.BILINEAR)))
+    detectors = {}
+    for name in ("depth_midas", "openpose", "openpose_hand", "openpose_face", "openpose_faceonly", "openpose_full"):
+        annotator = ANNOTATORS[name]
+        if annotator.detector not in detectors:
+            detectors[annotator.detector] = getattr(controlnet_aux, annotator.detector).from_pretrained(folder)
+        options = {**MODEL_PARAMS.get(name, {}), **({"include_body": True} if name == "openpose_hand" else {})}
+        assert dict(annotator.options) == options, name
+        made = preprocess(photo, name, None, None, folder)
+        own = detectors[annotator.detector](
+            photo, detect_resolution=64, image_resolution=64, output_type="pil", **options
+        )
+        assert made.size == (96, 64) and own.size == (128, 64), name  # controlnet_aux rounds to multiples of 64
+        own = own.convert("RGB").resize((96, 64), Image.Resampling.BILINEAR)
+        assert np.array_equal(np.asarray(made), np.asarray(own)), name
 
 
 @pytest.mark.xla

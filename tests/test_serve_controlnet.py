@@ -132,8 +132,9 @@ def test_the_controlnet_routes(controlnet_server):
         assert http.get("/controlnet/model_list").json() == {"model_list": ["tiny-sd-controlnet"]}
         modules = http.get("/controlnet/module_list").json()
         assert modules["module_list"][:5] == ["none", "canny", "invert", "scribble", "tile"]
-        # model.annotators_dir holds all their weights but MiDaS's
-        assert modules["module_list"][5:] == [name for name in ANNOTATORS if name != "depth_midas"]
+        # model.annotators_dir holds all their weights but MiDaS's and OpenPose's
+        heavy = ("MidasDetector", "OpenposeDetector")
+        assert modules["module_list"][5:] == [name for name, a in ANNOTATORS.items() if a.detector not in heavy]
         aliases = http.get("/controlnet/module_list", params={"alias_names": "true"}).json()["module_list"]
         assert "tile_resample" in aliases and "invert (from white bg & black line)" in aliases
         rng = np.random.default_rng(1)
@@ -189,7 +190,8 @@ def test_the_controlnet_routes(controlnet_server):
             {"controlnet": {"args": [_unit(module="depth_midas")]}},
             "'depth_midas' needs dpt_hybrid-midas-501f0c75.pt in",
         ),
-        ({"controlnet": {"args": [_unit(module="openpose")]}}, "'openpose' needs an annotator model tpugen does not"),
+        ({"controlnet": {"args": [_unit(module="openpose")]}}, "'openpose' needs body_pose_model.pth, hand_pose_model"),
+        ({"controlnet": {"args": [_unit(module="seg_ofade20k")]}}, "'seg_ofade20k' needs an annotator model tpugen"),
         ({"controlnet": {"args": [_unit(resize_mode="Stretch")]}}, "args[0].resize_mode: 'Stretch'"),
         ({"controlnet": {"args": [_unit(), _unit()]}}, "args[1].model: 'tiny-sd-controlnet' has a unit already"),
         ({"controlnet": {"args": [_unit()] * 5}}, "args: 5 units; at most 4"),
@@ -210,7 +212,8 @@ def test_hostile_detect_requests(controlnet_server):
     one = _b64(_disc())
     with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
         for body, wanted in (
-            ({"controlnet_module": "openpose", "controlnet_input_images": [one]}, "'openpose' needs an annotator"),
+            ({"controlnet_module": "openpose", "controlnet_input_images": [one]}, "'openpose' needs body_pose_model"),
+            ({"controlnet_module": "normal_bae", "controlnet_input_images": [one]}, "'normal_bae' needs an annotator"),
             ({"controlnet_module": "canny", "controlnet_input_images": [one] * 5}, "5 images; give 1 to 4"),
             ({"controlnet_module": "canny", "controlnet_input_images": []}, "0 images; give 1 to 4"),
             ({"controlnet_module": "canny", "controlnet_input_images": ["bm90IGFuIGltYWdl"]}, "not an image PIL"),

@@ -61,6 +61,22 @@ ANNOTATORS: dict[str, Annotator] = {
     "lineart_realistic": Annotator("LineartDetector", _LINEART, "line art of a photo, white on black"),
     "lineart_coarse": Annotator("LineartDetector", _LINEART, "coarse line art of a photo", (("coarse", True),)),
     "depth_midas": Annotator("MidasDetector", ("dpt_hybrid-midas-501f0c75.pt",), "MiDaS's depth map, near in white"),
+    **{
+        name: Annotator(
+            "OpenposeDetector",
+            ("body_pose_model.pth", "hand_pose_model.pth", "facenet.pth"),
+            f"OpenPose's {what}, drawn as the extension draws it",
+            (("include_body", body), ("include_hand", hand), ("include_face", face)),
+        )
+        # As the web UI's extension runs them (its openpose_hand draws the body too; controlnet_aux's does not).
+        for name, what, body, hand, face in (
+            ("openpose", "body pose", True, False, False),
+            ("openpose_hand", "body and hand poses", True, True, False),
+            ("openpose_face", "body pose and face", True, False, True),
+            ("openpose_faceonly", "face", False, False, True),
+            ("openpose_full", "body and hand poses and face", True, True, True),
+        )
+    },
     "mlsd": Annotator(
         "MLSDdetector",
         ("mlsd_large_512_fp32.pth",),
@@ -84,7 +100,7 @@ ANNOTATOR_ALIASES = {
 }
 # Preprocessors that need an annotator's weights, which tpugen does not run yet: named, so a request for one is
 # refused saying what it needs rather than that it is unknown.
-NEEDS_WEIGHTS = ("depth", "openpose", "lineart", "hed", "mlsd", "normal", "seg", "softedge", "shuffle")
+NEEDS_WEIGHTS = ("depth", "dw", "openpose", "lineart", "hed", "mlsd", "normal", "seg", "softedge", "shuffle")
 
 # The keys a prompt's entry may hold for its control images.
 CONTROL_KEYS = (

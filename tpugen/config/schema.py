@@ -167,10 +167,11 @@ class ModelConfig(_Section):
         description=(
             "A local folder of annotator weights, named as lllyasviel/Annotators names them (ControlNetHED.pth, "
             "table5_pidinet.pth, sk_model.pth and sk_model2.pth, dpt_hybrid-midas-501f0c75.pt, "
-            "mlsd_large_512_fp32.pth; relative to the config file): the ControlNet preprocessors that need them "
-            "(softedge_hed, softedge_hedsafe, scribble_hed, softedge_pidinet, softedge_pidisafe, scribble_pidinet, "
-            "lineart_realistic, lineart_coarse, depth_midas, mlsd) run on the host through controlnet_aux, each "
-            "whose files the folder holds."
+            "body_pose_model.pth, hand_pose_model.pth and facenet.pth, mlsd_large_512_fp32.pth; relative to the "
+            "config file): the ControlNet preprocessors that need them (softedge_hed, softedge_hedsafe, scribble_hed, "
+            "softedge_pidinet, softedge_pidisafe, scribble_pidinet, lineart_realistic, lineart_coarse, depth_midas, "
+            "openpose, openpose_hand, openpose_face, openpose_faceonly, openpose_full, mlsd) run on the host through "
+            "controlnet_aux, each whose files the folder holds."
         ),
     )
     embeddings: list[str] = Field(
