@@ -574,3 +574,44 @@ def test_inline_prompts_may_be_mappings_like_jsonl_lines(tmp_path):
         "error: prompts[0]: unknown key 'sede' (did you mean 'seed'?)",
         "error: prompts[1]: guidance_scale must be a finite number >= 0, got inf",
     ]
+
+
+def test_model_file_digests_are_cached_per_file_version_and_survive_threads_and_a_broken_cache(tmp_path, monkeypatch):
+    import hashlib
+    import json
+    import os
+    import threading
+
+    from tpugen.config import digests
+
+    monkeypatch.setenv("TPUGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(digests, "_KNOWN", {})
+    files = []
+    for n in range(12):
+        path = tmp_path / f"w{n}.safetensors"
+        path.write_bytes(bytes([n]) * 1000)
+        os.utime(path, (1_000_000_000, 1_000_000_000))  # settled: its digest is kept
+        files.append(path)
+    want = {path: hashlib.sha256(path.read_bytes()).hexdigest() for path in files}
+    found, threads = {}, []
+    for part in range(4):  # four threads of one process, as a server's request threads, writing the one cache
+        threads.append(
+            threading.Thread(target=lambda p=part: found.update({f: digests.file_sha256(f) for f in files[p::4]}))
+        )
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert found == want
+    cached = json.loads((tmp_path / "cache" / "file-sha256.json").read_text())
+    assert sorted(cached.values()) == sorted(want.values()) and not list((tmp_path / "cache").glob(".*"))
+    # Another version of a file (same size, another content) is read again; a file changed just now is not kept.
+    files[0].write_bytes(bytes([99]) * 1000)
+    assert digests.file_sha256(files[0]) == hashlib.sha256(bytes([99]) * 1000).hexdigest()
+    assert len(json.loads((tmp_path / "cache" / "file-sha256.json").read_text())) == 12
+    # A broken cache file, or a cache that cannot be written, only means reading the file again.
+    (tmp_path / "cache" / "file-sha256.json").write_text("{not json")
+    monkeypatch.setattr(digests, "_KNOWN", {})
+    assert digests.file_sha256(files[1]) == want[files[1]]
+    monkeypatch.setenv("TPUGEN_CACHE", str(files[2]))  # a file where the folder would be
+    assert digests.file_sha256(files[3]) == want[files[3]] and digests.file_sha256(tmp_path / "gone") is None

@@ -25,8 +25,8 @@ WITHIN = 2
 def _control_images(tmp_path) -> None:
     """disc.png (a white disc on black, low left), drawing.png (black strokes on white), photo.png (noise with a
     red square: an init image), mask.png (its left part repainted), and ControlNet folders holding a config alone:
-    sdxl-controlnet/, flux-controlnet/ (InstantX's kind), xlabs-controlnet/ (XLabs' Flux.1 kind), zimage-1.0/ (a
-    Z-Image ControlNet with a 16-channel control)."""
+    sdxl-controlnet/, flux-controlnet/ (InstantX's kind), xlabs-controlnet/ (XLabs' Flux.1 kind), flux-union/ (a
+    Flux.1 ControlNet-Union), zimage-1.0/ (a Z-Image ControlNet with a 16-channel control)."""
     disc = Image.new("RGB", (64, 64))
     ImageDraw.Draw(disc).ellipse((8, 30, 30, 52), fill=(255, 255, 255))
     disc.save(tmp_path / "disc.png")
@@ -38,6 +38,9 @@ def _control_images(tmp_path) -> None:
     xlabs = {"_class_name": "FluxControlNetModel", "conditioning_embedding_channels": 16}
     (tmp_path / "xlabs-controlnet").mkdir()
     (tmp_path / "xlabs-controlnet" / "config.json").write_text(json.dumps(xlabs))
+    (tmp_path / "flux-union").mkdir()
+    union = {"_class_name": "FluxControlNetModel", "num_mode": 10}
+    (tmp_path / "flux-union" / "config.json").write_text(json.dumps(union))
     (tmp_path / "zimage-1.0").mkdir()
     zimage = {"_class_name": "ZImageControlNetModel", "control_in_dim": 16, "control_layers_places": [0]}
     (tmp_path / "zimage-1.0" / "config.json").write_text(json.dumps(zimage))
@@ -255,6 +258,11 @@ def test_the_config_hash_counts_the_annotator_weights_a_run_reads_by_content(tmp
             {"id": "tiny-flux", "controlnets": [{"id": "./flux-controlnet"}, {"id": "./xlabs-controlnet"}]},
             {"control_image": ["disc.png", "disc.png"]},
             "model.controlnets: Flux.1 (schnell, dev) models: XLabs' ControlNets (with an input hint block) and",
+        ),
+        (  # an InstantX Flux.1 ControlNet-Union needs a control type per unit
+            {"id": "tiny-flux", "controlnets": [{"id": "./flux-union"}]},
+            {"control_image": "disc.png"},
+            "model.controlnets: Flux.1 (schnell, dev) models: a ControlNet-Union (its config's num_mode) needs",
         ),
         (  # Z-Image's ControlNet inpaints from noise: strength 1 only
             {"id": "tiny-z-image", "controlnets": [{"id": "tiny-z-image-controlnet"}]},
@@ -876,33 +884,46 @@ def test_two_kinds_of_flux_controlnet_are_refused_when_loaded(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("model", "layout"), [("tiny-sd", "rows"), ("tiny-flux", "controlnets"), ("tiny-sdxl", "controlnet batches")]
+    ("model", "task", "layout"),
+    [
+        ("tiny-sd", "txt2img", "rows"),
+        ("tiny-flux", "txt2img", "controlnets"),
+        ("tiny-sdxl", "txt2img", "controlnet batches"),
+        ("tiny-sd", "img2img", "controlnet batches"),
+        ("tiny-sdxl", "inpaint", "controlnet batches"),
+        ("tiny-flux", "inpaint", "controlnets"),
+    ],
 )
-def test_two_rows_of_two_units_reach_the_pipeline_in_its_own_layout(tmp_path, model, layout):
-    """SD's multi-ControlNet txt2img pipeline takes a list per row, Flux.1's a list per ControlNet, SDXL's a batch
-    tensor per ControlNet: with two rows and two ControlNets (the square case, where a wrong layout would swap
-    images silently), each image lands where the family's pipeline reads it."""
+def test_two_rows_of_two_units_reach_the_pipeline_in_its_own_layout(tmp_path, model, task, layout):
+    """SD's multi-ControlNet txt2img pipeline takes a list per row, Flux.1's pipelines a list per ControlNet, SDXL's
+    txt2img and SD's and SDXL's img2img and inpaint ones a batch tensor per ControlNet: with two rows and two
+    ControlNets (the square case, where a wrong layout would swap images silently), each image lands where the
+    family's pipeline reads it; from an init image, with a control mode per ControlNet (Flux.1's need one)."""
     from types import SimpleNamespace
 
     from tpugen.engine.pipeline import LoadedPipeline
     from tpugen.families import CONTROLNETS
 
+    _control_images(tmp_path)
     colours = {(row, unit): (60 * row + 20 * unit + 10, 0, 0) for row in (0, 1) for unit in (0, 1)}
     for (row, unit), colour in colours.items():
         Image.new("RGB", (64, 64), colour).save(tmp_path / f"r{row}u{unit}.png")
     controlnet = f"{model}-controlnet"
-    config = _config(
-        tmp_path,
-        [{"prompt": f"prompt {row}", "control_image": [f"r{row}u0.png", f"r{row}u1.png"]} for row in (0, 1)],
-    )
+    start = {"init_image": "photo.png", "strength": 0.7} if task != "txt2img" else {}
+    start.update({"mask_image": "mask.png"} if task == "inpaint" else {})
+    prompts = [{"prompt": f"p {row}", "control_image": [f"r{row}u0.png", f"r{row}u1.png"], **start} for row in (0, 1)]
+    config = _config(tmp_path, prompts)
     config["model"] = {"id": model, "controlnets": [{"id": controlnet}, {"id": controlnet}]}
     config["batch_size"] = 2
     run = load_config(write_config(tmp_path / "run.yaml", config))
     [batch] = plan_run(run).batches
+    assert batch.shape.task == task
     family = CONTROLNETS[controlnet][1]
-    assert family.multi_control_layout == layout
+    assert (family.multi_control_layout if task == "txt2img" else family.multi_control_layout_from_image) == layout
     loaded = SimpleNamespace(family=family, annotators=None)
-    images = LoadedPipeline._control_arguments(loaded, batch, "image")["image"]
+    arguments = LoadedPipeline._control_arguments(loaded, batch, "image")
+    images = arguments["image"]
+    assert arguments.get("control_mode") == (None if task == "txt2img" else [None, None])
 
     def red(image) -> int:
         return int(np.asarray(image)[0, 0, 0])

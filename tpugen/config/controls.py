@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpugen.config.digests import file_sha256
-from tpugen.config.images import InputImage, read_input_image, sha256_of, shipped_name_problem
+from tpugen.config.images import InputImage, read_input_image, shipped_name_problem
 from tpugen.config.schema import CONTROL_SCALE_MAX, RunConfig
 from tpugen.errors import InputError
 
@@ -246,7 +246,7 @@ def annotator_weights(folder: str | None, prompts) -> dict[str, str | None]:
     files = sorted(
         {name for spec in prompts if spec.controls for unit in spec.controls.units for name in _files(unit.module)}
     )
-    return {name: sha256_of(str(Path(folder) / name)) for name in files} if folder else {}
+    return {name: file_sha256(Path(folder) / name) for name in files} if folder else {}
 
 
 # What pod-run may name a shipped folder: gcloud scp hands the remote path to a shell on each worker.

@@ -306,6 +306,9 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
                     f"addition_embed_type is {embed!r}; a {family.title} one's is {family.controlnet_addition_embed!r})"
                 )
     known = controlnet_configs(config.model.controlnets) if not problems else []
+    problems.extend(
+        f"model.controlnets: {family.title} models: {why}" for why in map(family.unsupported_controlnet, known) if why
+    )
     if len(known) == len(config.model.controlnets) > 1 and (why := family.mixed_controlnets(known)):
         problems.append(f"model.controlnets: {family.title} models: {why}")  # a hub one's: when it is loaded
     names = [control_name(c.id) for c in config.model.controlnets]

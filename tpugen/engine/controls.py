@@ -41,7 +41,11 @@ def read_controlnets(model, family, base_dir=None) -> list:
         except Exception as exc:  # any loader failure becomes one line naming the ControlNet
             why = hub_failure(exc, from_hub=source.kind == "hub")
             raise RunError(f"model.controlnets[{n}].id: cannot load {controlnet.id!r}: {why}") from exc
-    # Known once loaded (a hub ControlNet's config is read here): kinds its family's pipelines cannot mix.
+    # Known once loaded (a hub ControlNet's config is read here): a kind tpugen cannot run, or kinds its family's
+    # pipelines cannot mix.
+    for n, controlnet in enumerate(found):
+        if why := family.unsupported_controlnet(dict(controlnet.config)):
+            raise RunError(f"model.controlnets[{n}].id: {family.title} models: {why}")
     if len(found) > 1 and (why := family.mixed_controlnets([dict(c.config) for c in found])):
         raise RunError(f"model.controlnets: {family.title} models: {why}")
     return found

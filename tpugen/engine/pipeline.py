@@ -378,7 +378,8 @@ class LoadedPipeline:
             del arguments["control_guidance_start"], arguments["control_guidance_end"]
         if not single and shape.task != "txt2img":
             # Flux.1's ControlNet img2img and inpaint pipelines zip the ControlNets with their modes (a Union one's
-            # control type): without a list of one per ControlNet none runs. Pipelines without the argument drop it.
+            # control type; Union ones are refused at the door): without a list of one per ControlNet none runs.
+            # Pipelines without the argument drop it.
             arguments["control_mode"] = [None] * len(units)
         return arguments
 

@@ -200,6 +200,10 @@ class Family:
     # The method of this family's ControlNets that compile.trace_once traces (one that takes only tensors).
     controlnet_traced_method = "forward"
 
+    def unsupported_controlnet(self, config: dict) -> str | None:
+        """Why a ControlNet of this family with this config cannot run on tpugen (None: it can)."""
+        return None
+
     def mixed_controlnets(self, configs: list[dict]) -> str | None:
         """Why ControlNets with these configs cannot run together for this family (None: they can)."""
         return None

@@ -111,6 +111,16 @@ class Flux(TransformerFamily):
         ),
     )
 
+    def unsupported_controlnet(self, config: dict) -> str | None:
+        """A ControlNet-Union (InstantX's, with control modes: num_mode) needs a control type per unit, which no
+        unit gives yet (diffusers raises without one)."""
+        if config.get("num_mode"):
+            return (
+                "a ControlNet-Union (its config's num_mode) needs a control type per unit, which tpugen does not pass "
+                "yet; use a ControlNet of one kind"
+            )
+        return None
+
     def mixed_controlnets(self, configs: list[dict]) -> str | None:
         """XLabs' Flux.1 ControlNets take the control image as pixels through their input hint block
         (conditioning_embedding_channels), InstantX's as VAE latents: diffusers 0.42's Flux ControlNet pipelines

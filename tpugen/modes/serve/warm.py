@@ -102,7 +102,7 @@ class WarmEngines:
         kinds += [("edit", None, count, False) for count in self.reference_counts]
         if config.hires is not None and "txt2img" in self.serve.tasks:  # the config's hires fix, for enable_hr
             kinds.append(("txt2img", hires_fix(config.hires, steps), 0, False))
-        # The web UI's ControlNet units, on txt2img (and img2img with one ControlNet).
+        # The web UI's ControlNet units, on txt2img (and img2img and inpaint where the family's ControlNets take them).
         kinds += [(task, None, 0, True) for task in self.controlled_tasks]
         shapes = [(*kind, chunks) for kind in kinds for chunks in self.chunk_counts]
         tilings = (False, True) if self.serve.tiling else (False,)  # serve.tiling: every warm shape tiled too
