@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tpugen"
 
 # Lower layers never import higher ones. A module may import its own layer and those below.
 LAYERS = [
-    ["tpugen", "tpugen.errors", "tpugen.lines", "tpugen.logs", "tpugen.settings"],
+    ["tpugen", "tpugen.errors", "tpugen.files", "tpugen.lines", "tpugen.logs", "tpugen.settings"],
     ["tpugen.families", "tpugen.sharding"],
     ["tpugen.config", "tpugen.models", "tpugen.schedulers", "tpugen.plan", "tpugen.prompt_reading", "tpugen.tiny"],
     ["tpugen.backends", "tpugen.outputs", "tpugen.memory", "tpugen.placement"],

@@ -9,7 +9,7 @@ import stat
 import pytest
 from PIL import Image
 
-from tpugen.outputs.files import inside
+from tpugen.files import inside
 from tpugen.outputs.manifest import read_manifest
 from tpugen.outputs.png import a1111_parameters, image_filename, save_png, slug
 

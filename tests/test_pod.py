@@ -786,7 +786,7 @@ def test_a_resume_with_a_config_that_changes_images_is_refused_before_any_worker
     # and the pod manifest would mix two configs' images.
     from tpugen.config import load_config
     from tpugen.engine.session import write_run_record
-    from tpugen.outputs.files import write_json
+    from tpugen.files import write_json
 
     output = {"dir": str(tmp_path / "out"), "run_id": "podrun"}
     first = load_config(write_config(tmp_path / "a.yaml", tiny_config(tmp_path, prompts=PROMPTS[:2], output=output)))
@@ -812,8 +812,8 @@ def test_a_resume_with_a_config_that_changes_images_is_refused_before_any_worker
 
 def test_a_pod_run_whose_images_are_gone_is_not_complete(tmp_path):
     from tpugen.config import load_config
+    from tpugen.files import write_json
     from tpugen.modes.pod.resume import _already_complete
-    from tpugen.outputs.files import write_json
 
     run = load_config(write_config(tmp_path / "c.yaml", tiny_config(tmp_path, prompts=PROMPTS[:2])))
     run_dir = tmp_path / "pod"

@@ -11,7 +11,7 @@ from conftest import PROMPTS, run_cli, tiny_config, with_prompts_file, write_con
 from tpugen.config import load_config
 from tpugen.engine.session import RunSession
 from tpugen.errors import InputError
-from tpugen.outputs.files import write_json
+from tpugen.files import write_json
 from tpugen.outputs.manifest import read_manifest
 from tpugen.outputs.report import RunReport
 from tpugen.plan import plan_run

@@ -186,8 +186,8 @@ def calibrate(run: ResolvedRun, out: Path, *, display: Display | None = None):
     at all) for compile.step_cache.mag_ratios to name. Returns the Calibration."""
     prepare_environment(run)
     from tpugen.config.yamlio import dump_yaml
+    from tpugen.files import atomic_write_text
     from tpugen.modes.single import calibrate as measure
-    from tpugen.outputs.files import atomic_write_text
 
     result = measure(run, display=display)
     record = {

@@ -219,11 +219,9 @@ def _count_key(class_name: str, config: dict) -> str:
 
 
 def _kept_counts() -> dict:
-    try:
-        kept = json.loads(_counts_cache().read_text())
-    except (OSError, ValueError):
-        return {}
-    return kept if isinstance(kept, dict) else {}
+    from tpugen.files import read_json_object
+
+    return read_json_object(_counts_cache())
 
 
 def _known_counts(components: dict[str, tuple[str, dict]]) -> dict[str, int] | None:
@@ -265,7 +263,7 @@ def meta_parameters(components: dict[str, tuple[str, dict]]) -> dict[str, int]:
                 model = model_class(config_class(**config))
         counts[name] = sum(p.numel() for p in model.parameters())
     try:
-        from tpugen.outputs.files import write_json
+        from tpugen.files import write_json
 
         _counts_cache().parent.mkdir(parents=True, exist_ok=True)
         write_json(_counts_cache(), {**known, **{keys[name]: count for name, count in counts.items()}})

@@ -203,8 +203,8 @@ def recorded_name(controlnet_id: str) -> str:
 
 
 def control_name(controlnet_id: str) -> str:
-    """How records, the web UI's model list and its units name a ControlNet: a built-in's name, a folder's or hub
-    repo's last part."""
+    """How the web UI's model list, its units and the PNG parameters name a ControlNet: a built-in's name, a
+    folder's or hub repo's last part (records: recorded_name)."""
     return controlnet_id.rstrip("/").split("/")[-1]
 
 

@@ -4,13 +4,12 @@ change time, so a ControlNet's gigabytes are not read again at every check of th
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
 
+from tpugen.files import read_json_object, write_json
 from tpugen.settings import cache_root
 
 KEPT = 512  # entries the cache keeps (the newest)
@@ -55,25 +54,15 @@ def file_sha256(path: Path) -> str | None:
 
 
 def _read() -> dict:
-    try:
-        cached = json.loads(_cache_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return cached if isinstance(cached, dict) else {}
+    return read_json_object(_cache_file())
 
 
 def _write(cached: dict) -> None:
-    """The newest KEPT entries written whole through a file of this call's own (a lost write, or a cache folder
-    that cannot be written, only means reading the file again next time)."""
+    """The newest KEPT entries, written whole (a lost write, or a cache folder that cannot be written, only means
+    reading the file again next time)."""
     target = _cache_file()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        handle, scratch = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        write_json(target, dict(list(cached.items())[-KEPT:]))
     except OSError:
-        return
-    try:
-        with os.fdopen(handle, "w") as out:
-            json.dump(dict(list(cached.items())[-KEPT:]), out)
-        os.replace(scratch, target)
-    except OSError:
-        Path(scratch).unlink(missing_ok=True)
+        pass

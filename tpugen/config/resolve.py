@@ -133,7 +133,9 @@ def resolve(
     problems.extend(_reference_problems(config, resolved_prompts, family, serving=not prompts_required))
     problems.extend(_controlnet_problems(config, base_dir, family, serving=not prompts_required))
     if config.model.controlnets:
+        # The configs of the ControlNets on this machine (a hub one's: checked when it is loaded), read once.
         known = controlnet_configs(config.model.controlnets) if not problems else []
+        problems.extend(_controlnet_kind_problems(known, len(config.model.controlnets), family))
         problems.extend(_controlled_prompt_problems(resolved_prompts, family, known))
     planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
@@ -305,12 +307,6 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
                     f"model.controlnets[{n}].id: {source.ref!r} is another family's ControlNet (its config's "
                     f"addition_embed_type is {embed!r}; a {family.title} one's is {family.controlnet_addition_embed!r})"
                 )
-    known = controlnet_configs(config.model.controlnets) if not problems else []
-    problems.extend(
-        f"model.controlnets: {family.title} models: {why}" for why in map(family.unsupported_controlnet, known) if why
-    )
-    if len(known) == len(config.model.controlnets) > 1 and (why := family.mixed_controlnets(known)):
-        problems.append(f"model.controlnets: {family.title} models: {why}")  # a hub one's: when it is loaded
     names = [control_name(c.id) for c in config.model.controlnets]
     twice = next((name for name in names if names.count(name) > 1), None)
     if serving and twice:
@@ -318,6 +314,17 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
             f"model.controlnets: two are named {twice!r}; a server's ControlNet units name them, so each needs a "
             "name of its own (rename a folder)"
         )
+    return problems
+
+
+def _controlnet_kind_problems(known: list[dict], count: int, family: Family) -> list[str]:
+    """A ControlNet of a kind tpugen cannot run, and kinds the family's pipelines cannot mix, among the `count`
+    ControlNets whose configs are `known`."""
+    problems = [
+        f"model.controlnets: {family.title} models: {why}" for why in map(family.unsupported_controlnet, known) if why
+    ]
+    if len(known) == count > 1 and (why := family.mixed_controlnets(known)):
+        problems.append(f"model.controlnets: {family.title} models: {why}")
     return problems
 
 

@@ -20,8 +20,8 @@ from tpugen.config.loras import loras_by_content
 from tpugen.config.prompts import planned_images, resolve_prompts
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
 from tpugen.families import FAMILIES
+from tpugen.files import atomic_write_text, inside, write_json
 from tpugen.lines import text_lines
-from tpugen.outputs.files import atomic_write_text, inside, write_json
 from tpugen.outputs.grid import write_grid
 from tpugen.outputs.manifest import Manifest, read_manifest, read_text_lenient, rewrite_manifest
 from tpugen.outputs.png import image_filename, is_valid_png, save_png

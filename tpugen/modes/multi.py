@@ -20,9 +20,9 @@ from tpugen.backends import Counters, backend_environment, versions
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display, RunSession, StopSignals, Topology, worker_topology
 from tpugen.errors import InputError, Interrupted, RunError, first_line
+from tpugen.files import write_json
 from tpugen.modes.rank import DIST_BACKENDS, LAUNCH_FILE, RANK_PROCESS_ENV, rank_main
 from tpugen.modes.single import host_index_for
-from tpugen.outputs.files import write_json
 from tpugen.outputs.report import RunReport, build_report, merge_phases, persistent_cache_summary, plan_counts
 from tpugen.outputs.sections import RanksSection
 from tpugen.plan import plan_share

@@ -16,7 +16,7 @@ from tpugen.backends import load_device_runtime
 from tpugen.config import ExecutionConfig, ResolvedRun, resolve
 from tpugen.engine import PROCESS_STOP, Engine, EngineSpec, RunSession, Topology
 from tpugen.errors import InputError, TpugenError, one_line
-from tpugen.outputs.files import write_json
+from tpugen.files import write_json
 from tpugen.outputs.report import TimedPhase
 
 RANK_PROCESS_ENV = "TPUGEN_RANK_PROCESS"  # set by the parent, inherited by the processes launch starts

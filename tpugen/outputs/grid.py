@@ -8,7 +8,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from tpugen.outputs.files import atomic_write_bytes
+from tpugen.files import atomic_write_bytes
 
 GRID_MAX_IMAGES = 64
 GRID_CELL_MAX = 256

@@ -6,8 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from tpugen.files import atomic_write_text
 from tpugen.lines import text_lines
-from tpugen.outputs.files import atomic_write_text
 
 
 class Manifest:

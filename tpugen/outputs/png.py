@@ -12,7 +12,7 @@ from PIL import Image, PngImagePlugin
 
 from tpugen.config.hires import HiresFix
 from tpugen.config.schema import step_cache_options_text
-from tpugen.outputs.files import atomic_write_bytes
+from tpugen.files import atomic_write_bytes
 
 SLUG_MAX = 40
 

@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 
 from tpugen.config.schema import step_cache_options_text
-from tpugen.outputs.files import atomic_write_text, write_json
+from tpugen.files import atomic_write_text, write_json
 from tpugen.outputs.sections import SINGLE, ModeSection, fmt, section_from_json
 
 

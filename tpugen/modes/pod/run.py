@@ -37,7 +37,7 @@ def run_pod(
     from tpugen.config.embeddings import shipped_embeddings
     from tpugen.config.loras import shipped_loras
     from tpugen.engine.session import make_run_dir, read_run_record, run_id_for, write_run_record
-    from tpugen.outputs.files import atomic_write_text
+    from tpugen.files import atomic_write_text
     from tpugen.outputs.manifest import rewrite_manifest
     from tpugen.outputs.report import write_report
 

@@ -21,7 +21,7 @@ from tpugen.config import ResolvedRun, run_sizes
 from tpugen.config.loras import is_hub_lora
 from tpugen.engine.session import run_id_for
 from tpugen.errors import InputError, Interrupted, RunError
-from tpugen.outputs.files import atomic_write_bytes
+from tpugen.files import atomic_write_bytes
 
 POLL_SECONDS = 0.5  # between two looks at a run's status, when its event stream cannot be had
 STREAM_TRIES = 5  # event streams in a row that drop before an event arrives, before the client polls instead

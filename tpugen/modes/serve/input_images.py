@@ -12,8 +12,8 @@ from pathlib import Path
 
 from tpugen.config.images import image_problem
 from tpugen.errors import InputError
+from tpugen.files import atomic_write_bytes
 from tpugen.logs import logger
-from tpugen.outputs.files import atomic_write_bytes
 
 log = logger("serve")
 MIB = 1 << 20

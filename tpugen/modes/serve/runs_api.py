@@ -15,11 +15,11 @@ from fastapi.responses import FileResponse, StreamingResponse
 from tpugen.config.yamlio import yaml_load, yaml_problem
 from tpugen.engine.session import RUN_RECORD
 from tpugen.errors import InputError
+from tpugen.files import inside
 from tpugen.modes.serve.progress import Event, Job
 from tpugen.modes.serve.replies import WrongType, json_response, problem_response
 from tpugen.modes.serve.run_handles import RunHandle
 from tpugen.modes.serve.service import Service
-from tpugen.outputs.files import inside
 from tpugen.outputs.manifest import read_manifest
 
 router = APIRouter(prefix="/v1/runs")

@@ -1,4 +1,4 @@
-"""Writing files that are whole or absent: a temporary name, fsync, rename; ordinary modes; inside the run."""
+"""Writing files that are whole or absent: a temporary name, fsync, rename; ordinary modes; inside a folder (a run)."""
 
 from __future__ import annotations
 
@@ -72,3 +72,12 @@ def atomic_write_text(path: Path, text: str, *, exclusive: bool = False) -> None
 
 def write_json(path: Path, data: object, *, exclusive: bool = False) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", exclusive=exclusive)
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object kept in a file (a cache's), or {} where the file is missing, unreadable or holds no object."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
