@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv at the repo root if missing and install tpugen with its xla, dev and docs extras.
+# Create .venv at the repo root if missing and install tpugen with its xla, dev (jax among them) and docs extras.
 # Idempotent: reinstalls only when pyproject.toml changed since the last successful install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # Some machines' pip configs point at local index folders that do not exist; those warnings are noise.
     .venv/bin/python -m pip install -q -e '.[xla,dev,docs]' 2>&1 | grep -v "^WARNING: Location 'file:" || true
   fi
-  PJRT_DEVICE=CPU .venv/bin/python -W ignore -c "import torch, torch_xla, torchvision, diffusers, transformers, peft, cv2, fastapi, uvicorn, multipart, ray, httpx, selenium, webuiapi, controlnet_aux, matplotlib, mkdocs, material, tpugen" \
+  # torch_xla's wheel carries an older copy of torchax in the same files: the pinned torchax is written last.
+  torchax_pin=$(grep -o '"torchax==[0-9.]*"' pyproject.toml | head -1 | tr -d '"')
+  if [ -x .venv/bin/uv ]; then
+    .venv/bin/uv pip install -q --python .venv/bin/python --compile-bytecode --reinstall-package torchax "$torchax_pin"
+  else
+    .venv/bin/python -m pip install -q --force-reinstall --no-deps "$torchax_pin" 2>&1 | grep -v "^WARNING: Location 'file:" || true
+  fi
+  PJRT_DEVICE=CPU JAX_PLATFORMS=cpu .venv/bin/python -W ignore -c "import torch, torch_xla, torchvision, diffusers, transformers, peft, cv2, fastapi, uvicorn, multipart, ray, httpx, selenium, webuiapi, controlnet_aux, matplotlib, mkdocs, material, jax, torchax, tpugen; assert torchax.__version__ == '${torchax_pin#torchax==}', torchax.__version__" \
     || { echo "setup: the install failed (see above)" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

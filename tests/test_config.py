@@ -90,7 +90,7 @@ BAD_CONFIGS = [
         "bad backend",
         {"execution": {"backend": "gpu"}},
         [],
-        ["error: execution.backend: must be 'xla', 'cpu', 'cuda' or 'torch_tpu', got 'gpu'"],
+        ["error: execution.backend: must be 'xla', 'jax', 'cpu', 'cuda' or 'torch_tpu', got 'gpu'"],
     ),
     ("missing model", {"model": None}, [], ["error: model: required key is missing"]),
     (

@@ -20,6 +20,10 @@ def make_backend(execution, compile_config, cache, *, device_index: int | None =
         if execution.placement != "none":
             return PlacedBackend(cache.enabled, cache.dir, cores=execution.cores)
         return XlaBackend(cache.enabled, cache.dir, device_index=device_index)
+    if name == "jax":
+        from tpugen.backends.jax import JaxBackend
+
+        return JaxBackend(cache)
     spec = compile_spec(
         name,
         torch_compile=compile_config.torch_compile,

@@ -644,11 +644,12 @@ class RayConfig(_Section):
 
 
 class ExecutionConfig(_Section):
-    backend: Literal["xla", "cpu", "cuda", "torch_tpu"] = Field(
+    backend: Literal["xla", "jax", "cpu", "cuda", "torch_tpu"] = Field(
         default="xla",
         description=(
-            "xla (torch_xla), cpu (eager PyTorch, the reference), cuda (eager on an NVIDIA GPU) or torch_tpu "
-            "(TorchTPU)."
+            "xla (torch_xla), jax (diffusers' modules as JAX functions through torchax, the whole denoising loop "
+            "as one compiled call, compiles read back by later processes), cpu (eager PyTorch, the reference), "
+            "cuda (eager on an NVIDIA GPU) or torch_tpu (TorchTPU)."
         ),
     )
     mode: Literal["single", "multi", "ray"] = Field(

@@ -89,6 +89,8 @@ class LoadedPipeline:
         self._clock: StepClock | None = None  # the running call's
         self.step_timing: StepTiming | None = None  # the last call's host and device time per denoising step
         self.step_cache = None  # compile.step_cache once use_step_cache installed it
+        # Why the last batch's loop ran a step at a time on a backend that runs whole loops (None: it ran whole).
+        self.step_by_step: str | None = None
         # tpugen decodes the latents itself, so decoding and the conversion to pixels are one graph. A
         # safety checker or a watermark runs on the host, so pipelines with one keep their own path.
         host_steps = getattr(pipe, "safety_checker", None) is not None or getattr(pipe, "watermark", None) is not None
@@ -418,8 +420,59 @@ class LoadedPipeline:
         return {key: value for key, value in arguments.items() if key in accepted}
 
     def _decode(self, latents, height: int, width: int):
-        """Latents to pixels in [0, 1], as each family's pipeline would, as one graph."""
+        """Latents to pixels in [0, 1], as each family's pipeline would, as one graph (a backend with a decoder of
+        its own runs the family's decode there)."""
+        decode = getattr(self.backend, "decode", None)
+        if decode is not None:
+            return decode(self.family, self.pipe, latents, height, width)
         return self.family.decode(self.pipe, latents, height, width, self.backend.device_for("vae"))
+
+    def _step_by_step(self, pipe, arguments: dict):
+        """diffusers' own loop, its denoiser called a step at a time."""
+        output = pipe(**arguments).images
+        self._clock.loop_ended()
+        self._mark("later denoising steps")
+        return output
+
+    def _denoise(self, pipe, arguments: dict, batch: Batch):
+        """The pipeline's call up to its final latents: diffusers' own loop, a step at a time; or, on a backend
+        that runs whole loops, the pipeline stopped at its first denoiser call and the rest of the loop handed to
+        the device as one call (tpugen.engine.whole_loop)."""
+        if not getattr(self.backend, "whole_loop", False):
+            return self._step_by_step(pipe, arguments)
+        import time
+
+        from tpugen.engine.whole_loop import FirstCall, NoWholeLoop, loop_work, no_whole_loop, stopped_at_first_call
+
+        self.step_by_step = no_whole_loop(self.family, batch)
+        if self.step_by_step is not None:
+            return self._step_by_step(pipe, arguments)
+        try:
+            with stopped_at_first_call(pipe, getattr(self.pipe, self.family.denoiser)):
+                pipe(**arguments)
+            raise RunError(f"{type(pipe).__name__} returned without calling its {self.family.denoiser}")
+        except FirstCall as call:
+            first = call
+        try:
+            work = loop_work(self.family, first, batch.shape.task, self.backend.noise_bucket)
+        except NoWholeLoop as exc:
+            self.step_by_step = str(exc)
+            # The pipeline encodes its prompts again, then runs its own loop: its phases are counted from the start.
+            self._loop_started = False
+            if self._census is not None:
+                self._census = self._census[:1]
+            return self._step_by_step(pipe, arguments)
+        self.step_by_step = None
+        self.running = self.family.denoiser
+        start = time.perf_counter()
+        latents = self.backend.run_loop(work)
+        handed_off = time.perf_counter()
+        self.backend.wait()
+        self._clock.whole_loop(batch.steps, handed_off - start, time.perf_counter() - handed_off)
+        self._mark("denoising loop")
+        if self.on_step is not None:
+            self.on_step(self._steps_before + batch.steps)
+        return latents
 
     def _hires_pass(self, batch: Batch, latents) -> tuple:
         """Hires fix's second pass on the first pass's `latents`: scaled up (latent: bilinearly, on the device;
@@ -493,9 +546,7 @@ class LoadedPipeline:
                 prepare_call(pipe, self.family, self.step_cache, batch.steps, task=batch.shape.task)
             height, width = batch.shape.height, batch.shape.width
             with torch.no_grad(), self._padding(batch):  # inference_mode tensors break torch_xla (version counters)
-                output = pipe(**arguments).images
-                self._clock.loop_ended()
-                self._mark("later denoising steps")
+                output = self._denoise(pipe, arguments, batch)
                 ready = False  # pixels already: a hires fix's upscale alone (denoising strength 0)
                 if batch.hires is not None:
                     output, height, width, ready = self._hires_pass(batch, output)

@@ -70,6 +70,15 @@ class StepClock:
             self._device += min(end - self._loop_started_at, wall)
         self._loop_started_at, self._last = None, None
 
+    def whole_loop(self, steps: int, handed_off: float, finished: float) -> None:
+        """A loop handed to the device as one call (a backend that runs whole loops): the host's share of each step
+        is the hand-off's seconds over the steps; the device's, the seconds from the hand-off to the loop's end."""
+        if steps <= 0:
+            return
+        self._host.extend([handed_off / steps] * steps)
+        self._device += finished
+        self._loop_started_at, self._last = None, None
+
     def _execute_seconds(self) -> float | None:
         counters = self._backend.counters()
         return None if counters is None else counters.execute_seconds

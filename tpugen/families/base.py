@@ -82,6 +82,24 @@ SECOND_TEXT_ENCODER = LoraSign(
 THIRD_TEXT_ENCODER = LoraSign("keys for a third text encoder", keys_start("lora_te3_", "text_encoder_3."))
 
 
+@dataclass(frozen=True, kw_only=True)
+class LoopCall:
+    """How a family's pipeline calls its denoiser at every step, for a backend that runs the whole denoising loop
+    as one call (JAX): where the latents and the timestep go (a position or a keyword), the timestep's form (the
+    step's t in the dtype the pipeline gave it, expanded to the model's rows or not, divided by a number or not),
+    whether the scheduler scales the model's input (scale_model_input), whether classifier-free guidance doubles
+    the rows and combines the halves, and how the scheduler noises an init image (an inpainting blend). Checked at
+    every batch against the call the pipeline makes at its first step."""
+
+    sample: int | str = 0
+    timestep: int | str = 1
+    timestep_rows: bool = False
+    timestep_divisor: float = 1.0
+    scales_input: bool = True
+    cfg: bool = True
+    noising: str = "add_noise"
+
+
 class Family:
     """One model family: the pipeline classes it covers and their defaults, its built-ins and known hub models,
     and how tpugen drives its pipelines (the noise they start from, what their call needs, how their latents
@@ -109,6 +127,9 @@ class Family:
     lora_signs: tuple[LoraSign, ...] = (UNET_KEYS,)
 
     denoiser = "unet"  # the pipeline component that runs every denoising step
+    # How the pipeline calls the denoiser at each step, for a whole loop as one call (backend jax); None: its loop
+    # runs a step at a time there.
+    loop_call: LoopCall | None = LoopCall()
     # The denoiser's method compile.trace_once traces: one that takes only tensors and shapes (a family whose
     # forward reads Python numbers from its inputs splits off the part that does not).
     traced_method = "forward"
@@ -386,6 +407,7 @@ class TransformerFamily(Family):
     """A DiT family: a transformer over patches of a flow-matching latent, no scheduler choice."""
 
     denoiser = "transformer"
+    loop_call = None
     clip_tokenizers = ()  # SD3's and Flux.1's CLIP encoders share the prompt with a T5 one: plain text for all
     flow_matching = True
     size = 1024

@@ -8,6 +8,7 @@ from tpugen.families.base import (
     Builtin,
     FlashRoute,
     KnownModel,
+    LoopCall,
     LoraSign,
     TransformerFamily,
     keys_contain,
@@ -71,6 +72,16 @@ class Flux(TransformerFamily):
     name = "flux"
     title = "Flux.1 (schnell, dev)"
     pipeline_classes = ("FluxPipeline",)
+    # The timestep in the latents' dtype, one per row, over 1000; no CFG batch (a guidance embedding instead).
+    loop_call = LoopCall(
+        sample="hidden_states",
+        timestep="timestep",
+        timestep_rows=True,
+        timestep_divisor=1000.0,
+        scales_input=False,
+        cfg=False,
+        noising="scale_noise",
+    )
     steps = 4
     # Flux.1 has no classifier-free guidance: schnell ignores guidance_scale, dev embeds it as a number.
     guidance_scale = 0.0

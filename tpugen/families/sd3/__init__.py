@@ -9,6 +9,7 @@ from tpugen.families.base import (
     Builtin,
     FlashRoute,
     KnownModel,
+    LoopCall,
     TransformerFamily,
 )
 from tpugen.families.components import CLIP_G, CLIP_L, T5_XXL, VAE_16
@@ -43,6 +44,10 @@ class StableDiffusion3(TransformerFamily):
     name = "sd3"
     title = "Stable Diffusion 3 / 3.5"
     pipeline_classes = ("StableDiffusion3Pipeline",)
+    # The transformer takes the latents and the timestep by keyword, the timestep expanded to its rows as they are.
+    loop_call = LoopCall(
+        sample="hidden_states", timestep="timestep", timestep_rows=True, scales_input=False, noising="scale_noise"
+    )
     step_cache_refusal = "diffusers 0.42 has no step cache for it: SD3Transformer2DModel has no enable_cache"
     steps = 28
     guidance_scale = 7.0

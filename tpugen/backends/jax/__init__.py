@@ -1,0 +1,176 @@
+"""JAX through torchax: diffusers' own modules run as JAX functions of their weights on `jax.devices()[0]` (a
+TPU on a TPU VM, the CPU here), the whole denoising loop as one compiled call, and JAX's persistent compile cache,
+which a later process reads back (on a TPU too, where torch_xla 2.9 cannot)."""
+
+from __future__ import annotations
+
+from tpugen.backends.base import Counters, FlashAttention, OneDeviceBackend
+from tpugen.backends.jax.runtime import process_runtime
+
+PALLAS_NEXT = "the JAX backend's Pallas attention is not built yet (plain attention runs)"
+
+
+def jax_cache_dir(cache) -> str | None:
+    """Where JAX keeps its compiled programs: cache.dir, else tpugen's cache; None with cache.enabled: false.
+    `auto` is on: JAX reads its cache back on a TPU and on the CPU alike."""
+    if cache is None or cache.enabled is False:
+        return None
+    from tpugen.settings import cache_root
+
+    return cache.dir or str(cache_root() / "jax")
+
+
+class JaxBackend(OneDeviceBackend):
+    """The pipeline's modules as JAX functions on one device; its Python glue (tokenizing, the schedulers'
+    set-up, image preprocessing) on the host, as diffusers wrote it."""
+
+    name = "jax"
+    whole_loop = True  # the engine hands this backend whole denoising loops (run_loop)
+
+    def __init__(self, cache=None) -> None:
+        import torch
+
+        self.runtime = process_runtime()
+        directory = jax_cache_dir(cache)
+        self.runtime.use_cache(directory)
+        self.cache = {
+            "enabled": directory is not None,
+            "dir": directory,
+            "note": "JAX's persistent compilation cache: read back by every later process"
+            if directory
+            else "off (cache.enabled: false)",
+        }
+        self.device = torch.device("cpu")  # where the pipeline's own (glue) tensors live
+        self.modules: dict = {}  # component -> JaxModule
+        self._loops = None
+        self._decoders: dict = {}
+        self._pending = None  # the last array handed to the device, for wait()
+        self.flash_attention = None
+
+    # ---------------------------------------------------------------- loading
+
+    def prepare_on_host(self, pipe, family, compile_config) -> None:
+        """Nothing: the weights go to the device as they are."""
+
+    def place(self, pipe, *, offload: bool, family) -> None:
+        """Every module of the pipeline as a JaxModule: its weights on the device, read once from the host copy."""
+        from torch import nn
+
+        from tpugen.backends.jax.loop import LoopPrograms
+        from tpugen.backends.jax.modules import JaxModule
+
+        for name, component in pipe.components.items():
+            if isinstance(component, nn.Module):
+                self.placing = name
+                self.modules[name] = JaxModule(self.runtime, component, name)
+        self.placing = None
+        # The whole loop calls the denoiser as the pipeline does (its forward), which is the call it was read off.
+        self._loops = LoopPrograms(self.runtime, self.modules[family.denoiser], "forward")
+        self._family, self._pipe = family, pipe
+
+    def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
+        """The modules' calls from diffusers' glue go to JAX: the text encoders' forward, the denoiser's (for a
+        loop that runs a step at a time), and the VAE's encoder (img2img and inpainting), each a named hook."""
+        self.flash_attention = FlashAttention(compile_config.flash_attention, (), PALLAS_NEXT)
+        for name, jax_module in self.modules.items():
+            if name == family.denoiser:
+                method = family.traced_method
+            elif name == "vae":
+                method = "_encode"
+            else:
+                method = "forward"
+            if callable(getattr(jax_module.module, method, None)):
+                jax_module.patch(method, hooks)
+
+    # ---------------------------------------------------------------- running
+
+    def run_loop(self, work):
+        """The whole loop of `work` (tpugen.engine.whole_loop.LoopWork) started on the device; returns its final
+        latents, still there."""
+        self._pending = self._loops.run(work)
+        return self._pending
+
+    @staticmethod
+    def noise_bucket(calls: int) -> int:
+        from tpugen.backends.jax.loop import noise_bucket
+
+        return noise_bucket(calls)
+
+    def decode(self, family, pipe, latents, height: int, width: int):
+        """Latents (a device array, or host torch) decoded by the family's own code as one JAX program, the
+        pixels in [0, 1] read back to the host (torch)."""
+        import torch
+
+        from tpugen.backends.jax.modules import to_jax, to_torch
+
+        vae = self.modules["vae"]
+        key = (tuple(latents.shape), str(latents.dtype), height, width)
+        if key not in self._decoders:
+            jax, env = self.runtime.jax, self.runtime.env
+
+            def decode(weights, latents):
+                with env:
+                    image = vae.traced(
+                        weights,
+                        lambda z: family.decode(pipe, z, height, width, torch.device("jax")),
+                        env.j2t_iso(latents),
+                    )
+                return env.t2j_iso(image)
+
+            decode.__name__ = f"{family.name}_decode"
+            self._decoders[key] = jax.jit(decode)
+        if isinstance(latents, torch.Tensor):
+            latents = to_jax(latents)
+        pixels = self._decoders[key](vae.weights, latents)
+        self.runtime.executed()
+        (host,) = to_torch([pixels])
+        self.runtime.read()
+        return host
+
+    def put_weight(self, component: str, name: str, live, host):
+        """A weight a LoRA changes: new device data for the JAX copy (a transfer), and the host value for the
+        module's own (the host copy diffusers' loaders read)."""
+        self.modules[component].put(name, host)
+        return host
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.block_until_ready()
+            self._pending = None
+
+    def counters(self) -> Counters:
+        tally = self.runtime.reading()
+        return Counters(
+            compiles=tally.executables - tally.cache_hits,
+            compile_seconds=tally.compile_seconds,
+            executions=tally.executions,
+            transfers_to_host=tally.reads,
+            persistent_cache_hits=tally.cache_hits,
+            persistent_cache_misses=tally.cache_writes,
+            graph_lookups=tally.executables,
+        )
+
+    def memory(self) -> dict | None:
+        stats = self.runtime.jax.devices()[0].memory_stats()
+        if not stats:
+            return None
+        return {"bytes_in_use": stats.get("bytes_in_use"), "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+
+    def describe(self) -> dict:
+        jax = self.runtime.jax
+        return {
+            "backend": self.name,
+            "device": str(jax.devices()[0]),
+            "device_kind": self.runtime.device_kind(),
+            "world_size": 1,
+            "jax": jax.__version__,
+            "torchax": getattr(self.runtime.torchax, "__version__", None),
+            "compile_cache": self.cache,
+            "weights_on_device_bytes": sum(m.bytes for m in self.modules.values()),
+        }
+
+    def bind_thread(self) -> None:
+        """JAX needs nothing per thread."""
+
+    def sync(self) -> None:
+        """Nothing to cut: JAX runs what it is handed."""

@@ -1,0 +1,135 @@
+"""The whole denoising loop as one compiled call: the denoiser's steps in a `lax.fori_loop`, each update the
+schedule's linear combination (tpugen.engine.linear_schedule), the step count a number handed in, so any steps of
+any linear sampler run the same program."""
+
+from __future__ import annotations
+
+import threading
+
+# Calls one loop program holds: MAX_STEPS (1000) steps of a sampler that calls the model twice a step (Heun).
+CAPACITY = 2048
+WINDOW = 4  # the latents and model outputs an update may read (the schedule's windows are at most this)
+
+
+def noise_bucket(calls: int) -> int:
+    """How many calls of noise an ancestral sampler's program takes: the next power of two from 16, so most
+    step counts share a program (the noise is drawn on the host, per call and image, as diffusers draws it)."""
+    bucket = 16
+    while bucket < calls:
+        bucket *= 2
+    return bucket
+
+
+class LoopPrograms:
+    """The loop programs of one denoiser, one per body, input layout and noise bucket (JAX adds one per shape)."""
+
+    def __init__(self, runtime, denoiser, method: str) -> None:
+        self.runtime = runtime
+        self.denoiser = denoiser  # tpugen.backends.jax.modules.JaxModule
+        self.method = method
+        self._programs: dict = {}
+        self._lock = threading.Lock()
+
+    def run(self, work):
+        """Start `work` (tpugen.engine.whole_loop.LoopWork) on the device: returns the final latents as a device
+        array, at once (JAX runs it asynchronously)."""
+        import numpy as np
+        import torch
+        from torch.utils import _pytree as pytree
+
+        from tpugen.backends.jax.modules import _hashable, to_jax
+
+        schedule = work.schedule
+        if schedule.calls > CAPACITY:
+            raise ValueError(f"a loop of {schedule.calls} calls is longer than the {CAPACITY} a program holds")
+        draws = work.noise.shape[1] if work.noise is not None else 0
+        if schedule.sample_window > WINDOW or schedule.output_window > WINDOW or schedule.noise_draws > draws:
+            raise ValueError("the schedule reads further back, or draws more noise, than a loop program holds")
+        leaves, spec = pytree.tree_flatten(work.inputs)
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        fixed = tuple(None if i in positions else leaf for i, leaf in enumerate(leaves))
+        numbers = sorted(work.per_call)
+        key = (work.body.key, spec, _hashable(fixed), tuple(numbers), draws)
+        with self._lock:
+            if key not in self._programs:
+                self._programs[key] = self._program(work.body, spec, fixed, positions, numbers, draws)
+        program = self._programs[key]
+
+        table = np.zeros((CAPACITY, 2 + 2 * WINDOW + draws + len(numbers)), dtype=np.float32)
+        for j in range(schedule.calls):
+            row = [schedule.timesteps[j], schedule.input_scales[j]]
+            row += _padded(schedule.sample_coefficients[j], WINDOW)
+            row += _padded(schedule.output_coefficients[j], WINDOW)
+            row += _padded(schedule.noise_coefficients[j], draws)
+            row += [work.per_call[name][j] for name in numbers]
+            table[j] = row
+        arrays = [to_jax(leaves[i]) for i in positions]
+        noise = to_jax(work.noise) if draws else None
+        calls = np.int32(schedule.calls)
+        latents = program(
+            self.denoiser.weights,
+            to_jax(work.latents),
+            arrays,
+            table,
+            noise,
+            calls,
+            np.float32(work.guidance),
+        )
+        self.runtime.executed()
+        return latents
+
+    def _program(self, body, spec, fixed: tuple, positions: list[int], numbers: list[str], draws: int):
+        jax = self.runtime.jax
+        jnp = jax.numpy
+        env = self.runtime.env
+        denoiser, method = self.denoiser, self.method
+        extra = 2 + 2 * WINDOW + draws
+
+        def program(weights, latents, arrays, table, noise, calls, guidance):
+            from torch.utils import _pytree as pytree
+
+            leaves = list(fixed)
+            for i, array in zip(positions, arrays, strict=True):
+                leaves[i] = env.j2t_iso(array)
+            inputs = pytree.tree_unflatten(leaves, spec)
+
+            def denoise(*args, **kwargs):
+                return denoiser.traced(weights, method, *args, **kwargs)
+
+            def step(j, state):
+                samples, outputs = state
+                row = table[j]
+                x = samples[0]
+                with env:
+                    out = body.model_output(
+                        denoise, env.j2t_iso(x), env.j2t_iso(row[0]), env.j2t_iso(row[1]), env.j2t_iso(guidance), inputs
+                    )
+                m = env.t2j_iso(out).astype(jnp.float32)
+                new = jnp.zeros(x.shape, jnp.float32)
+                for a in range(WINDOW):
+                    new = new + row[2 + a] * samples[a].astype(jnp.float32)
+                new = new + row[2 + WINDOW] * m
+                for b in range(1, WINDOW):
+                    new = new + row[2 + WINDOW + b] * outputs[b - 1]
+                for d in range(draws):
+                    new = new + row[2 + 2 * WINDOW + d] * noise[j, d].astype(jnp.float32)
+                new = new.astype(x.dtype)
+                if numbers:
+                    per_call = {name: row[extra + n] for n, name in enumerate(numbers)}
+                    with env:
+                        new = env.t2j_iso(body.after_update(env.j2t_iso(new), env.j2t_iso(per_call), inputs))
+                samples = jnp.concatenate([new[None], samples[:-1]])
+                outputs = jnp.concatenate([m[None], outputs[:-1]])
+                return samples, outputs
+
+            samples = jnp.zeros((WINDOW, *latents.shape), latents.dtype).at[0].set(latents)
+            outputs = jnp.zeros((WINDOW - 1, *latents.shape), jnp.float32)
+            samples, _ = jax.lax.fori_loop(0, calls, step, (samples, outputs))
+            return samples[0]
+
+        program.__name__ = f"{body.key[0]}_loop".replace(" ", "_")
+        return jax.jit(program)
+
+
+def _padded(values, width: int) -> list[float]:
+    return list(values) + [0.0] * (width - len(values))

@@ -1,0 +1,297 @@
+"""A batch's whole denoising loop as one call, on a backend that runs loops (JAX).
+
+diffusers' pipeline runs as written up to its loop: prompts encoded (the text encoders on the device), latents
+and timesteps set up, an init image encoded and noised. At the denoiser's first call the pipeline is stopped, and
+what it was about to do is read off that call and the pipeline's own variables: the latents, the timesteps, the
+scheduler as it stands, the text embeddings and every other argument the denoiser takes. The family says how its
+pipeline calls the denoiser at each step (Family.loop_call); that is checked against the call seen. The
+scheduler's steps become a linear recurrence (tpugen.engine.linear_schedule), and the backend runs all of it,
+every step, as one compiled call. Where any of that cannot hold, the pipeline runs again step by step with the
+denoiser on the device, and the reason is said once.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpugen.engine.linear_schedule import DRAW_SLOTS, LinearSchedule, NotLinear, derive, noise_like
+
+NOISING = ("add_noise", "scale_noise")  # how a scheduler noises an image: DDPM-style, or flow matching's
+
+
+class FirstCall(Exception):
+    """The pipeline reached its denoiser: the call's arguments and the pipeline's own variables at that point."""
+
+    def __init__(self, args: tuple, kwargs: dict, variables: dict) -> None:
+        super().__init__("the denoising loop was reached")
+        self.args, self.kwargs, self.variables = args, kwargs, variables
+
+
+@contextmanager
+def stopped_at_first_call(pipe, denoiser):
+    """Calling `pipe` raises FirstCall where it first calls `denoiser`."""
+
+    def hook(module, args, kwargs):
+        raise FirstCall(args, kwargs, _pipeline_variables(pipe))
+
+    handle = denoiser.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _pipeline_variables(pipe) -> dict:
+    """The local variables of `pipe.__call__` as it calls its denoiser (the frame whose `self` is the pipeline)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__call__" and frame.f_locals.get("self") is pipe:
+            return dict(frame.f_locals)
+        frame = frame.f_back
+    return {}
+
+
+@dataclass(frozen=True)
+class DenoiserLoop:
+    """One step's model call as the pipeline makes it (the family's LoopCall, read against the call seen), in
+    torch code the backend traces: the latents doubled for CFG and scaled as the scheduler scales them, what the
+    pipeline joins to them (an inpainting model's mask and masked image), the timestep in the form the denoiser
+    takes, the CFG halves combined; and, for a model that inpaints by blending, the blend after each update."""
+
+    sample: int | str
+    timestep: int | str
+    timestep_rows: bool
+    timestep_divisor: float
+    scales_input: bool
+    cfg: bool
+    appendix_dim: int | None
+    blends: bool
+
+    @property
+    def key(self) -> tuple:
+        return ("denoiser", *(getattr(self, name) for name in self.__dataclass_fields__))
+
+    def model_output(self, denoise, x, t, scale, guidance, inputs: dict):
+        import torch
+
+        rows = torch.cat([x, x]) if self.cfg else x
+        if self.scales_input:
+            rows = rows * scale.to(rows.dtype)
+        if self.appendix_dim is not None:
+            rows = torch.cat([rows, inputs["appendix"]], dim=self.appendix_dim)
+        timestep = self.timestep_of(t, rows.shape[0], inputs["timestep_dtype"])
+        args, kwargs = list(inputs["args"]), dict(inputs["kwargs"])
+        _put(args, kwargs, self.sample, rows)
+        _put(args, kwargs, self.timestep, timestep)
+        out = denoise(*args, **kwargs)
+        out = out[0] if isinstance(out, (tuple, list)) else out.sample
+        if self.cfg:
+            uncond, text = out.chunk(2)
+            out = uncond + guidance.to(out.dtype) * (text - uncond)
+        return out
+
+    def timestep_of(self, t, rows: int, dtype):
+        """The denoiser's timestep argument at timestep `t`, as the pipeline forms it."""
+        t = t.to(dtype)
+        if self.timestep_rows:
+            t = t.expand(rows)
+        return t / self.timestep_divisor if self.timestep_divisor != 1.0 else t
+
+    def after_update(self, x, per_call: dict, inputs: dict):
+        """An inpainting pipeline's blend: outside the mask, the init image noised to the next step's level."""
+        image = inputs["image_latents"]
+        proper = per_call["image_level"].to(image.dtype) * image + per_call["noise_level"].to(image.dtype) * inputs[
+            "noise"
+        ].to(image.dtype)
+        mask = inputs["mask"]
+        return (1 - mask) * proper + mask * x
+
+
+def _put(args: list, kwargs: dict, where: int | str, value) -> None:
+    if isinstance(where, int):
+        args[where] = value
+    else:
+        kwargs[where] = value
+
+
+def _take(args: tuple, kwargs: dict, where: int | str):
+    if isinstance(where, int):
+        return args[where] if where < len(args) else None
+    return kwargs.get(where)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopWork:
+    """Everything a backend needs to run one batch's loop: the starting latents, the schedule, the noise an
+    ancestral sampler adds (drawn on the host from each image's generator, as diffusers draws it), the body and its
+    inputs (host tensors and plain values), numbers the body reads per call beyond the schedule's, guidance."""
+
+    latents: Any
+    schedule: LinearSchedule
+    noise: Any | None
+    body: DenoiserLoop
+    inputs: dict
+    per_call: dict = field(default_factory=dict)
+    guidance: float = 1.0
+
+
+class NoWholeLoop(Exception):
+    """Why this batch's loop runs step by step (one line)."""
+
+
+def no_whole_loop(family, batch) -> str | None:
+    """Why a batch's loop cannot be one call, known before the pipeline runs (None: it may be, once its first
+    call is seen)."""
+    if family.loop_call is None:
+        return f"tpugen has no whole loop for {family.title} yet"
+    return None
+
+
+def loop_work(family, call: FirstCall, task: str, buckets) -> LoopWork:
+    """The batch's LoopWork from what the pipeline showed at its denoiser's first call. `buckets(calls)`: how many
+    calls of noise the backend's program takes. Raises NoWholeLoop naming why it cannot be one call."""
+    import torch
+
+    spec = family.loop_call
+    variables = call.variables
+    pipe = variables.get("self")
+    latents, timesteps = variables.get("latents"), variables.get("timesteps")
+    if pipe is None or not isinstance(latents, torch.Tensor) or timesteps is None:
+        raise NoWholeLoop("the pipeline's loop did not show its latents and timesteps")
+    if getattr(pipe, "guidance_rescale", 0.0):
+        raise NoWholeLoop("guidance_rescale is not built into the whole loop")
+    cfg = bool(getattr(pipe, "do_classifier_free_guidance", False)) and spec.cfg
+    guidance = float(getattr(pipe, "guidance_scale", 1.0) or 1.0)
+    sample = _take(call.args, call.kwargs, spec.sample)
+    timestep = _take(call.args, call.kwargs, spec.timestep)
+    if not isinstance(sample, torch.Tensor) or not isinstance(timestep, torch.Tensor):
+        raise NoWholeLoop(f"{family.title}'s denoiser was not called as tpugen's loop for it expects")
+    blends = (
+        task == "inpaint"
+        and sample.shape[1 if spec.sample == 0 else -1] == latents.shape[1 if spec.sample == 0 else -1]
+    )
+    noising = spec.noising if blends else None
+    schedule = schedule_of(pipe.scheduler, timesteps, noising)
+    rows = torch.cat([latents, latents]) if cfg else latents
+    appendix_dim, appendix = _appendix(sample, rows)
+    body = DenoiserLoop(
+        sample=spec.sample,
+        timestep=spec.timestep,
+        timestep_rows=spec.timestep_rows,
+        timestep_divisor=spec.timestep_divisor,
+        scales_input=spec.scales_input,
+        cfg=cfg,
+        appendix_dim=appendix_dim,
+        blends=blends,
+    )
+    _check_first_call(body, sample, timestep, rows, schedule, appendix_dim)
+    args = tuple(None if i == spec.sample or i == spec.timestep else a for i, a in enumerate(call.args))
+    kwargs = {k: v for k, v in call.kwargs.items() if k not in (spec.sample, spec.timestep)}
+    inputs = {"args": args, "kwargs": kwargs, "timestep_dtype": timestep.dtype, "appendix": appendix}
+    per_call = {}
+    if blends:
+        mask = variables.get("mask")
+        if cfg and isinstance(mask, torch.Tensor) and mask.shape[0] == 2 * latents.shape[0]:
+            mask = mask.chunk(2)[0]
+        image_latents, noise = variables.get("image_latents"), variables.get("noise")
+        if not all(isinstance(v, torch.Tensor) for v in (mask, image_latents, noise)):
+            raise NoWholeLoop("the inpainting pipeline's loop did not show its mask, image latents and noise")
+        inputs.update(mask=mask, image_latents=image_latents, noise=noise)
+        per_call = {"image_level": schedule.image_levels, "noise_level": schedule.noise_levels}
+    noise = _drawn_noise(schedule, variables.get("generator"), latents, buckets)
+    return LoopWork(
+        latents=latents,
+        schedule=schedule,
+        noise=noise,
+        body=body,
+        inputs=inputs,
+        per_call=per_call,
+        guidance=guidance,
+    )
+
+
+def _appendix(sample, rows) -> tuple[int | None, Any]:
+    """What the pipeline joins to the latents before its denoiser (a 9-channel inpainting UNet's mask and
+    masked image): the dimension and the joined part, or (None, None)."""
+    if tuple(sample.shape) == tuple(rows.shape):
+        return None, None
+    for dim in range(sample.ndim):
+        others = [d for d in range(sample.ndim) if d != dim]
+        if sample.shape[dim] > rows.shape[dim] and all(sample.shape[d] == rows.shape[d] for d in others):
+            return dim, sample.narrow(dim, rows.shape[dim], sample.shape[dim] - rows.shape[dim]).clone()
+    raise NoWholeLoop(f"the denoiser was given {tuple(sample.shape)} for latents of {tuple(rows.shape)}")
+
+
+def _check_first_call(body: DenoiserLoop, sample, timestep, rows, schedule: LinearSchedule, appendix_dim) -> None:
+    """The family's loop, at step 0, gives the denoiser what the pipeline gave it: else a NoWholeLoop (a family
+    whose LoopCall disagrees with its pipeline never runs a wrong loop)."""
+    import torch
+
+    expected = rows.double() * schedule.input_scales[0] if body.scales_input else rows.double()
+    seen = sample if appendix_dim is None else sample.narrow(appendix_dim, 0, rows.shape[appendix_dim])
+    scale = max(1.0, float(expected.abs().max()))
+    if seen.shape != expected.shape or float((seen.double() - expected).abs().max()) > 1e-4 * scale:
+        raise NoWholeLoop("the pipeline's first model input is not the latents as tpugen's loop forms it")
+    t = torch.tensor(schedule.timesteps[0], dtype=torch.float32)
+    formed = body.timestep_of(t, sample.shape[0] if body.timestep_rows else 1, timestep.dtype)
+    if formed.shape != timestep.shape or not torch.allclose(formed.double(), timestep.double(), rtol=1e-5, atol=1e-6):
+        raise NoWholeLoop("the pipeline's first timestep is not the one tpugen's loop forms")
+
+
+def _drawn_noise(schedule: LinearSchedule, generators, latents, buckets):
+    """The noise an ancestral sampler draws at every call, drawn now from each image's generator in diffusers'
+    order (None for a sampler that draws none)."""
+    import torch
+
+    if not any(schedule.draws):
+        return None
+    if not isinstance(generators, list):
+        generators = [generators]
+    noise = torch.zeros((buckets(schedule.calls), DRAW_SLOTS, *latents.shape), dtype=latents.dtype)
+    for j, count in enumerate(schedule.draws):
+        for d in range(count):
+            noise[j, d] = noise_like(latents.shape, generators, latents.dtype)
+    return noise
+
+
+_SCHEDULES: OrderedDict = OrderedDict()
+_KEPT = 64
+
+
+def schedule_of(scheduler, timesteps, noising: str | None = None) -> LinearSchedule:
+    """derive, remembered for the schedulers and step counts seen lately (a NotLinear as a NoWholeLoop)."""
+    values = tuple(float(t) for t in timesteps)
+    sigmas = getattr(scheduler, "sigmas", None)
+    key = (
+        type(scheduler).__name__,
+        json.dumps(dict(scheduler.config), sort_keys=True, default=str),
+        values,
+        tuple(float(s) for s in sigmas) if sigmas is not None else None,
+        getattr(scheduler, "begin_index", None),
+        noising,
+    )
+    if key not in _SCHEDULES:
+        try:
+            _SCHEDULES[key] = derive(_own_methods(scheduler), list(timesteps), noising=noising)
+        except NotLinear as exc:
+            raise NoWholeLoop(f"the {type(scheduler).__name__} sampler: {exc}") from None
+        while len(_SCHEDULES) > _KEPT:
+            _SCHEDULES.popitem(last=False)
+    _SCHEDULES.move_to_end(key)
+    return _SCHEDULES[key]
+
+
+def _own_methods(scheduler):
+    """A copy of the scheduler without the methods tpugen wrapped on the instance (hooks for XLA that close over
+    the live scheduler): the copy runs its class's own code on its own state."""
+    twin = copy.deepcopy(scheduler)
+    for name in list(vars(twin)):
+        if callable(vars(twin)[name]) and callable(getattr(type(twin), name, None)):
+            del vars(twin)[name]
+    return twin
