@@ -424,7 +424,8 @@ class LoadedPipeline:
         its own runs the family's decode there)."""
         decode = getattr(self.backend, "decode", None)
         if decode is not None:
-            return decode(self.family, self.pipe, latents, height, width)
+            method = "decode_loop_latents" if self.step_by_step is None else "decode"
+            return decode(self.family, self.pipe, latents, height, width, method)
         return self.family.decode(self.pipe, latents, height, width, self.backend.device_for("vae"))
 
     def _step_by_step(self, pipe, arguments: dict):

@@ -60,18 +60,22 @@ def _pipeline_variables(pipe) -> dict:
 @dataclass(frozen=True)
 class DenoiserLoop:
     """One step's model call as the pipeline makes it (the family's LoopCall, read against the call seen), in
-    torch code the backend traces: the latents doubled for CFG and scaled as the scheduler scales them, what the
-    pipeline joins to them (an inpainting model's mask and masked image), the timestep in the form the denoiser
-    takes, the CFG halves combined; and, for a model that inpaints by blending, the blend after each update."""
+    torch code the backend traces: the latents doubled for CFG and scaled as the scheduler scales them, cast as
+    the pipeline casts them, what the pipeline joins to them (an inpainting model's mask and masked image), the
+    timestep in the form the denoiser takes, CFG's second half or second call combined with the first; and, for a
+    model that inpaints by blending, the blend after each update."""
 
     sample: int | str
     timestep: int | str
     timestep_rows: bool
     timestep_divisor: float
     scales_input: bool
-    cfg: bool
+    cfg: str  # "batch", "calls" or "none": how this batch runs CFG (none where the pipeline does not)
+    cfg_by_call: tuple[str, ...]  # the arguments CFG's second call takes from inputs["negative"]
+    cfg_rescale: str | None
     appendix_dim: int | None
     blends: bool
+    method: str = "forward"  # the denoiser's method each step calls
 
     @property
     def key(self) -> tuple:
@@ -80,20 +84,35 @@ class DenoiserLoop:
     def model_output(self, denoise, x, t, scale, guidance, inputs: dict):
         import torch
 
-        rows = torch.cat([x, x]) if self.cfg else x
+        rows = torch.cat([x, x]) if self.cfg == "batch" else x
         if self.scales_input:
             rows = rows * scale.to(rows.dtype)
+        rows = rows.to(inputs["sample_dtype"])
         if self.appendix_dim is not None:
             rows = torch.cat([rows, inputs["appendix"]], dim=self.appendix_dim)
         timestep = self.timestep_of(t, rows.shape[0], inputs["timestep_dtype"])
         args, kwargs = list(inputs["args"]), dict(inputs["kwargs"])
         _put(args, kwargs, self.sample, rows)
         _put(args, kwargs, self.timestep, timestep)
-        out = denoise(*args, **kwargs)
+        out = self._trimmed(denoise(*args, **kwargs), x)
+        if self.cfg == "batch":
+            uncond, out = out.chunk(2)
+        elif self.cfg == "calls":
+            uncond = self._trimmed(denoise(*args, **{**kwargs, **inputs["negative"]}), x)
+        else:
+            return out
+        combined = uncond + guidance.to(out.dtype) * (out - uncond)
+        if self.cfg_rescale == "norm":
+            combined = combined * (torch.norm(out, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+        return combined
+
+    def _trimmed(self, out, x):
+        """The denoiser's prediction for the latents alone (a model given more tokens than the latents, its
+        references', answers for them too)."""
         out = out[0] if isinstance(out, (tuple, list)) else out.sample
-        if self.cfg:
-            uncond, text = out.chunk(2)
-            out = uncond + guidance.to(out.dtype) * (text - uncond)
+        dim = self.appendix_dim
+        if dim is not None and dim != 0 and out.shape[dim] > x.shape[dim]:
+            out = out.narrow(dim, 0, x.shape[dim])
         return out
 
     def timestep_of(self, t, rows: int, dtype):
@@ -106,9 +125,8 @@ class DenoiserLoop:
     def after_update(self, x, per_call: dict, inputs: dict):
         """An inpainting pipeline's blend: outside the mask, the init image noised to the next step's level."""
         image = inputs["image_latents"]
-        proper = per_call["image_level"].to(image.dtype) * image + per_call["noise_level"].to(image.dtype) * inputs[
-            "noise"
-        ].to(image.dtype)
+        noise = inputs["noise"].to(image.dtype)
+        proper = per_call["image_level"].to(image.dtype) * image + per_call["noise_level"].to(image.dtype) * noise
         mask = inputs["mask"]
         return (1 - mask) * proper + mask * x
 
@@ -166,20 +184,34 @@ def loop_work(family, call: FirstCall, task: str, buckets) -> LoopWork:
         raise NoWholeLoop("the pipeline's loop did not show its latents and timesteps")
     if getattr(pipe, "guidance_rescale", 0.0):
         raise NoWholeLoop("guidance_rescale is not built into the whole loop")
-    cfg = bool(getattr(pipe, "do_classifier_free_guidance", False)) and spec.cfg
-    guidance = float(getattr(pipe, "guidance_scale", 1.0) or 1.0)
+    cfg = spec.cfg if spec.cfg != "none" and bool(_variable(variables, pipe, spec.cfg_flag, False)) else "none"
+    guidance = float(_variable(variables, pipe, spec.cfg_scale, 1.0) or 1.0)
+    try:
+        custom = family.loop_body(getattr(pipe, family.denoiser), call.args, call.kwargs, variables)
+    except ValueError as exc:
+        raise NoWholeLoop(str(exc)) from None
+    if custom is not None:
+        if task == "inpaint":
+            raise NoWholeLoop(f"{family.title}'s inpainting is not built into the whole loop")
+        body, inputs = custom
+        schedule = schedule_of(pipe.scheduler, timesteps)
+        noise = _drawn_noise(schedule, variables.get("generator"), latents, buckets)
+        return LoopWork(latents=latents, schedule=schedule, noise=noise, body=body, inputs=inputs, guidance=guidance)
     sample = _take(call.args, call.kwargs, spec.sample)
     timestep = _take(call.args, call.kwargs, spec.timestep)
     if not isinstance(sample, torch.Tensor) or not isinstance(timestep, torch.Tensor):
         raise NoWholeLoop(f"{family.title}'s denoiser was not called as tpugen's loop for it expects")
-    blends = (
-        task == "inpaint"
-        and sample.shape[1 if spec.sample == 0 else -1] == latents.shape[1 if spec.sample == 0 else -1]
-    )
-    noising = spec.noising if blends else None
-    schedule = schedule_of(pipe.scheduler, timesteps, noising)
-    rows = torch.cat([latents, latents]) if cfg else latents
+    channel = 1 if spec.sample == 0 else -1
+    blends = task == "inpaint" and sample.shape[channel] == latents.shape[channel]
+    schedule = schedule_of(pipe.scheduler, timesteps, spec.noising if blends else None)
+    rows = torch.cat([latents, latents]) if cfg == "batch" else latents
     appendix_dim, appendix = _appendix(sample, rows)
+    negative = {}
+    if cfg == "calls":
+        for argument, name in spec.cfg_by_call:
+            negative[argument] = variables.get(name)
+        if any(value is None for value in negative.values()):
+            raise NoWholeLoop(f"the pipeline's loop did not show {', '.join(n for _, n in spec.cfg_by_call)}")
     body = DenoiserLoop(
         sample=spec.sample,
         timestep=spec.timestep,
@@ -187,13 +219,22 @@ def loop_work(family, call: FirstCall, task: str, buckets) -> LoopWork:
         timestep_divisor=spec.timestep_divisor,
         scales_input=spec.scales_input,
         cfg=cfg,
+        cfg_by_call=tuple(negative),
+        cfg_rescale=spec.cfg_rescale if cfg != "none" else None,
         appendix_dim=appendix_dim,
         blends=blends,
     )
     _check_first_call(body, sample, timestep, rows, schedule, appendix_dim)
     args = tuple(None if i == spec.sample or i == spec.timestep else a for i, a in enumerate(call.args))
     kwargs = {k: v for k, v in call.kwargs.items() if k not in (spec.sample, spec.timestep)}
-    inputs = {"args": args, "kwargs": kwargs, "timestep_dtype": timestep.dtype, "appendix": appendix}
+    inputs = {
+        "args": args,
+        "kwargs": kwargs,
+        "negative": negative,
+        "timestep_dtype": timestep.dtype,
+        "sample_dtype": sample.dtype,
+        "appendix": appendix,
+    }
     per_call = {}
     if blends:
         mask = variables.get("mask")
@@ -214,6 +255,13 @@ def loop_work(family, call: FirstCall, task: str, buckets) -> LoopWork:
         per_call=per_call,
         guidance=guidance,
     )
+
+
+def _variable(variables: dict, pipe, name: str, default):
+    """A pipeline's variable of its call (do_true_cfg), else its attribute (do_classifier_free_guidance)."""
+    if name in variables:
+        return variables[name]
+    return getattr(pipe, name, default)
 
 
 def _appendix(sample, rows) -> tuple[int | None, Any]:

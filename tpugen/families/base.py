@@ -96,7 +96,16 @@ class LoopCall:
     timestep_rows: bool = False
     timestep_divisor: float = 1.0
     scales_input: bool = True
-    cfg: bool = True
+    # "batch": CFG doubles the rows and combines the halves (uncond + g (text - uncond)); "calls": a second call
+    # with the arguments of cfg_by_call taken from the pipeline's variables of those names, combined the same way;
+    # "none": no CFG.
+    cfg: str = "batch"
+    cfg_by_call: tuple[tuple[str, str], ...] = ()
+    # Where the pipeline keeps whether CFG runs and its scale: its variables of these names, else its attributes.
+    cfg_flag: str = "do_classifier_free_guidance"
+    cfg_scale: str = "guidance_scale"
+    # "norm": the combined prediction rescaled to the conditional one's norm over the channels (Qwen-Image's).
+    cfg_rescale: str | None = None
     noising: str = "add_noise"
 
 
@@ -361,6 +370,17 @@ class Family:
 
     def decode_upscaled(self, pipe, latents, height: int, width: int, device):
         """Latents as upscale_latents gives them, decoded: a hires fix's upscale alone (denoising strength 0)."""
+        return self.decode(pipe, latents, height, width, device)
+
+    def loop_body(self, denoiser, args: tuple, kwargs: dict, variables: dict):
+        """A whole loop's step (tpugen.engine.whole_loop) for a family whose step its LoopCall cannot say, read off
+        the denoiser's first call (its arguments, the pipeline's variables): (body, inputs); None: the LoopCall's.
+        Raises ValueError naming why the loop cannot be one call."""
+        return None
+
+    def decode_loop_latents(self, pipe, latents, height: int, width: int, device):
+        """The denoising loop's own final latents to pixels (a whole loop run as one call: tpugen.engine.whole_loop),
+        where decode takes what the pipeline returns; the same for a pipeline that returns its loop's latents."""
         return self.decode(pipe, latents, height, width, device)
 
     def decode(self, pipe, latents, height: int, width: int, device):

@@ -64,8 +64,7 @@ class JaxBackend(OneDeviceBackend):
                 self.placing = name
                 self.modules[name] = JaxModule(self.runtime, component, name)
         self.placing = None
-        # The whole loop calls the denoiser as the pipeline does (its forward), which is the call it was read off.
-        self._loops = LoopPrograms(self.runtime, self.modules[family.denoiser], "forward")
+        self._loops = LoopPrograms(self.runtime, self.modules[family.denoiser])
         self._family, self._pipe = family, pipe
 
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
@@ -96,15 +95,15 @@ class JaxBackend(OneDeviceBackend):
 
         return noise_bucket(calls)
 
-    def decode(self, family, pipe, latents, height: int, width: int):
-        """Latents (a device array, or host torch) decoded by the family's own code as one JAX program, the
-        pixels in [0, 1] read back to the host (torch)."""
+    def decode(self, family, pipe, latents, height: int, width: int, method: str = "decode"):
+        """Latents (a device array, or host torch) decoded by the family's own code (its `method`: decode, or
+        decode_loop_latents for a whole loop's) as one JAX program, the pixels in [0, 1] read back to the host."""
         import torch
 
         from tpugen.backends.jax.modules import to_jax, to_torch
 
         vae = self.modules["vae"]
-        key = (tuple(latents.shape), str(latents.dtype), height, width)
+        key = (method, tuple(latents.shape), str(latents.dtype), height, width)
         if key not in self._decoders:
             jax, env = self.runtime.jax, self.runtime.env
 
@@ -112,7 +111,7 @@ class JaxBackend(OneDeviceBackend):
                 with env:
                     image = vae.traced(
                         weights,
-                        lambda z: family.decode(pipe, z, height, width, torch.device("jax")),
+                        lambda z: getattr(family, method)(pipe, z, height, width, torch.device("jax")),
                         env.j2t_iso(latents),
                     )
                 return env.t2j_iso(image)

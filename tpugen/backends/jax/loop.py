@@ -23,10 +23,9 @@ def noise_bucket(calls: int) -> int:
 class LoopPrograms:
     """The loop programs of one denoiser, one per body, input layout and noise bucket (JAX adds one per shape)."""
 
-    def __init__(self, runtime, denoiser, method: str) -> None:
+    def __init__(self, runtime, denoiser) -> None:
         self.runtime = runtime
         self.denoiser = denoiser  # tpugen.backends.jax.modules.JaxModule
-        self.method = method
         self._programs: dict = {}
         self._lock = threading.Lock()
 
@@ -82,7 +81,7 @@ class LoopPrograms:
         jax = self.runtime.jax
         jnp = jax.numpy
         env = self.runtime.env
-        denoiser, method = self.denoiser, self.method
+        denoiser, method = self.denoiser, body.method
         extra = 2 + 2 * WINDOW + draws
 
         def program(weights, latents, arrays, table, noise, calls, guidance):

@@ -46,6 +46,9 @@ class Runtime:
         self.jax = jax
         self.torchax = torchax
         self.env = torchax.default_env()
+        from tpugen.backends.jax.attention import install
+
+        install(self.env)
         self.lock = threading.Lock()
         self.tally = Tally()
         self.cache_dir: str | None = None

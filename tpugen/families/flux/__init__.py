@@ -79,7 +79,7 @@ class Flux(TransformerFamily):
         timestep_rows=True,
         timestep_divisor=1000.0,
         scales_input=False,
-        cfg=False,
+        cfg="none",
         noising="scale_noise",
     )
     steps = 4

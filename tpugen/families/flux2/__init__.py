@@ -5,7 +5,7 @@ are batch-normalised."""
 
 from __future__ import annotations
 
-from tpugen.families.base import TRANSFORMER_KEYS, Builtin, FlashRoute, KnownModel, TransformerFamily
+from tpugen.families.base import TRANSFORMER_KEYS, Builtin, FlashRoute, KnownModel, LoopCall, TransformerFamily
 from tpugen.families.flux import FLUX_BLOCK_KEYS, FLUX_KOHYA_KEYS
 from tpugen.sharding import ATTENTION, COLUMN, ROW
 
@@ -97,6 +97,16 @@ class Flux2(TransformerFamily):
     cfg = False
     negative_prompt = False
     guidance_note = "no CFG; guidance embedded in the transformer"
+    # As Flux.1's, the latents cast to the transformer's dtype (the call seen says which).
+    loop_call = LoopCall(
+        sample="hidden_states",
+        timestep="timestep",
+        timestep_rows=True,
+        timestep_divisor=1000.0,
+        scales_input=False,
+        cfg="none",
+        noising="scale_noise",
+    )
     # References to edit from (Flux2Pipeline's `image` list): Black Forest Labs recommend at most 6 for [dev], 4
     # for [klein]; each is encoded by the VAE once and its tokens join the latent's at every step.
     max_references = 6
@@ -199,6 +209,17 @@ class Flux2Klein(Flux2):
     title = "FLUX.2 [klein]"
     pipeline_classes = ("Flux2KleinPipeline",)
     cfg = True
+    # CFG is a second transformer call with the empty prompt's embeddings and ids (none for the distilled models).
+    loop_call = LoopCall(
+        sample="hidden_states",
+        timestep="timestep",
+        timestep_rows=True,
+        timestep_divisor=1000.0,
+        scales_input=False,
+        cfg="calls",
+        cfg_by_call=(("encoder_hidden_states", "negative_prompt_embeds"), ("txt_ids", "negative_text_ids")),
+        noising="scale_noise",
+    )
     guidance_note = "CFG against an empty prompt above guidance 1"
     max_references = 4
     # diffusers' TaylorSeer on Flux2Transformer2DModel (CacheMixin); the pipeline names the cond and uncond contexts.
@@ -215,6 +236,10 @@ class Flux2Klein(Flux2):
 
     def covers(self, index: dict) -> bool:
         return not index.get("is_distilled")
+
+    def decode_loop_latents(self, pipe, latents, height: int, width: int, device):
+        """The loop's latents are tokens, as [dev]'s pipeline returns them: decoded as [dev] decodes those."""
+        return Flux2.decode(self, pipe, latents, height, width, device)
 
     def decode(self, pipe, latents, height: int, width: int, device):
         """[klein] returns its latents already unpacked, de-normalised and un-patched: only the VAE is left."""

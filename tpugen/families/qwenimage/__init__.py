@@ -9,6 +9,7 @@ from tpugen.families.base import (
     Builtin,
     FlashRoute,
     KnownModel,
+    LoopCall,
     LoraSign,
     TransformerFamily,
     keys_start,
@@ -84,6 +85,24 @@ class QwenImage(TransformerFamily):
     name = "qwenimage"
     title = "Qwen-Image"
     pipeline_classes = ("QwenImagePipeline",)
+    # True CFG: a second transformer call with the negative prompt's embeddings and mask, the combined prediction
+    # rescaled to the conditional one's norm.
+    loop_call = LoopCall(
+        sample="hidden_states",
+        timestep="timestep",
+        timestep_rows=True,
+        timestep_divisor=1000.0,
+        scales_input=False,
+        cfg="calls",
+        cfg_by_call=(
+            ("encoder_hidden_states_mask", "negative_prompt_embeds_mask"),
+            ("encoder_hidden_states", "negative_prompt_embeds"),
+        ),
+        cfg_flag="do_true_cfg",
+        cfg_scale="true_cfg_scale",
+        cfg_rescale="norm",
+        noising="scale_noise",
+    )
     size = 1328  # the model card's 1:1 size
     steps = 50
     guidance_scale = 4.0  # true_cfg_scale: CFG is two transformer passes per step, each with its own text

@@ -9,6 +9,7 @@ from tpugen.families.base import (
     Builtin,
     FlashRoute,
     KnownModel,
+    LoopCall,
     LoraSign,
     TransformerFamily,
     keys_start,
@@ -59,6 +60,8 @@ class ZImage(TransformerFamily):
     name = "zimage"
     title = "Z-Image"
     pipeline_classes = ("ZImagePipeline",)
+    # A whole loop on its fixed-length device part (loop_body): the frames and timestep by position.
+    loop_call = LoopCall(sample=0, timestep=1, scales_input=False, noising="scale_noise")
     step_cache_refusal = "diffusers 0.42 has no step cache for it: ZImageTransformer2DModel has no enable_cache"
     # Its fixed-length text path reads each caption's real length (a Python number) for the position tables, which
     # it builds on the host; the part after them takes only tensors (static.DEVICE_FORWARD).
@@ -196,6 +199,12 @@ class ZImage(TransformerFamily):
 
         _timestep_at_the_door(controlnet, device, hooks, f"the {label}'s")
         static.install_on_controlnet(controlnet, hooks, label)
+
+    def loop_body(self, denoiser, args: tuple, kwargs: dict, variables: dict):
+        """ZImagePipeline's step on the transformer's fixed-length device part (tpugen.families.zimage.loop)."""
+        from tpugen.families.zimage.loop import loop_body
+
+        return loop_body(denoiser, args, kwargs, variables)
 
     def pipeline_hooks(self, pipe, hooks) -> None:
         from tpugen.families.zimage import static
