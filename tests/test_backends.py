@@ -288,13 +288,14 @@ def test_torch_tpu_keeps_its_persistent_cache_where_cache_dir_says(tmp_path):
     }
 
 
-def test_a_gs_cache_is_for_torch_tpu_only(tmp_path):
+def test_a_gs_cache_is_for_jax_and_torch_tpu_only(tmp_path):
     config = tiny_config(tmp_path, cache={"dir": "gs://bucket/cache"})
     result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
     assert result.exit_code == 2
     assert result.stderr == (
-        "error: cache.dir: 'gs://bucket/cache': a gs:// cache is for execution.backend: torch_tpu; torch_xla's "
-        "cache is a local directory\n"
+        "error: cache.dir: 'gs://bucket/cache': a gs:// cache is for execution.backend: jax or torch_tpu; "
+        "torch_xla's cache is a local directory\n"
     )
-    config["execution"] = {"backend": "torch_tpu"}
-    assert run_cli("validate", write_config(tmp_path / "c.yaml", config)).exit_code == 0
+    for backend in ("torch_tpu", "jax"):
+        config["execution"] = {"backend": backend}
+        assert run_cli("validate", write_config(tmp_path / "c.yaml", config)).exit_code == 0

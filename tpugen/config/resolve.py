@@ -26,7 +26,7 @@ from tpugen.config.messages import format_error
 from tpugen.config.overrides import apply_overrides
 from tpugen.config.prompts import PromptSpec, planned_images, resolve_prompts, run_sizes
 from tpugen.config.request import cannot_edit_by_reference, references_too_small, too_many_references
-from tpugen.config.rules import run_problems
+from tpugen.config.rules import JAX_NOT_YET, run_problems
 from tpugen.config.schema import RunConfig
 from tpugen.config.yamlio import dump_yaml, read_yaml
 from tpugen.errors import InputError
@@ -157,9 +157,10 @@ def resolve(
     _read_mag_ratios(config, base_dir, problems)
 
     if config.cache.dir is not None and config.cache.dir.startswith("gs://"):
-        if config.execution.backend != "torch_tpu":  # TorchTPU's own cache reads and writes Cloud Storage
+        # TorchTPU's own cache and JAX's read and write Cloud Storage.
+        if config.execution.backend not in ("torch_tpu", "jax"):
             problems.append(
-                f"cache.dir: {config.cache.dir!r}: a gs:// cache is for execution.backend: torch_tpu; "
+                f"cache.dir: {config.cache.dir!r}: a gs:// cache is for execution.backend: jax or torch_tpu; "
                 "torch_xla's cache is a local directory"
             )
     elif config.cache.dir is not None:
@@ -235,6 +236,8 @@ def _reference_problems(
     server warming edits (serve.tasks, serve.reference_counts)."""
     problems = _serve_edit_problems(config, family, serving)
     for number, spec in enumerate(prompts):
+        if spec.references is not None and config.execution.backend == "jax":
+            return [*problems, f"prompts[{number}].reference_images: edits by reference {JAX_NOT_YET}"]
         if spec.references is None:
             if family.txt2img_refusal:  # an edit-only family: every prompt edits by reference
                 return [

@@ -9,6 +9,48 @@ from tpugen.families import FAMILIES, Family
 CLIP_SKIP_NEEDS_WEBUI = "a clip skip needs prompt_syntax webui (tpugen's reading of the prompt)"
 
 
+# What execution.backend: jax does not run yet (each refused in one line naming it): all chips of a VM, a pod,
+# a Ray cluster, and the features that change what a denoising step does.
+JAX_NOT_YET = "is not built on execution.backend: jax yet; execution.backend: xla runs it"
+
+
+def jax_problems(config: RunConfig, family: Family) -> list[str]:
+    """What a config asks of backend jax that it does not run yet, one line each (none for another backend)."""
+    execution = config.execution
+    if execution.backend != "jax":
+        return []
+    problems = []
+    if execution.mode != "single":
+        problems.append(f"execution.mode: {execution.mode} {JAX_NOT_YET}; use mode: single (one device)")
+    if execution.offload != "none":
+        problems.append(f"execution.offload: {execution.offload} {JAX_NOT_YET}")
+    if execution.pod.worker_index is not None or execution.pod.num_workers is not None:
+        problems.append(f"execution.pod: tpugen pod-run {JAX_NOT_YET}")
+    if config.hires is not None:
+        problems.append(f"hires: hires fix {JAX_NOT_YET}")
+    if config.compile.step_cache.method != "none":
+        problems.append(f"compile.step_cache: a step cache {JAX_NOT_YET}")
+    if config.model.controlnets:
+        problems.append(f"model.controlnets: ControlNet {JAX_NOT_YET}")
+    for key, tiled in (("tiling", config.tiling), ("serve.tiling", config.serve.tiling)):
+        if tiled:
+            problems.append(f"{key}: seamless tiling {JAX_NOT_YET}")
+    if family.txt2img_refusal or "edit" in config.serve.tasks:
+        problems.append(f"model.id: edits by reference ({family.title}) {JAX_NOT_YET}")
+    return problems
+
+
+def jax_image_problems(*, hires: bool, controls: bool, references: bool, tiling: bool) -> list[str]:
+    """What one image of a request asks of backend jax that it does not run yet, one line each."""
+    asked = {
+        "hires fix": hires,
+        "ControlNet units": controls,
+        "edits by reference": references,
+        "seamless tiling": tiling,
+    }
+    return [f"{what} {JAX_NOT_YET}" for what, on in asked.items() if on]
+
+
 def run_problems(config: RunConfig, family: Family) -> list[str]:
     """Every problem between the config's keys, one line each, for a model of `family`."""
     problems = []
@@ -62,6 +104,7 @@ def run_problems(config: RunConfig, family: Family) -> list[str]:
     elif execution.ray != RayConfig():
         problems.append("execution.ray: is used only with execution.mode: ray")
 
+    problems.extend(jax_problems(config, family))
     if config.model.custom_pipeline and not config.model.allow_remote_code:
         problems.append(
             "model.custom_pipeline: runs code downloaded with the model; set model.allow_remote_code: true to allow it"

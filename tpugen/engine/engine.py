@@ -19,7 +19,7 @@ from tpugen.config.schema import StepCacheConfig
 from tpugen.engine.controls import read_controlnets
 from tpugen.engine.embeddings import load_embeddings
 from tpugen.engine.loras import LoraWeights, check_fit, file_shapes, loadable_components, unet_config_of
-from tpugen.engine.pipeline import LoadedPipeline, quiet_libraries, read_shared
+from tpugen.engine.pipeline import ONE_CALL, LoadedPipeline, quiet_libraries, read_shared
 from tpugen.engine.step_cache import (
     calibrating,
     call_step_counts,
@@ -237,7 +237,21 @@ class Engine:
         cache = self.spec.compile.step_cache
         if cache.method != "none":
             described["step_cache"] = {"method": cache.method, "options": cache.options()}
+        if getattr(self.backend, "whole_loop", False):
+            described["denoising_loop"] = self.loop_summary()
         return described
+
+    def loop_summary(self) -> dict:
+        """On a backend that runs whole loops: how this engine's calls ran their denoising loops (one call, or a
+        step at a time and why), warmups included."""
+        calls = dict(self.loaded.loop_calls)
+        whole = calls.pop(ONE_CALL, 0)
+        return {
+            "one_call": whole,
+            "step_by_step": [{"reason": reason, "calls": count} for reason, count in calls.items()],
+            "how": "the whole denoising loop as one compiled call (lax.fori_loop), the sampler's steps a linear "
+            "recurrence read off diffusers' scheduler",
+        }
 
     def memory_summary(self, plan: RunPlan) -> dict | None:
         """The memory plan's dict, with the largest attention matrix of `plan`'s shape keys (or that flash

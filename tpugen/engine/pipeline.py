@@ -89,8 +89,10 @@ class LoadedPipeline:
         self._clock: StepClock | None = None  # the running call's
         self.step_timing: StepTiming | None = None  # the last call's host and device time per denoising step
         self.step_cache = None  # compile.step_cache once use_step_cache installed it
-        # Why the last batch's loop ran a step at a time on a backend that runs whole loops (None: it ran whole).
+        # Why the last batch's loop ran a step at a time on a backend that runs whole loops (None: it ran whole),
+        # and how many calls ran each way ("one call", or the reason), for the report.
         self.step_by_step: str | None = None
+        self.loop_calls: dict[str, int] = {}
         # tpugen decodes the latents itself, so decoding and the conversion to pixels are one graph. A
         # safety checker or a watermark runs on the host, so pipelines with one keep their own path.
         host_steps = getattr(pipe, "safety_checker", None) is not None or getattr(pipe, "watermark", None) is not None
@@ -428,6 +430,9 @@ class LoadedPipeline:
             return decode(self.family, self.pipe, latents, height, width, method)
         return self.family.decode(self.pipe, latents, height, width, self.backend.device_for("vae"))
 
+    def _count_loop(self, how: str) -> None:
+        self.loop_calls[how] = self.loop_calls.get(how, 0) + 1
+
     def _step_by_step(self, pipe, arguments: dict):
         """diffusers' own loop, its denoiser called a step at a time."""
         output = pipe(**arguments).images
@@ -447,6 +452,7 @@ class LoadedPipeline:
 
         self.step_by_step = no_whole_loop(self.family, batch)
         if self.step_by_step is not None:
+            self._count_loop(self.step_by_step)
             return self._step_by_step(pipe, arguments)
         try:
             with stopped_at_first_call(pipe, getattr(self.pipe, self.family.denoiser)):
@@ -454,18 +460,20 @@ class LoadedPipeline:
             raise RunError(f"{type(pipe).__name__} returned without calling its {self.family.denoiser}")
         except FirstCall as call:
             first = call
+        start = time.perf_counter()  # the loop's host work from here: read the call, draw noise, hand it over
         try:
             work = loop_work(self.family, first, batch.shape.task, self.backend.noise_bucket)
         except NoWholeLoop as exc:
             self.step_by_step = str(exc)
+            self._count_loop(self.step_by_step)
             # The pipeline encodes its prompts again, then runs its own loop: its phases are counted from the start.
             self._loop_started = False
             if self._census is not None:
                 self._census = self._census[:1]
             return self._step_by_step(pipe, arguments)
         self.step_by_step = None
+        self._count_loop(ONE_CALL)
         self.running = self.family.denoiser
-        start = time.perf_counter()
         latents = self.backend.run_loop(work)
         handed_off = time.perf_counter()
         self.backend.wait()
@@ -621,6 +629,7 @@ def _most_steps(make) -> int:
 
 
 FROM_STEP_ZERO = "scheduler starts at step 0"
+ONE_CALL = "one call"  # a batch's denoising loop ran as one call (LoadedPipeline.loop_calls)
 TABLES_ON_HOST = "scheduler tables stay on the host"
 NOISE_LEVEL_AS_DATA = "noise level handed in as data"
 

@@ -226,7 +226,7 @@ def build_report(
     wall = phase.wall_seconds
     counters = phase.counters
     if counters_scope is None:
-        counters_scope = (
+        counters_scope = device.get("counters_scope") or (
             "process-wide, read before and after each phase; one device in this process"
             if device.get("backend") == "xla"
             else "torch.compile graphs counted by dynamo; executions and transfers are not counted here"
@@ -331,17 +331,37 @@ def earlier_sessions_of(run_dir: Path) -> list[dict]:
     return [*previous.get("earlier_sessions", []), session_summary(previous)]
 
 
-def _step_time_lines(timed: dict) -> list[str]:
+def _step_time_lines(timed: dict, whole_loop: bool = False) -> list[str]:
     """Host and device milliseconds per denoising step, and the warning when the host sets the pace."""
     host, device = timed.get("host_ms_per_step"), timed.get("device_ms_per_step")
     if host is None and device is None:
         return []
+    if whole_loop:
+        lines = [
+            f"- host ms per denoising step (handing the whole loop to the device, over its steps; median): "
+            f"{fmt(host, 3)}; device ms per step (from the hand-off to the loop's end, over its steps; mean): "
+            f"{fmt(device, 2)}"
+        ]
+        return lines
     lines = [
         f"- host ms per denoising step (recording and handing it to the device; median): {fmt(host, 2)}; "
         f"device ms per step (its graphs' execution, at most the loop's time; mean): {fmt(device, 2)}"
     ]
     warning = host_bound(host, device)
     return lines + ([f"- **{warning}**"] if warning else [])
+
+
+def _loop_lines(loop: dict | None) -> list[str]:
+    """On a backend that runs whole loops: how many calls ran their loop as one call, and which a step at a time
+    and why."""
+    if not loop:
+        return []
+    lines = [f"- denoising loop: {loop['one_call']} calls ran it as one compiled call ({loop['how']})"]
+    for entry in loop.get("step_by_step") or ():
+        lines.append(
+            f"  - {entry['calls']} calls ran it a step at a time, the denoiser on the device: {entry['reason']}"
+        )
+    return lines
 
 
 def _trace_lines(trace: dict | None) -> list[str]:
@@ -522,6 +542,7 @@ def render_markdown(report: RunReport) -> str:
         *_attention_lines(report.memory),
         *_flash_lines(device.get("flash_attention"), memory.get("attention")),
         *_trace_lines(device.get("trace_once")),
+        *_loop_lines(device.get("denoising_loop")),
         *_sharding_lines(device.get("sharding")),
         *_placement_lines(device.get("placement")),
         *_step_cache_lines(device.get("step_cache"), (report.timed_phase or {}).get("batches") or []),
@@ -568,7 +589,7 @@ def render_markdown(report: RunReport) -> str:
         f"p99 {fmt(lat.get('p99'))}",
         f"- seconds per denoising step (batch latency / steps, incl. text encoding and decoding): "
         f"{fmt(timed.get('seconds_per_step'), 4)}",
-        *_step_time_lines(timed),
+        *_step_time_lines(timed, whole_loop=bool((device.get("denoising_loop") or {}).get("one_call"))),
         f"- compiles after warmup: {fmt(report.compiles_after_warmup)}",
     ]
     counters = report.xla_counters

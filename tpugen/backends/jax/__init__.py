@@ -166,6 +166,8 @@ class JaxBackend(OneDeviceBackend):
             "torchax": getattr(self.runtime.torchax, "__version__", None),
             "compile_cache": self.cache,
             "weights_on_device_bytes": sum(m.bytes for m in self.modules.values()),
+            "counters_scope": "JAX's own compile and persistent-cache events, tpugen's calls and reads of its JAX "
+            "programs; process-wide, one device in this process",
         }
 
     def bind_thread(self) -> None:

@@ -27,6 +27,7 @@ class LoopPrograms:
         self.runtime = runtime
         self.denoiser = denoiser  # tpugen.backends.jax.modules.JaxModule
         self._programs: dict = {}
+        self._tables: dict = {}
         self._lock = threading.Lock()
 
     def run(self, work):
@@ -54,14 +55,7 @@ class LoopPrograms:
                 self._programs[key] = self._program(work.body, spec, fixed, positions, numbers, draws)
         program = self._programs[key]
 
-        table = np.zeros((CAPACITY, 2 + 2 * WINDOW + draws + len(numbers)), dtype=np.float32)
-        for j in range(schedule.calls):
-            row = [schedule.timesteps[j], schedule.input_scales[j]]
-            row += _padded(schedule.sample_coefficients[j], WINDOW)
-            row += _padded(schedule.output_coefficients[j], WINDOW)
-            row += _padded(schedule.noise_coefficients[j], draws)
-            row += [work.per_call[name][j] for name in numbers]
-            table[j] = row
+        table = self._table(schedule, draws, tuple((name, tuple(work.per_call[name])) for name in numbers))
         arrays = [to_jax(leaves[i]) for i in positions]
         noise = to_jax(work.noise) if draws else None
         calls = np.int32(schedule.calls)
@@ -76,6 +70,30 @@ class LoopPrograms:
         )
         self.runtime.executed()
         return latents
+
+    def _table(self, schedule, draws: int, numbers: tuple):
+        """The schedule as one device array, a row per call (kept for the schedules used lately: a batch of a
+        schedule seen before hands nothing new to the device for it)."""
+        import numpy as np
+
+        key = (schedule, draws, numbers)
+        with self._lock:
+            if key in self._tables:
+                return self._tables[key]
+        table = np.zeros((CAPACITY, 2 + 2 * WINDOW + draws + len(numbers)), dtype=np.float32)
+        for j in range(schedule.calls):
+            row = [schedule.timesteps[j], schedule.input_scales[j]]
+            row += _padded(schedule.sample_coefficients[j], WINDOW)
+            row += _padded(schedule.output_coefficients[j], WINDOW)
+            row += _padded(schedule.noise_coefficients[j], draws)
+            row += [values[j] for _, values in numbers]
+            table[j] = row
+        on_device = self.runtime.jax.device_put(table)
+        with self._lock:
+            if len(self._tables) >= 64:
+                self._tables.pop(next(iter(self._tables)))
+            self._tables[key] = on_device
+        return on_device
 
     def _program(self, body, spec, fixed: tuple, positions: list[int], numbers: list[str], draws: int):
         jax = self.runtime.jax

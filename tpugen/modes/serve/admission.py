@@ -6,7 +6,7 @@ from __future__ import annotations
 from tpugen.config.controls import controlled_problems
 from tpugen.config.loras import loras_key
 from tpugen.config.request import RequestLimits
-from tpugen.config.rules import CLIP_SKIP_NEEDS_WEBUI
+from tpugen.config.rules import CLIP_SKIP_NEEDS_WEBUI, jax_image_problems
 from tpugen.errors import InputError, one_line
 from tpugen.modes.serve.progress import Jobs
 from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, ImageSpec, Request
@@ -84,6 +84,16 @@ class Admission:
             problems.append("the request asks for no images")
         if count > limit:
             problems.append(f"{count} images asked for; this server makes at most {limit} per request")
+        if images and warm.run.config.execution.backend == "jax":
+            image = images[0]
+            problems.extend(
+                jax_image_problems(
+                    hires=image.hires is not None,
+                    controls=bool(image.controls),
+                    references=bool(image.references),
+                    tiling=image.tiling,
+                )
+            )
         if images and images[0].source is not None and family.img2img_refusal:
             problems.append(f"image: {family.title} models: {family.img2img_refusal}")
         if images and images[0].controls:
