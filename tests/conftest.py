@@ -32,6 +32,8 @@ TEST_XLA_FLAGS = (
 )
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+# JAX (execution.backend: jax) on the CPU in every test process and the processes they start.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No test reaches the hub (none is reachable from CI, and a refused connection is retried for 20 s).
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -537,6 +539,7 @@ SLOWEST_FILES = [
     "test_step_cache.py",  # 217
     "test_trace_once.py",  # 217
     "test_pod.py",  # 189
+    "test_jax.py",  # 150 (2026-12-07, new)
     "test_resume.py",  # 106
     "test_scan.py",  # 106
     "test_multi.py",  # 106

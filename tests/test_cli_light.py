@@ -13,10 +13,10 @@ from conftest import run_cli, tiny_config, write_config
 ROOT = Path(__file__).parent.parent
 
 
-def test_import_cli_loads_no_ml_stack_and_no_ray():
+def test_import_cli_loads_no_ml_stack_no_jax_and_no_ray():
     code = (
         "import sys, tpugen.cli; "
-        "print(','.join(m for m in ('torch', 'torch_xla', 'diffusers', 'transformers', 'ray') if m in sys.modules))"
+        "print(','.join(m for m in ('torch', 'torch_xla', 'jax', 'torchax', 'diffusers', 'transformers', 'ray') if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -125,6 +125,8 @@ def plan(run: ResolvedRun) -> PlanView:
 def planned_trace(config, family_) -> str | None:
     """What a run would do with compile.trace_once, in a line (None off backend xla, where it does not apply)."""
     execution, compile_config = config.execution, config.compile
+    if execution.backend == "jax":
+        return "denoising loop: the whole loop as one compiled call per batch (lax.fori_loop on JAX)"
     if execution.backend != "xla":
         return None
     reason = trace_once_reason(

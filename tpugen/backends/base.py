@@ -52,6 +52,8 @@ FLASH_ATTENTION_FALSE = "compile.flash_attention: false"
 # Why flash attention is simply off (nothing to tell the user beyond the report): auto off a TPU.
 NOT_A_TPU = "not a TPU"
 XLA_ONLY = "torch_xla's Pallas kernel runs on backend xla only"
+# backend jax's attention: torch's own, computed by JAX (its Pallas kernels are the next step).
+JAX_PLAIN = "backend jax runs plain attention; its Pallas kernels are not built yet"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpugen.backends import FLASH_ATTENTION_HOOK, make_backend
-from tpugen.backends.base import NOT_A_TPU, XLA_ONLY, flash_failure
+from tpugen.backends.base import JAX_PLAIN, NOT_A_TPU, XLA_ONLY, flash_failure
 from tpugen.config import CacheConfig, CompileConfig, ExecutionConfig, ModelConfig, ResolvedRun
 from tpugen.config.embeddings import Embedding, SkippedEmbedding
 from tpugen.config.loras import Lora, loras_key
@@ -142,6 +142,7 @@ class Engine:
         # they came off): still warm for a server, which keeps serving them (each compiles once more, counted as a
         # compile after warmup, rather than being refused), and warmed again by the next warmup.
         self._warmed_stale: set[tuple[str, str]] = set()
+        self._said_loops: set[str] = set()  # reasons a loop ran a step at a time, said once each
 
     # ---------------------------------------------------------------- opening
 
@@ -214,6 +215,8 @@ class Engine:
         engine.embeddings, engine.skipped_embeddings = embeddings, skipped
         engine._say_flash_attention(display)
         engine._say_trace_once(display)
+        if getattr(backend, "whole_loop", False):
+            display.phase("denoising loop: each batch's whole loop as one compiled call (lax.fori_loop on JAX)")
         return engine
 
     def accepts(self, run: ResolvedRun) -> bool:
@@ -282,7 +285,7 @@ class Engine:
             display.phase(f"flash attention: on ({', '.join(flash.components)}){self._kernel_route()}")
         elif flash.setting is True:
             display.warning(f"flash attention: off -- {flash.reason}")
-        elif flash.setting == "auto" and flash.reason not in (NOT_A_TPU, XLA_ONLY):
+        elif flash.setting == "auto" and flash.reason not in (NOT_A_TPU, XLA_ONLY, JAX_PLAIN):
             display.phase(f"flash attention: off -- {flash.reason}")
 
     def _say_trace_once(self, display: Display) -> None:
@@ -324,6 +327,14 @@ class Engine:
             if trace is not None and trace.on and not self.backend.trace_once.on:
                 self._warmed_stale.update(self.warm)
                 self._say_trace_once(display)
+            self._say_step_by_step(display)
+
+    def _say_step_by_step(self, display: Display) -> None:
+        """Once per reason: a batch whose loop could not run as one call on a backend that runs whole loops."""
+        reason = self.loaded.step_by_step
+        if reason is not None and reason not in self._said_loops:
+            self._said_loops.add(reason)
+            display.warning(f"denoising loop: a step at a time, the denoiser on the device -- {reason}")
 
     def _call_with_flash(self, batch: Batch, display: Display, census: bool = False):
         if not self.flash_attention.on:

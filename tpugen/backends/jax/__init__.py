@@ -4,10 +4,8 @@ which a later process reads back (on a TPU too, where torch_xla 2.9 cannot)."""
 
 from __future__ import annotations
 
-from tpugen.backends.base import Counters, FlashAttention, OneDeviceBackend
+from tpugen.backends.base import JAX_PLAIN, Counters, OneDeviceBackend, flash_attention_off
 from tpugen.backends.jax.runtime import process_runtime
-
-PALLAS_NEXT = "the JAX backend's Pallas attention is not built yet (plain attention runs)"
 
 
 def jax_cache_dir(cache) -> str | None:
@@ -70,7 +68,7 @@ class JaxBackend(OneDeviceBackend):
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
         """The modules' calls from diffusers' glue go to JAX: the text encoders' forward, the denoiser's (for a
         loop that runs a step at a time), and the VAE's encoder (img2img and inpainting), each a named hook."""
-        self.flash_attention = FlashAttention(compile_config.flash_attention, (), PALLAS_NEXT)
+        self.flash_attention = flash_attention_off(compile_config.flash_attention, family.flash_attention, JAX_PLAIN)
         for name, jax_module in self.modules.items():
             if name == family.denoiser:
                 method = family.traced_method

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from tpugen.backends.base import (
     FLASH_ATTENTION_FALSE,
     FLASH_ATTENTION_HOOK,
+    JAX_PLAIN,
     NOT_A_TPU,
     XLA_ONLY,
     FlashAttention,
@@ -62,7 +63,7 @@ def planned_flash_attention(setting: bool | str, route, *, backend: str, spmd: b
     """What a run here would start with, for `tpugen plan` (starts no device; a failure at warmup can still
     turn it off)."""
     if backend != "xla":
-        return flash_attention_off(setting, route, XLA_ONLY)
+        return flash_attention_off(setting, route, JAX_PLAIN if backend == "jax" else XLA_ONLY)
     from tpugen.backends.xla.devices import pjrt_device
 
     reason = flash_reason(setting, route, tpu=pjrt_device() == "TPU", jax=jax_installed(), spmd=spmd)

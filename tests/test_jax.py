@@ -1,0 +1,335 @@
+"""execution.backend: jax: every family's whole denoising loop as one compiled call on JAX (its CPU here), against
+eager PyTorch on the CPU and torch_xla; every sampler in one call; compiles read back by the next process; a LoRA
+switch that compiles nothing; a warm server; and what it does not run yet, refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import (
+    COMPILED_VS_EAGER,
+    assert_same_images,
+    generate_in_new_process,
+    make_lora,
+    run_cli,
+    tiny_config,
+    write_config,
+)
+from PIL import Image
+
+from tpugen.schedulers import SCHEDULER_NAMES
+
+# Every family's tiny built-in but the edit families' (refused on jax: the next issue), with the tasks its
+# pipelines have: img2img and inpainting prompts join the txt2img one where the family runs them.
+FAMILY_TASKS = {
+    "tiny-sdxl": ("txt2img", "img2img", "inpaint"),
+    "tiny-sd3": ("txt2img", "img2img"),
+    "tiny-flux": ("txt2img", "img2img", "inpaint"),
+    "tiny-flux2": ("txt2img",),
+    "tiny-flux2-klein": ("txt2img",),
+    "tiny-flux2-klein-distilled": ("txt2img",),
+    "tiny-flux2-klein-kv": ("txt2img",),
+    "tiny-z-image": ("txt2img",),
+    "tiny-qwen-image": ("txt2img",),
+}
+PHASES = {"text encoding", "denoising loop", "decoding"}
+
+
+def _images(tmp: Path) -> tuple[Path, Path]:
+    rng = np.random.default_rng(0)
+    init, mask = tmp / "init.png", tmp / "mask.png"
+    Image.fromarray((rng.random((64, 64, 3)) * 255).astype(np.uint8)).save(init)
+    half = np.zeros((64, 64), np.uint8)
+    half[:, 32:] = 255
+    Image.fromarray(half).save(mask)
+    return init, mask
+
+
+def _prompts(tmp: Path, tasks) -> list:
+    init, mask = _images(tmp)
+    made = {
+        "txt2img": "a lighthouse at dawn",
+        "img2img": {"prompt": "a red square", "init_image": str(init), "strength": 0.6},
+        "inpaint": {"prompt": "repaint", "init_image": str(init), "mask_image": str(mask), "strength": 0.8},
+    }
+    return [made[task] for task in tasks]
+
+
+def _run(tmp: Path, backend: str, **overrides) -> tuple[Path, dict]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(tmp, execution={"backend": backend}, **overrides)
+    result = run_cli("generate", write_config(tmp / "c.yaml", config), "--quiet")
+    assert result.exit_code == 0, result.output
+    run_dir = Path(config["output"]["dir"]) / config["output"]["run_id"]
+    return run_dir, json.loads((run_dir / "report.json").read_text())
+
+
+def _assert_whole_loops(report: dict) -> None:
+    """Every call ran its loop as one call; nothing compiled after warmup; per batch, every program's output read
+    back to the host but the loop's, whose latents stay on the device for decoding."""
+    loop = report["device"]["denoising_loop"]
+    assert loop["step_by_step"] == [] and loop["one_call"] >= len(report["timed_phase"]["batches"]), loop
+    assert report["compiles_after_warmup"] == 0
+    for entry in report["warmup"]:
+        assert set(entry["graphs_per_phase"]) == PHASES
+    for batch in report["timed_phase"]["batches"]:
+        assert batch["compiles"] == 0 and batch["executions"] == batch["transfers_to_host"] + 1, batch
+
+
+@pytest.mark.xla
+def test_tiny_sd_on_jax_matches_eager_cpu_and_torch_xla(tmp_path, xla_run, cpu_run):
+    run_dir, report = _run(tmp_path, "jax")
+    _assert_whole_loops(report)
+    assert report["device"]["backend"] == "jax" and report["device"]["device_kind"].startswith("CPU")
+    assert_same_images(run_dir, cpu_run, COMPILED_VS_EAGER)
+    assert_same_images(run_dir, xla_run, COMPILED_VS_EAGER)
+    # The host hands each batch's loop over in one call: its share of a step is far below a lazy step's.
+    assert all(b["host_ms_per_step"] < 5 for b in report["timed_phase"]["batches"])
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("model", sorted(FAMILY_TASKS))
+def test_every_family_runs_its_loop_as_one_call_and_matches_eager_cpu(model, tmp_path):
+    overrides = {
+        "model": {"id": model},
+        "prompts": _prompts(tmp_path, FAMILY_TASKS[model]),
+        "steps": 2,
+        "batch_size": 1,
+        "negative_prompt": "",
+    }
+    jax_dir, report = _run(tmp_path / "jax", "jax", **overrides)
+    cpu_dir, _ = _run(tmp_path / "cpu", "cpu", **overrides)
+    _assert_whole_loops(report)
+    assert len(report["warmup"]) == len(FAMILY_TASKS[model])
+    assert_same_images(jax_dir, cpu_dir, COMPILED_VS_EAGER)
+
+
+@pytest.mark.xla
+def test_sd_img2img_and_both_kinds_of_inpainting_match_eager_cpu(tmp_path):
+    """A 4-channel UNet inpaints by blending the init image back in after every update; a 9-channel one is given
+    the mask and the masked image at every step: both within the one call."""
+    import torch
+    from diffusers import DiffusionPipeline, UNet2DConditionModel
+
+    from tpugen.tiny import builtin_path
+
+    pipe = DiffusionPipeline.from_pretrained(str(builtin_path("tiny-sd")))
+    torch.manual_seed(0)
+    pipe.unet = UNet2DConditionModel(**{**dict(pipe.unet.config), "in_channels": 9})
+    nine = tmp_path / "tiny-sd-inpainting"
+    pipe.save_pretrained(nine)
+    init, mask = _images(tmp_path)
+    for model, prompts in (
+        ("tiny-sd", _prompts(tmp_path, ("img2img", "inpaint"))),
+        (str(nine), [{"prompt": "repaint", "init_image": str(init), "mask_image": str(mask), "strength": 1.0}]),
+    ):
+        overrides = {"model": {"id": model}, "prompts": prompts, "batch_size": 1, "steps": 4}
+        where = tmp_path / Path(model).name
+        jax_dir, report = _run(where / "jax", "jax", **overrides)
+        cpu_dir, _ = _run(where / "cpu", "cpu", **overrides)
+        _assert_whole_loops(report)
+        assert_same_images(jax_dir, cpu_dir, COMPILED_VS_EAGER)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """A tiny-sd engine on jax and one on eager PyTorch, for the samplers and LoRA tests."""
+    from tpugen.config import load_config
+    from tpugen.engine import Engine, EngineSpec
+
+    tmp = tmp_path_factory.mktemp("jax-engines")
+    opened = {}
+    for backend in ("jax", "cpu"):
+        config = tiny_config(tmp, execution={"backend": backend}, batch_size=1)
+        opened[backend] = Engine.open(EngineSpec.of(load_config(write_config(tmp / f"{backend}.yaml", config))))
+    yield opened
+    for engine in opened.values():
+        engine.close()
+
+
+def _batch(steps: int = 4):
+    from tpugen.plan import Batch, ShapeKey, WorkItem
+
+    item = WorkItem(0, 0, "a cat", "blurry", seed=3, steps=steps, guidance_scale=7.5, height=64, width=64)
+    return Batch(0, ShapeKey(64, 64, 1, True), (item,), 0)
+
+
+@pytest.mark.xla
+def test_every_sampler_runs_as_one_call_and_matches_diffusers(engines):
+    jax, cpu = engines["jax"], engines["cpu"]
+    for name in SCHEDULER_NAMES:
+        for steps in (3, 5):  # a new step count compiles nothing for a sampler that draws no noise
+            before = jax.backend.counters()
+            (mine,) = jax.generate(_batch(steps), scheduler=name)
+            after = jax.backend.counters()
+            assert jax.loaded.step_by_step is None, (name, jax.loaded.step_by_step)
+            (theirs,) = cpu.generate(_batch(steps), scheduler=name)
+            apart = int(np.abs(mine.astype(int) - theirs.astype(int)).max())
+            assert apart <= COMPILED_VS_EAGER, (name, steps, apart)
+            if steps == 5:
+                assert (after - before).compiles == 0, name
+
+
+@pytest.mark.xla
+def test_a_lora_switch_compiles_nothing_on_jax(engines, tmp_path):
+    from tpugen.config.loras import resolve_lora
+    from tpugen.config.schema import LoraConfig
+
+    jax, cpu = engines["jax"], engines["cpu"]
+    (base,) = jax.generate(_batch())
+    path = make_lora(tmp_path / "style.safetensors", "kohya", seed=1)
+    lora = resolve_lora(LoraConfig(id=str(path), scale=0.8), tmp_path, family="sd")
+    before = jax.backend.counters()
+    moved = jax.use_loras([lora])
+    (styled,) = jax.generate(_batch())
+    assert (jax.backend.counters() - before).compiles == 0 and moved["tensors"] > 0
+    cpu.use_loras([lora])
+    (theirs,) = cpu.generate(_batch())
+    assert int(np.abs(styled.astype(int) - theirs.astype(int)).max()) <= COMPILED_VS_EAGER
+    assert int(np.abs(styled.astype(int) - base.astype(int)).max()) > 10  # the LoRA changed the image
+    jax.use_loras([])
+    cpu.use_loras([])
+    (again,) = jax.generate(_batch())
+    assert np.array_equal(again, base)
+
+
+@pytest.mark.xla
+def test_warmup_fills_the_cache_that_the_next_process_reads_back(tmp_path):
+    cache = tmp_path / "jax-cache"
+    overrides = {"execution": {"backend": "jax"}, "cache": {"dir": str(cache)}, "prompts": ["a cat"]}
+    config = write_config(tmp_path / "w.yaml", tiny_config(tmp_path, **overrides))
+    import subprocess
+
+    from conftest import forked_tpugen
+
+    warm = subprocess.run(
+        [forked_tpugen(), "warmup", str(config), "--quiet"], capture_output=True, text=True, timeout=600
+    )
+    assert warm.returncode == 0, warm.stderr
+    assert any(cache.iterdir())
+    proc, run_dir = generate_in_new_process(tmp_path / "second", **overrides)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((run_dir / "report.json").read_text())
+    (entry,) = report["warmup"]
+    graphs = sum(entry["graphs_run_per_phase"].values())
+    assert graphs == 3 and entry["compiles"] == 0  # text encoding, the loop, decoding: each read back
+    assert entry["persistent_cache_hits"] == graphs and entry["persistent_cache_misses"] == 0
+    assert report["persistent_cache"]["hits"] == graphs and report["compiles_after_warmup"] == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"execution": {"mode": "multi"}}, "execution.mode: multi is not built on execution.backend: jax yet"),
+        ({"execution": {"offload": "model"}}, "execution.offload: model is not built on execution.backend: jax yet"),
+        ({"hires": {"scale": 2.0}}, "hires: hires fix is not built on execution.backend: jax yet"),
+        ({"tiling": True}, "tiling: seamless tiling is not built on execution.backend: jax yet"),
+        (
+            {"compile": {"step_cache": {"method": "taylorseer"}}, "model": {"id": "tiny-flux"}},
+            "compile.step_cache: a step cache is not built on execution.backend: jax yet",
+        ),
+        (
+            {"model": {"controlnets": [{"id": "tiny-sd-controlnet"}]}},
+            "model.controlnets: ControlNet is not built on execution.backend: jax yet",
+        ),
+        (
+            {"model": {"id": "tiny-qwen-image-edit-plus"}},
+            "model.id: edits by reference (Qwen-Image-Edit Plus) is not built on execution.backend: jax yet",
+        ),
+        ({"execution": {"pod": {"worker_index": 0, "num_workers": 2}}}, "execution.pod: tpugen pod-run is not built"),
+    ],
+)
+def test_what_jax_does_not_run_yet_is_refused_in_one_line(tmp_path, overrides, message):
+    config = tiny_config(tmp_path, **overrides)
+    config["execution"]["backend"] = "jax"
+    result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
+    assert result.exit_code == 2
+    lines = [line for line in result.stderr.splitlines() if message in line]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
+
+
+def test_a_flux2_edit_by_reference_is_refused_on_jax(tmp_path):
+    _images(tmp_path)
+    config = tiny_config(
+        tmp_path,
+        model={"id": "tiny-flux2-klein"},
+        execution={"backend": "jax"},
+        prompts=[{"prompt": "edit it", "reference_images": [str(tmp_path / "init.png")]}],
+    )
+    result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "error: prompts[0].reference_images: edits by reference is not built on execution.backend: jax yet; "
+        "execution.backend: xla runs it\n"
+    )
+
+
+@pytest.mark.xla
+def test_a_jax_server_answers_webuiapi_and_openai_warm_and_refuses_what_jax_lacks_with_a_422(tmp_path, cpu_run):
+    """A warm tiny-sd server on jax: webuiapi's txt2img and img2img and openai's images.generate answer with the
+    images eager PyTorch makes, 0 compiles after warmup; hires fix, tiling and a ControlNet unit are each a 422
+    naming them, and the server goes on serving."""
+    import openai
+    import webuiapi
+    import yaml
+    from serve_support import AUTH, BASE, KEY, metric, running_server, serve_config, wait_ready
+
+    path = serve_config(tmp_path, tasks=["txt2img", "img2img"], schedulers=["Euler a"], batch_window_ms=0)
+    config = yaml.safe_load(path.read_text())
+    config["execution"] = {"backend": "jax"}
+    write_config(path, config)
+    init, _ = _images(tmp_path)
+    record = json.loads((cpu_run / "manifest.jsonl").read_text().splitlines()[0])
+    with running_server(path, tmp_path / "runs", KEY) as (url, service):
+        wait_ready(url, seconds=300)
+        host, port = url.removeprefix("http://").split(":")
+        api = webuiapi.WebUIApi(host=host, port=int(port), username="tpugen", password=KEY)
+        made = api.txt2img(prompt=record["prompt"], seed=record["seed"], sampler_name="DDIM", **_webui(BASE))
+        expected = np.asarray(Image.open(cpu_run / record["file"]).convert("RGB"))
+        assert int(np.abs(np.asarray(made.image.convert("RGB"), dtype=int) - expected).max()) <= COMPILED_VS_EAGER
+        ancestral = api.txt2img(prompt="a cat", seed=5, sampler_name="Euler a", **_webui(BASE))
+        assert ancestral.info["sampler_name"] == "Euler a"
+        edited = api.img2img(images=[Image.open(init)], prompt="a red square", denoising_strength=0.6, **_webui(BASE))
+        assert edited.image.size == (64, 64)
+        ai = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        assert len(ai.images.generate(prompt="a dog", n=2, size="64x64", response_format="b64_json").data) == 2
+        with httpx_client(url, AUTH) as client:
+            asks = {"hires fix": {"enable_hr": True, "hr_scale": 2}, "seamless tiling": {"tiling": True}}
+            for what, extra in asks.items():
+                refused = client.post("/sdapi/v1/txt2img", json={**BASE, "prompt": "a cat", **extra})
+                assert refused.status_code == 422, (what, refused.text)
+                assert f"{what} is not built on execution.backend: jax yet" in " ".join(refused.json()["detail"])
+            # A ControlNet unit: a jax config loads no ControlNet (model.controlnets is refused), so the unit names one
+            # the server lacks.
+            unit = {"alwayson_scripts": {"controlnet": {"args": [{"image": _b64(init), "model": "anything"}]}}}
+            refused = client.post("/sdapi/v1/txt2img", json={**BASE, "prompt": "a cat", **unit})
+            assert refused.status_code == 422 and "is not loaded on this server" in refused.text
+            again = client.post("/sdapi/v1/txt2img", json={**BASE, "prompt": "a cat"})
+            assert again.status_code == 200, again.text
+        assert metric(url, "tpugen_compiles_after_warmup_total") == 0
+        assert service.engines[0].loop_summary()["step_by_step"] == []
+
+
+def _webui(base: dict) -> dict:
+    return {
+        "negative_prompt": base["negative_prompt"],
+        "steps": base["steps"],
+        "cfg_scale": base["cfg_scale"],
+        "width": base["width"],
+        "height": base["height"],
+    }
+
+
+def _b64(path: Path) -> str:
+    import base64
+
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def httpx_client(url: str, headers: dict):
+    import httpx
+
+    return httpx.Client(base_url=url, headers=headers, timeout=120)
