@@ -17,6 +17,10 @@ a fresh process; writes bench/compile.json.
 With `trace` instead (scripts/bench.py trace): compile.trace_once against recording the denoiser every step; see
 scripts/bench_trace.py for what it measures. Writes bench/trace.json.
 
+With `jax` instead (scripts/bench.py jax): execution.backend jax against xla with trace once, the next process's
+warmup against the first's, and the host's share of a full-size UNet's call and whole loop on JAX; see
+scripts/bench_jax.py. Writes bench/jax.json.
+
 With `serve` instead (scripts/bench.py serve): `tpugen serve` against fresh processes, side by side.
 (1) five small runs (tiny-sd, 3 prompts, batch 2, 10 steps) as five fresh `tpugen generate` processes, against
     one server started for them (its start and warmup counted) plus five `tpugen generate --server` calls;
@@ -691,14 +695,17 @@ def main() -> None:
     parser.add_argument(
         "what",
         nargs="?",
-        choices=["serve", "serve-load", "trace"],
+        choices=["serve", "serve-load", "trace", "jax"],
         help="serve: the server against fresh processes, then under load; serve-load: the load part only; "
-        "trace: compile.trace_once against recording every step (scripts/bench_trace.py)",
+        "trace: compile.trace_once against recording every step (scripts/bench_trace.py); "
+        "jax: execution.backend jax against xla with trace once (scripts/bench_jax.py)",
     )
-    parser.add_argument("--models", nargs="*", help="trace: the tiny built-ins of part (a) (default: one per family)")
-    parser.add_argument("--denoisers", nargs="*", help="trace: the full-size denoisers of part (b), by label")
-    parser.add_argument("--skip-tiny", action="store_true", help="trace: part (b) only")
-    parser.add_argument("--skip-full", action="store_true", help="trace: part (a) only")
+    parser.add_argument(
+        "--models", nargs="*", help="trace, jax: the tiny built-ins of part (a) (default: one per family)"
+    )
+    parser.add_argument("--denoisers", nargs="*", help="trace, jax: the full-size denoisers, by label")
+    parser.add_argument("--skip-tiny", action="store_true", help="trace, jax: the full-size part only")
+    parser.add_argument("--skip-full", action="store_true", help="trace, jax: part (a) only")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side (medians are reported)")
     parser.add_argument("--compile", action="store_true", help="scan_blocks vs unrolled compile seconds instead")
     parser.add_argument("--step-cache", action="store_true", help="each step cache vs none on a deep Flux instead")
@@ -733,6 +740,16 @@ def main() -> None:
         results = bench_trace.run(args.models, args.denoisers, args.skip_tiny, args.skip_full)
         (out / "trace.json").write_text(json.dumps(results, indent=2) + "\n")
         print(f"\nwrote {out / 'trace.json'}")
+        return
+    if args.what == "jax":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_jax
+
+        out = ROOT / "bench"
+        out.mkdir(exist_ok=True)
+        results = bench_jax.run(args.models, args.denoisers, args.skip_tiny, args.skip_full)
+        (out / "jax.json").write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nwrote {out / 'jax.json'}")
         return
     if args.what == "serve-load":
         out = ROOT / "bench"

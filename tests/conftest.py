@@ -445,11 +445,16 @@ def _device_free_unless_marked(request):
     """A test not marked `xla` must not import torch_xla (diffusers imports it whenever it is installed):
     `pytest -m "not xla"` then touches no device."""
     before = "torch_xla" in sys.modules
+    torchax_before = "torchax" in sys.modules
     if "ray_cluster" in request.fixturenames and request.node.get_closest_marker("xla") is None:
         pytest.fail("this test starts a Ray cluster: mark it @pytest.mark.xla (the light tier starts none)")
     yield
     if not before and "torch_xla" in sys.modules and request.node.get_closest_marker("xla") is None:
         pytest.fail("this test imported torch_xla (directly or through diffusers): mark it @pytest.mark.xla")
+    if not torchax_before and "torchax" in sys.modules and COLD_CHILD not in os.environ:
+        # torchax names torch's privateuse1 device "jax" for good: later tests of the process would see a device
+        # that is not theirs (diffusers' offload and the TorchTPU tests fail on it).
+        pytest.fail("this test imported torchax (backend jax) in a shared test process: mark it cold_process")
 
 
 def diffusers_remakes(model: str, run_dir, arguments, prepare=None) -> dict[str, object]:
@@ -536,10 +541,10 @@ MAPS_BUDGET = int(os.environ.get("TPUGEN_TEST_MAPS_BUDGET", "55000"))
 # 46 CPU-minutes of work against 33.
 SLOWEST_FILES = [
     "test_cluster.py",  # 330
+    "test_jax.py",  # 190 (2026-12-07: each JAX test in a process of its own)
     "test_step_cache.py",  # 217
     "test_trace_once.py",  # 217
     "test_pod.py",  # 189
-    "test_jax.py",  # 150 (2026-12-07, new)
     "test_resume.py",  # 106
     "test_scan.py",  # 106
     "test_multi.py",  # 106

@@ -36,6 +36,10 @@ FAMILY_TASKS = {
     "tiny-qwen-image": ("txt2img",),
 }
 PHASES = {"text encoding", "denoising loop", "decoding"}
+# Importing torchax names torch's privateuse1 device "jax" for the whole process (and torch then reports it as an
+# accelerator, which diffusers' offload and TorchTPU's device then trip on): each test that runs JAX does so in a
+# child process of its own (tests/conftest.py: cold_process), so no other test shares its process.
+JAX_PROCESS = pytest.mark.cold_process
 
 
 def _images(tmp: Path) -> tuple[Path, Path]:
@@ -80,6 +84,7 @@ def _assert_whole_loops(report: dict) -> None:
 
 
 @pytest.mark.xla
+@JAX_PROCESS
 def test_tiny_sd_on_jax_matches_eager_cpu_and_torch_xla(tmp_path, xla_run, cpu_run):
     run_dir, report = _run(tmp_path, "jax")
     _assert_whole_loops(report)
@@ -91,6 +96,7 @@ def test_tiny_sd_on_jax_matches_eager_cpu_and_torch_xla(tmp_path, xla_run, cpu_r
 
 
 @pytest.mark.xla
+@JAX_PROCESS
 @pytest.mark.parametrize("model", sorted(FAMILY_TASKS))
 def test_every_family_runs_its_loop_as_one_call_and_matches_eager_cpu(model, tmp_path):
     overrides = {
@@ -108,6 +114,7 @@ def test_every_family_runs_its_loop_as_one_call_and_matches_eager_cpu(model, tmp
 
 
 @pytest.mark.xla
+@JAX_PROCESS
 def test_sd_img2img_and_both_kinds_of_inpainting_match_eager_cpu(tmp_path):
     """A 4-channel UNet inpaints by blending the init image back in after every update; a 9-channel one is given
     the mask and the masked image at every step: both within the one call."""
@@ -134,17 +141,26 @@ def test_sd_img2img_and_both_kinds_of_inpainting_match_eager_cpu(tmp_path):
         assert_same_images(jax_dir, cpu_dir, COMPILED_VS_EAGER)
 
 
+class Engines(dict):
+    """A tiny-sd engine on jax and one on eager PyTorch, opened when first asked for: a cold_process test's parent
+    sets its fixtures up too, and must not import torchax."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__()
+        self.tmp = tmp
+
+    def __missing__(self, backend: str):
+        from tpugen.config import load_config
+        from tpugen.engine import Engine, EngineSpec
+
+        config = tiny_config(self.tmp, execution={"backend": backend}, batch_size=1)
+        self[backend] = Engine.open(EngineSpec.of(load_config(write_config(self.tmp / f"{backend}.yaml", config))))
+        return self[backend]
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """A tiny-sd engine on jax and one on eager PyTorch, for the samplers and LoRA tests."""
-    from tpugen.config import load_config
-    from tpugen.engine import Engine, EngineSpec
-
-    tmp = tmp_path_factory.mktemp("jax-engines")
-    opened = {}
-    for backend in ("jax", "cpu"):
-        config = tiny_config(tmp, execution={"backend": backend}, batch_size=1)
-        opened[backend] = Engine.open(EngineSpec.of(load_config(write_config(tmp / f"{backend}.yaml", config))))
+    opened = Engines(tmp_path_factory.mktemp("jax-engines"))
     yield opened
     for engine in opened.values():
         engine.close()
@@ -158,6 +174,7 @@ def _batch(steps: int = 4):
 
 
 @pytest.mark.xla
+@JAX_PROCESS
 def test_every_sampler_runs_as_one_call_and_matches_diffusers(engines):
     jax, cpu = engines["jax"], engines["cpu"]
     for name in SCHEDULER_NAMES:
@@ -174,6 +191,7 @@ def test_every_sampler_runs_as_one_call_and_matches_diffusers(engines):
 
 
 @pytest.mark.xla
+@JAX_PROCESS
 def test_a_lora_switch_compiles_nothing_on_jax(engines, tmp_path):
     from tpugen.config.loras import resolve_lora
     from tpugen.config.schema import LoraConfig
@@ -197,6 +215,7 @@ def test_a_lora_switch_compiles_nothing_on_jax(engines, tmp_path):
 
 
 @pytest.mark.xla
+@JAX_PROCESS
 def test_warmup_fills_the_cache_that_the_next_process_reads_back(tmp_path):
     cache = tmp_path / "jax-cache"
     overrides = {"execution": {"backend": "jax"}, "cache": {"dir": str(cache)}, "prompts": ["a cat"]}
@@ -268,6 +287,7 @@ def test_a_flux2_edit_by_reference_is_refused_on_jax(tmp_path):
 
 
 @pytest.mark.xla
+@JAX_PROCESS
 def test_a_jax_server_answers_webuiapi_and_openai_warm_and_refuses_what_jax_lacks_with_a_422(tmp_path, cpu_run):
     """A warm tiny-sd server on jax: webuiapi's txt2img and img2img and openai's images.generate answer with the
     images eager PyTorch makes, 0 compiles after warmup; hires fix, tiling and a ControlNet unit are each a 422

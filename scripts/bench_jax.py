@@ -1,0 +1,293 @@
+"""`scripts/bench.py jax`: execution.backend jax against xla with trace once, side by side in one run.
+
+(a) End to end, each family's tiny built-in: `tpugen generate` on jax and on xla (compile.trace_once: true), each
+    in a fresh process with a compile cache of its own, the same workload (8 prompts, 64x64, batch 2, 20 steps, seed
+    5): images per second of the timed phase, the host's and the device's ms per step from the report, warmup
+    seconds and graphs compiled, how far apart the two sides' pixels are.
+(b) The next process: the same config again in a fresh process with the same cache folder, on both backends:
+    warmup seconds and compiles against the first process's (JAX reads its cache back; torch_xla 2.9 does not on
+    the CPU, nor on a TPU).
+(c) Full size: SD 1.5's and SDXL's UNets from their configs, random bfloat16 weights, on JAX's CPU: host ms to hand
+    one CFG call (batch 2 at 64x64) of the jitted denoiser to the device, and to hand a whole 20-step DDIM loop with
+    CFG (tpugen's loop program), the device idle before each (a pause, then the previous call waited for); medians
+    of 7 after one untimed call. xla's side of the same figures: `scripts/bench.py trace` (part (b) there).
+
+Writes bench/jax.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "tiny-sd",
+    "tiny-sdxl",
+    "tiny-sd3",
+    "tiny-flux",
+    "tiny-flux2",
+    "tiny-flux2-klein",
+    "tiny-z-image",
+    "tiny-qwen-image",
+]
+PROMPTS = [
+    "a red circle",
+    "a blue square",
+    "a green triangle",
+    "a white circle",
+    "a lighthouse at dawn",
+    "a red fox in snow",
+    "a castle in the clouds",
+    "a ship in a storm",
+]
+STEPS = 20
+FULL = [
+    ("SD 1.5 UNet", "sd", "stable-diffusion-v1-5/stable-diffusion-v1-5"),
+    ("SDXL UNet", "sdxl", "stabilityai/stable-diffusion-xl-base-1.0"),
+]
+CALLS = 7
+SETTLE = 2.0  # seconds between timed calls, the device idle (bench_trace.py says why on XLA:CPU)
+
+
+def _config(model: str, backend: str, workdir: Path, run_id: str, cache: Path) -> dict:
+    return {
+        "model": {"id": model, "dtype": "float32"},
+        "prompts": PROMPTS,
+        "height": 64,
+        "width": 64,
+        "steps": STEPS,
+        "batch_size": 2,
+        "seed": 5,
+        "execution": {"backend": backend},
+        "compile": {"trace_once": True},
+        "cache": {"enabled": True, "dir": str(cache)},
+        "output": {"dir": str(workdir), "run_id": run_id},
+    }
+
+
+def _side(report: dict) -> dict:
+    timed = report["timed_phase"]
+    return {
+        "images_per_second": timed["images_per_second"],
+        "host_ms_per_step": timed["host_ms_per_step"],
+        "device_ms_per_step": timed["device_ms_per_step"],
+        "warmup_seconds": report["warmup_seconds"],
+        "warmup_compiles": report["xla_counters"]["warmup"]["compiles"],
+        "persistent_cache_hits": report["persistent_cache"].get("hits"),
+        "compiles_after_warmup": report["compiles_after_warmup"],
+    }
+
+
+def end_to_end(models: list[str], again: list[str]) -> list[dict]:
+    from bench import _generate_fresh  # scripts/bench.py: `tpugen generate` in a fresh process
+    from bench_trace import _max_difference
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tpugen-bench-jax-") as tmp:
+        work = Path(tmp)
+        for model in models:
+            row = {"model": model}
+            for backend in ("jax", "xla"):
+                print(f"(a) {model} on {backend} ...", flush=True)
+                cache = work / f"cache-{model}-{backend}"
+                report = _generate_fresh(
+                    work, f"{model}-{backend}", _config(model, backend, work, f"{model}-{backend}", cache)
+                )
+                row[backend] = _side(report)
+                if backend == "jax":
+                    row["jax"]["denoising_loop"] = report["device"]["denoising_loop"]
+                if model in again:
+                    print(f"(b) {model} on {backend}, the next process ...", flush=True)
+                    run_id = f"{model}-{backend}-again"
+                    second = _generate_fresh(work, run_id, _config(model, backend, work, run_id, cache))
+                    row[backend]["next_process"] = _side(second)
+                    row[backend]["next_over_first_warmup"] = second["warmup_seconds"] / report["warmup_seconds"]
+            row["max_pixel_difference"] = _max_difference(work / f"{model}-jax", work / f"{model}-xla")
+            row["images_per_second_jax_over_xla"] = row["jax"]["images_per_second"] / row["xla"]["images_per_second"]
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- (c) full size
+
+
+def full_size_worker(family_name: str, model_id: str) -> None:
+    """One full-size UNet in bfloat16 on JAX's CPU: prints a JSON line with the host ms to hand one CFG call and
+    a whole 20-step loop to the device."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import diffusers
+    import torch
+    from bench_trace import _inputs
+
+    from tpugen.backends.jax.loop import LoopPrograms
+    from tpugen.backends.jax.modules import JaxModule, to_jax
+    from tpugen.backends.jax.runtime import process_runtime
+    from tpugen.engine.linear_schedule import derive
+    from tpugen.engine.whole_loop import DenoiserLoop, LoopWork
+    from tpugen.families import family as family_named
+
+    runtime = process_runtime()
+    (known,) = [m for m in family_named(family_name).known_models if m.id == model_id]
+    class_name, config = known.components["unet"]
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    start = time.perf_counter()
+    unet = getattr(diffusers, class_name).from_config(config).eval()
+    torch.set_default_dtype(torch.float32)
+    denoiser = JaxModule(runtime, unet, "unet")
+    build_seconds = time.perf_counter() - start
+    inputs = _inputs(class_name, unet.config, 64, torch.device("cpu"))
+    jitted = runtime.jax.jit(
+        lambda weights, arrays: runtime.env.t2j_iso(
+            _call(runtime, denoiser, weights, {k: runtime.env.j2t_iso(v) for k, v in arrays.items()})
+        )
+    )
+    arrays = runtime.jax.tree_util.tree_map(to_jax, inputs)
+
+    def timed(call) -> tuple[list[float], float]:
+        first = time.perf_counter()
+        call().block_until_ready()  # the compile
+        compile_seconds = time.perf_counter() - first
+        times = []
+        for _ in range(CALLS + 1):
+            time.sleep(SETTLE)
+            start = time.perf_counter()
+            out = call()
+            times.append((time.perf_counter() - start) * 1000.0)
+            out.block_until_ready()  # the device's work, outside the clock
+        return times[1:], compile_seconds
+
+    call_ms, call_compile = timed(lambda: jitted(denoiser.weights, arrays))
+
+    scheduler = diffusers.DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    scheduler.set_timesteps(STEPS)
+    schedule = derive(scheduler, list(scheduler.timesteps))
+    loops = LoopPrograms(runtime, denoiser)
+    body = DenoiserLoop(
+        sample=0,
+        timestep=1,
+        timestep_rows=False,
+        timestep_divisor=1.0,
+        scales_input=True,
+        cfg="batch",
+        cfg_by_call=(),
+        cfg_rescale=None,
+        appendix_dim=None,
+        blends=False,
+    )
+    kwargs = {k: v for k, v in inputs.items() if k not in ("sample", "timestep")}
+    work = LoopWork(
+        latents=inputs["sample"][:1],
+        schedule=schedule,
+        noise=None,
+        body=body,
+        inputs={
+            "args": (None, None),
+            "kwargs": {**kwargs, "return_dict": False},
+            "negative": {},
+            "timestep_dtype": torch.int64,
+            "sample_dtype": torch.bfloat16,
+            "appendix": None,
+        },
+        guidance=7.5,
+    )
+    loop_ms, loop_compile = timed(lambda: loops.run(work))
+    print(
+        json.dumps(
+            {
+                "parameters": sum(p.numel() for p in unet.parameters()),
+                "build_seconds": build_seconds,
+                "call_host_ms_median": statistics.median(call_ms),
+                "call_host_ms_min": min(call_ms),
+                "call_compile_seconds": call_compile,
+                "loop_steps": STEPS,
+                "loop_host_ms_median": statistics.median(loop_ms),
+                "loop_host_ms_min": min(loop_ms),
+                "loop_host_ms_per_step": statistics.median(loop_ms) / STEPS,
+                "loop_compile_seconds": loop_compile,
+            }
+        )
+    )
+
+
+def _call(runtime, denoiser, weights, inputs):
+    with runtime.env:
+        return denoiser.traced(weights, "forward", **inputs, return_dict=False)[0]
+
+
+def full_size(labels: list[str] | None) -> list[dict]:
+    rows = []
+    for label, family_name, model_id in FULL:
+        if labels and label not in labels:
+            continue
+        print(f"(c) {label} on JAX's CPU ...", flush=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--full-size-worker", family_name, model_id],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU"},
+        )
+        if proc.returncode:
+            sys.exit(f"the {label} worker failed:\n{proc.stderr[-4000:]}")
+        measured = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(
+            f"    one CFG call: {measured['call_host_ms_median']:.2f} ms; a {STEPS}-step loop: "
+            f"{measured['loop_host_ms_median']:.2f} ms ({measured['loop_host_ms_per_step']:.3f} ms a step)"
+        )
+        rows.append({"denoiser": label, "model": model_id, **measured})
+    return rows
+
+
+def report(tiny: list[dict], full: list[dict]) -> None:
+    if tiny:
+        print("\n(a) tiny built-ins, 64x64, batch 2, 20 steps, 8 prompts; jax against xla with trace once")
+        print(
+            f"{'model':28s} {'jax img/s':>9s} {'xla img/s':>9s} {'ratio':>6s} {'jax host ms/step':>16s} "
+            f"{'xla host ms/step':>16s} {'jax warmup s':>12s} {'xla warmup s':>12s} {'apart /255':>10s}"
+        )
+        for row in tiny:
+            jax, xla = row["jax"], row["xla"]
+            print(
+                f"{row['model']:28s} {jax['images_per_second']:9.2f} {xla['images_per_second']:9.2f} "
+                f"{row['images_per_second_jax_over_xla']:6.2f} {jax['host_ms_per_step']:16.3f} "
+                f"{xla['host_ms_per_step']:16.2f} {jax['warmup_seconds']:12.2f} {xla['warmup_seconds']:12.2f} "
+                f"{row['max_pixel_difference']:10d}"
+            )
+        for row in tiny:
+            for backend in ("jax", "xla"):
+                side = row[backend]
+                if "next_process" in side:
+                    nxt = side["next_process"]
+                    print(
+                        f"(b) {row['model']} on {backend}: warmup {side['warmup_seconds']:.2f} s ({side['warmup_compiles']} "
+                        f"compiles), the next process {nxt['warmup_seconds']:.2f} s ({nxt['warmup_compiles']} compiles, "
+                        f"{nxt['persistent_cache_hits']} cache hits): ratio {side['next_over_first_warmup']:.2f}"
+                    )
+    for row in full:
+        print(
+            f"(c) {row['denoiser']}: one CFG call handed over in {row['call_host_ms_median']:.2f} ms (min "
+            f"{row['call_host_ms_min']:.2f}); a {row['loop_steps']}-step loop in {row['loop_host_ms_median']:.2f} ms "
+            f"({row['loop_host_ms_per_step']:.3f} ms a step)"
+        )
+
+
+def run(models: list[str] | None, full_labels: list[str] | None, skip_tiny: bool, skip_full: bool) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    models = models or TINY
+    tiny = [] if skip_tiny else end_to_end(models, again=["tiny-sd", "tiny-flux"])
+    full = [] if skip_full else full_size(full_labels)
+    report(tiny, full)
+    return {"measured": time.strftime("%Y-%m-%d"), "tiny": tiny, "full_size": full}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--full-size-worker":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        full_size_worker(sys.argv[2], sys.argv[3])
