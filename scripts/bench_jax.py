@@ -10,7 +10,9 @@
 (c) Full size: SD 1.5's and SDXL's UNets from their configs, random bfloat16 weights, on JAX's CPU: host ms to hand
     one CFG call (batch 2 at 64x64) of the jitted denoiser to the device, and to hand a whole 20-step DDIM loop with
     CFG (tpugen's loop program), the device idle before each (a pause, then the previous call waited for); medians
-    of 7 after one untimed call. xla's side of the same figures: `scripts/bench.py trace` (part (b) there).
+    of 7 calls and 3 loops after one untimed. Then the next process: the same programs again with the same cache
+    folder, JAX's own seconds of tracing, lowering and compiling (or reading the cache) in each. xla's side of the
+    host figures: `scripts/bench.py trace` (part (b) there).
 
 Writes bench/jax.json.
 """
@@ -53,6 +55,7 @@ FULL = [
     ("SDXL UNet", "sdxl", "stabilityai/stable-diffusion-xl-base-1.0"),
 ]
 CALLS = 7
+LOOPS = 3  # timed hand-overs of a full-size loop (each loop runs 20 steps on these 2 cores)
 SETTLE = 2.0  # seconds between timed calls, the device idle (bench_trace.py says why on XLA:CPU)
 
 
@@ -86,8 +89,9 @@ def _side(report: dict) -> dict:
 
 
 def end_to_end(models: list[str], again: list[str]) -> list[dict]:
-    from bench import _generate_fresh  # scripts/bench.py: `tpugen generate` in a fresh process
     from bench_trace import _max_difference
+
+    from bench import _generate_fresh  # scripts/bench.py: `tpugen generate` in a fresh process
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="tpugen-bench-jax-") as tmp:
@@ -118,9 +122,10 @@ def end_to_end(models: list[str], again: list[str]) -> list[dict]:
 # ---------------------------------------------------------------- (c) full size
 
 
-def full_size_worker(family_name: str, model_id: str) -> None:
-    """One full-size UNet in bfloat16 on JAX's CPU: prints a JSON line with the host ms to hand one CFG call and
-    a whole 20-step loop to the device."""
+def full_size_worker(family_name: str, model_id: str, cache: str, again: bool) -> None:
+    """One full-size UNet in bfloat16 on JAX's CPU, JAX's persistent cache in `cache`: prints a JSON line with the
+    seconds to the first call's result (trace, compile or cache read, and the call itself) of one CFG call and of a
+    whole 20-step loop, and, unless `again` (the next process: those seconds alone), the host ms to hand each over."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import diffusers
     import torch
@@ -134,6 +139,7 @@ def full_size_worker(family_name: str, model_id: str) -> None:
     from tpugen.families import family as family_named
 
     runtime = process_runtime()
+    runtime.use_cache(cache)
     (known,) = [m for m in family_named(family_name).known_models if m.id == model_id]
     class_name, config = known.components["unet"]
     torch.manual_seed(0)
@@ -151,22 +157,35 @@ def full_size_worker(family_name: str, model_id: str) -> None:
     )
     arrays = runtime.jax.tree_util.tree_map(to_jax, inputs)
 
-    def timed(call) -> tuple[list[float], float]:
+    compiling: dict[int, float] = {}  # JAX's own seconds of tracing, lowering and compiling or loading, per program
+
+    def timed(call, repeats: int) -> tuple[list[float], float, float]:
+        before = runtime.reading()
         first = time.perf_counter()
-        call().block_until_ready()  # the compile
-        compile_seconds = time.perf_counter() - first
+        call().block_until_ready()  # trace, compile (or read the cache), run
+        first_seconds = time.perf_counter() - first
+        after = runtime.reading()
+        hits = after.cache_hits - before.cache_hits
+        compiling[len(compiling)] = after.compile_seconds - before.compile_seconds
         times = []
-        for _ in range(CALLS + 1):
+        for _ in range(repeats + 1 if repeats else 0):
             time.sleep(SETTLE)
             start = time.perf_counter()
             out = call()
             times.append((time.perf_counter() - start) * 1000.0)
             out.block_until_ready()  # the device's work, outside the clock
-        return times[1:], compile_seconds
+        return times[1:], first_seconds, hits
 
-    call_ms, call_compile = timed(lambda: jitted(denoiser.weights, arrays))
+    call_ms, call_first, call_hits = timed(lambda: jitted(denoiser.weights, arrays), 0 if again else CALLS)
 
-    scheduler = diffusers.DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    scheduler = diffusers.DDIMScheduler(
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
     scheduler.set_timesteps(STEPS)
     schedule = derive(scheduler, list(scheduler.timesteps))
     loops = LoopPrograms(runtime, denoiser)
@@ -198,23 +217,27 @@ def full_size_worker(family_name: str, model_id: str) -> None:
         },
         guidance=7.5,
     )
-    loop_ms, loop_compile = timed(lambda: loops.run(work))
-    print(
-        json.dumps(
-            {
-                "parameters": sum(p.numel() for p in unet.parameters()),
-                "build_seconds": build_seconds,
-                "call_host_ms_median": statistics.median(call_ms),
-                "call_host_ms_min": min(call_ms),
-                "call_compile_seconds": call_compile,
-                "loop_steps": STEPS,
-                "loop_host_ms_median": statistics.median(loop_ms),
-                "loop_host_ms_min": min(loop_ms),
-                "loop_host_ms_per_step": statistics.median(loop_ms) / STEPS,
-                "loop_compile_seconds": loop_compile,
-            }
+    loop_ms, loop_first, loop_hits = timed(lambda: loops.run(work), 0 if again else LOOPS)
+    measured = {
+        "parameters": sum(p.numel() for p in unet.parameters()),
+        "build_seconds": build_seconds,
+        "call_first_seconds": call_first,
+        "call_compile_seconds": compiling[0],
+        "call_cache_hits": call_hits,
+        "loop_first_seconds": loop_first,
+        "loop_compile_seconds": compiling[1],
+        "loop_cache_hits": loop_hits,
+        "loop_steps": STEPS,
+    }
+    if not again:
+        measured.update(
+            call_host_ms_median=statistics.median(call_ms),
+            call_host_ms_min=min(call_ms),
+            loop_host_ms_median=statistics.median(loop_ms),
+            loop_host_ms_min=min(loop_ms),
+            loop_host_ms_per_step=statistics.median(loop_ms) / STEPS,
         )
-    )
+    print(json.dumps(measured))
 
 
 def _call(runtime, denoiser, weights, inputs):
@@ -222,26 +245,34 @@ def _call(runtime, denoiser, weights, inputs):
         return denoiser.traced(weights, "forward", **inputs, return_dict=False)[0]
 
 
+def _full_size_process(label: str, family_name: str, model_id: str, cache: Path, again: bool) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--full-size-worker", family_name, model_id, str(cache), "again" if again else ""],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU"},
+    )
+    if proc.returncode:
+        sys.exit(f"the {label} worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def full_size(labels: list[str] | None) -> list[dict]:
     rows = []
-    for label, family_name, model_id in FULL:
-        if labels and label not in labels:
-            continue
-        print(f"(c) {label} on JAX's CPU ...", flush=True)
-        proc = subprocess.run(
-            [sys.executable, __file__, "--full-size-worker", family_name, model_id],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU"},
-        )
-        if proc.returncode:
-            sys.exit(f"the {label} worker failed:\n{proc.stderr[-4000:]}")
-        measured = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(
-            f"    one CFG call: {measured['call_host_ms_median']:.2f} ms; a {STEPS}-step loop: "
-            f"{measured['loop_host_ms_median']:.2f} ms ({measured['loop_host_ms_per_step']:.3f} ms a step)"
-        )
-        rows.append({"denoiser": label, "model": model_id, **measured})
+    with tempfile.TemporaryDirectory(prefix="tpugen-bench-jax-full-") as tmp:
+        for label, family_name, model_id in FULL:
+            if labels and label not in labels:
+                continue
+            cache = Path(tmp) / family_name
+            print(f"(c) {label} on JAX's CPU ...", flush=True)
+            measured = _full_size_process(label, family_name, model_id, cache, again=False)
+            print(
+                f"    one CFG call: {measured['call_host_ms_median']:.2f} ms; a {STEPS}-step loop: "
+                f"{measured['loop_host_ms_median']:.2f} ms ({measured['loop_host_ms_per_step']:.3f} ms a step)"
+            )
+            print(f"(c) {label}, the next process ...", flush=True)
+            measured["next_process"] = _full_size_process(label, family_name, model_id, cache, again=True)
+            rows.append({"denoiser": label, "model": model_id, **measured})
     return rows
 
 
@@ -271,10 +302,14 @@ def report(tiny: list[dict], full: list[dict]) -> None:
                         f"{nxt['persistent_cache_hits']} cache hits): ratio {side['next_over_first_warmup']:.2f}"
                     )
     for row in full:
+        nxt = row["next_process"]
         print(
             f"(c) {row['denoiser']}: one CFG call handed over in {row['call_host_ms_median']:.2f} ms (min "
             f"{row['call_host_ms_min']:.2f}); a {row['loop_steps']}-step loop in {row['loop_host_ms_median']:.2f} ms "
-            f"({row['loop_host_ms_per_step']:.3f} ms a step)"
+            f"({row['loop_host_ms_per_step']:.3f} ms a step); tracing and compiling: call {row['call_compile_seconds']:.1f} s, "
+            f"loop {row['loop_compile_seconds']:.1f} s; the next process (tracing and reading the cache) call "
+            f"{nxt['call_compile_seconds']:.1f} s, loop {nxt['loop_compile_seconds']:.1f} s "
+            f"({nxt['call_cache_hits'] + nxt['loop_cache_hits']} cache hits)"
         )
 
 
@@ -290,4 +325,4 @@ def run(models: list[str] | None, full_labels: list[str] | None, skip_tiny: bool
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--full-size-worker":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        full_size_worker(sys.argv[2], sys.argv[3])
+        full_size_worker(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "again")

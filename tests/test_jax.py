@@ -4,6 +4,7 @@ switch that compiles nothing; a warm server; and what it does not run yet, refus
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -175,6 +176,54 @@ def _batch(steps: int = 4):
 
 @pytest.mark.xla
 @JAX_PROCESS
+def test_convolutions_equal_torch_and_run_channels_last_inside_a_loop():
+    """On JAX's CPU tpugen's 2-D convolution is channels-last (XLA:CPU keeps a loop body's convolutions in the
+    layout they come in, and its fast kernel takes channels-last only); any stride, padding, dilation and groups
+    equal torch's, and a 1-D one (torchax's own) too."""
+    import jax
+    import torch
+
+    from tpugen.backends.jax.runtime import process_runtime
+
+    env = process_runtime().env
+    torch.manual_seed(0)
+
+    def on_jax(function, *tensors):
+        with env:
+            return env.t2j_iso(function(*(env.j2t_iso(t) for t in tensors)))
+
+    x = torch.randn(2, 8, 9, 9)
+    for case in ({"padding": 1}, {"stride": 2}, {"padding": 2, "dilation": 2}, {"padding": 1, "groups": 4}):
+        weight, bias = torch.randn(8, 8 // case.get("groups", 1), 3, 3), torch.randn(8)
+        expected = torch.nn.functional.conv2d(x, weight, bias, **case).numpy()
+        conv = functools.partial(torch.nn.functional.conv2d, **case)
+        got = jax.jit(lambda a, w, b, conv=conv: on_jax(conv, a, w, b))(x.numpy(), weight.numpy(), bias.numpy())
+        np.testing.assert_allclose(np.asarray(got), expected, atol=1e-4, err_msg=str(case))
+    line, kernel = torch.randn(2, 4, 16), torch.randn(6, 4, 3)
+    got = jax.jit(lambda a, w: on_jax(functools.partial(torch.nn.functional.conv1d, padding=1), a, w))(
+        line.numpy(), kernel.numpy()
+    )
+    np.testing.assert_allclose(np.asarray(got), torch.nn.functional.conv1d(line, kernel, padding=1), atol=1e-4)
+
+    weight = torch.randn(8, 8, 3, 3) * 0.1
+
+    def loop(a, w, steps):
+        def step(_, y):
+            return jax.numpy.tanh(on_jax(functools.partial(torch.nn.functional.conv2d, padding=1), y, w))
+
+        return jax.lax.fori_loop(0, steps, step, a)
+
+    compiled = jax.jit(loop).lower(x.numpy(), weight.numpy(), np.int32(3)).compile()
+    convolutions = [line for line in compiled.as_text().splitlines() if " convolution(" in line]
+    assert convolutions and all("dim_labels=b01f_01io->b01f" in line for line in convolutions), convolutions
+    expected = x
+    for _ in range(3):
+        expected = torch.tanh(torch.nn.functional.conv2d(expected, weight, padding=1))
+    np.testing.assert_allclose(np.asarray(compiled(x.numpy(), weight.numpy(), np.int32(3))), expected, atol=1e-4)
+
+
+@pytest.mark.xla
+@JAX_PROCESS
 def test_every_sampler_runs_as_one_call_and_matches_diffusers(engines):
     jax, cpu = engines["jax"], engines["cpu"]
     for name in SCHEDULER_NAMES:
@@ -237,6 +286,51 @@ def test_warmup_fills_the_cache_that_the_next_process_reads_back(tmp_path):
     assert graphs == 3 and entry["compiles"] == 0  # text encoding, the loop, decoding: each read back
     assert entry["persistent_cache_hits"] == graphs and entry["persistent_cache_misses"] == 0
     assert report["persistent_cache"]["hits"] == graphs and report["compiles_after_warmup"] == 0
+    # The loop and the decode read whole from tpugen's store (not traced either); the text encoder from JAX's cache
+    assert report["device"]["compile_cache"]["whole_programs_read_back"] == 2
+    assert report["device"]["compile_cache"]["whole_programs_unreadable"] == 0
+    stored = sorted((cache / "tpugen-programs").iterdir())
+    assert [p.name.split("-")[0] for p in stored] == ["denoiser_loop", "sd_decode"], stored
+
+    # A stored program that cannot be read is a miss, said once: traced and compiled again, the run unharmed
+    for path in stored:
+        path.write_bytes(b"not a program")
+    proc, run_dir = generate_in_new_process(tmp_path / "third", **overrides)
+    assert proc.returncode == 0, proc.stderr
+    assert "a stored JAX program could not be read" in proc.stderr
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["device"]["compile_cache"]["whole_programs_unreadable"] == 2
+    assert report["device"]["compile_cache"]["whole_programs_read_back"] == 0
+    assert report["persistent_cache"]["load_failures"] == 2 and report["compiles_after_warmup"] == 0
+    assert all(path.read_bytes() != b"not a program" for path in stored)  # stored again
+
+
+@pytest.mark.xla
+def test_a_stored_program_is_found_only_by_what_its_trace_reads():
+    """The store's key holds every submodule's plain attributes: a changed scale, attention processor or config
+    value is another program (a miss), the same module built again is the same program."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from diffusers.models.attention_processor import AttnProcessor
+
+    from tpugen.backends.jax.store import module_description
+    from tpugen.families.parts import TINY_UNET
+
+    def unet():
+        torch.manual_seed(0)
+        return UNet2DConditionModel(**TINY_UNET, cross_attention_dim=32, attention_head_dim=8)
+
+    first, again = unet(), unet()
+    assert module_description(first) == module_description(again)
+    changed = unet()
+    changed.down_blocks[0].resnets[0].output_scale_factor = 0.5
+    assert module_description(changed) != module_description(first)
+    changed = unet()
+    changed.set_attn_processor(AttnProcessor())
+    assert module_description(changed) != module_description(first)
+    changed = unet()
+    changed.register_to_config(sample_size=16)
+    assert module_description(changed) != module_description(first)
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,7 @@ def _check(scheduler, timesteps, *, shape=(3, 4, 5, 2), seed=0):
 
 @pytest.mark.parametrize("name", SCHEDULER_NAMES)
 @pytest.mark.parametrize("steps", [1, 2, 7, 25])
+@pytest.mark.filterwarnings("ignore:The `scale_model_input` function should be called")  # LMS: the raw step is meant
 def test_every_sampler_steps_as_its_recurrence(name, steps):
     scheduler = _scheduler(name)
     scheduler.set_timesteps(steps)

@@ -22,6 +22,14 @@ VARIABLES = (
     Variable("TPUGEN_API_KEY", "unset", "the API key of `tpugen serve` and of `generate --server` (as `--api-key`)"),
     Variable("PJRT_DEVICE", "TPU where TPU devices are found, else CPU", "the device torch_xla runs on"),
     Variable("CPU_NUM_DEVICES", "1", "XLA:CPU devices (for `mode: multi` or `spmd` on a machine without a TPU)"),
+    Variable(
+        "JAX_PLATFORMS", "unset (a TPU where JAX finds one)", "the platform `backend: jax` runs on (`cpu` off a TPU)"
+    ),
+    Variable(
+        "XLA_FLAGS",
+        "unset",
+        "XLA's flags, read by torch_xla and JAX alike; part of the key of a program `backend: jax` keeps whole",
+    ),
     Variable("RAY_ADDRESS", "unset", "the cluster `execution.ray.address: auto` joins, as Ray reads it"),
     Variable("HF_HOME", "~/.cache/huggingface", "the Hugging Face cache, as diffusers reads it"),
     Variable("HF_TOKEN", "the token `hf auth login` saved", "the token for gated models, as diffusers reads it"),

@@ -34,7 +34,8 @@ class JaxBackend(OneDeviceBackend):
         self.cache = {
             "enabled": directory is not None,
             "dir": directory,
-            "note": "JAX's persistent compilation cache: read back by every later process"
+            "note": "JAX's persistent compilation cache, the denoising loop and decode kept whole beside it "
+            "(tpugen-programs: a later process neither traces nor compiles them): read back by every later process"
             if directory
             else "off (cache.enabled: false)",
         }
@@ -99,11 +100,12 @@ class JaxBackend(OneDeviceBackend):
         import torch
 
         from tpugen.backends.jax.modules import to_jax, to_torch
+        from tpugen.backends.jax.store import pipe_description
 
         vae = self.modules["vae"]
         key = (method, tuple(latents.shape), str(latents.dtype), height, width)
         if key not in self._decoders:
-            jax, env = self.runtime.jax, self.runtime.env
+            env = self.runtime.env
 
             def decode(weights, latents):
                 with env:
@@ -115,7 +117,17 @@ class JaxBackend(OneDeviceBackend):
                 return env.t2j_iso(image)
 
             decode.__name__ = f"{family.name}_decode"
-            self._decoders[key] = jax.jit(decode)
+            identity = (
+                "decode",
+                family.name,
+                method,
+                height,
+                width,
+                type(pipe).__qualname__,
+                pipe_description(pipe),
+                vae.description(),
+            )
+            self._decoders[key] = self.runtime.store.program(decode, identity)
         if isinstance(latents, torch.Tensor):
             latents = to_jax(latents)
         pixels = self._decoders[key](vae.weights, latents)
@@ -144,6 +156,7 @@ class JaxBackend(OneDeviceBackend):
             transfers_to_host=tally.reads,
             persistent_cache_hits=tally.cache_hits,
             persistent_cache_misses=tally.cache_writes,
+            persistent_cache_load_failures=tally.load_failures,
             graph_lookups=tally.executables,
         )
 
@@ -155,6 +168,7 @@ class JaxBackend(OneDeviceBackend):
 
     def describe(self) -> dict:
         jax = self.runtime.jax
+        tally = self.runtime.reading()
         return {
             "backend": self.name,
             "device": str(jax.devices()[0]),
@@ -162,7 +176,13 @@ class JaxBackend(OneDeviceBackend):
             "world_size": 1,
             "jax": jax.__version__,
             "torchax": getattr(self.runtime.torchax, "__version__", None),
-            "compile_cache": self.cache,
+            "compile_cache": {
+                **self.cache,
+                # this process's, warmup's among them: programs read whole from the store (neither traced nor
+                # compiled), and stored ones that could not be read (traced and compiled again)
+                "whole_programs_read_back": tally.stored_loads if self.cache["enabled"] else None,
+                "whole_programs_unreadable": tally.load_failures if self.cache["enabled"] else None,
+            },
             "weights_on_device_bytes": sum(m.bytes for m in self.modules.values()),
             "counters_scope": "JAX's own compile and persistent-cache events, tpugen's calls and reads of its JAX "
             "programs; process-wide, one device in this process",

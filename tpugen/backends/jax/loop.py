@@ -145,7 +145,18 @@ class LoopPrograms:
             return samples[0]
 
         program.__name__ = f"{body.key[0]}_loop".replace(" ", "_")
-        return jax.jit(program)
+        identity = (
+            "loop",
+            repr(body.key),
+            str(spec),
+            repr(fixed),
+            tuple(numbers),
+            draws,
+            WINDOW,
+            denoiser.label,
+            denoiser.description(),
+        )
+        return self.runtime.store.program(program, identity)
 
 
 def _padded(values, width: int) -> list[float]:

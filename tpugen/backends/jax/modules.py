@@ -112,6 +112,12 @@ class JaxModule:
                 if patched is not None:
                     self.module.__dict__[name] = patched
 
+    def description(self) -> tuple:
+        """What a trace of the module reads besides its weights (tpugen.backends.jax.store), as it is now."""
+        from tpugen.backends.jax.store import module_description
+
+        return module_description(self.module)
+
     @property
     def bytes(self) -> int:
         return sum(array.nbytes for array in self.weights.values())

@@ -30,6 +30,8 @@ class Tally:
     compile_seconds: float = 0.0  # tracing, lowering and compiling (a cache read included)
     executions: int = 0  # calls of tpugen's jitted functions
     reads: int = 0  # device-to-host reads tpugen made
+    stored_loads: int = 0  # whole programs read from tpugen's store (tpugen.backends.jax.store): no trace
+    load_failures: int = 0  # stored programs that could not be read (compiled again)
 
 
 class Runtime:
@@ -46,12 +48,17 @@ class Runtime:
         self.jax = jax
         self.torchax = torchax
         self.env = torchax.default_env()
-        from tpugen.backends.jax.attention import install
+        from tpugen.backends.jax import attention, convolution
 
-        install(self.env)
+        attention.install(self.env)
+        if jax.default_backend() == "cpu":
+            convolution.install(self.env)
         self.lock = threading.Lock()
         self.tally = Tally()
         self.cache_dir: str | None = None
+        from tpugen.backends.jax.store import ProgramStore
+
+        self.store = ProgramStore(self)
         # Without 64-bit types, JAX casts torch's int64 (token ids, timesteps) to int32: said once per cast.
         warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
         from jax import monitoring
@@ -75,6 +82,18 @@ class Runtime:
         elif event in (TRACE, LOWER):
             with self.lock:
                 self.tally.compile_seconds += seconds
+
+    def stored_program_loaded(self, seconds: float) -> None:
+        """A whole program read from tpugen's store: an executable obtained from the cache, nothing traced."""
+        with self.lock:
+            self.tally.executables += 1
+            self.tally.cache_hits += 1
+            self.tally.stored_loads += 1
+            self.tally.compile_seconds += seconds
+
+    def stored_program_unreadable(self) -> None:
+        with self.lock:
+            self.tally.load_failures += 1
 
     def executed(self) -> None:
         with self.lock:
@@ -112,6 +131,7 @@ class Runtime:
         # The cache is read from the folder set when it first initialises: a process that changes folders (tests,
         # two engines with two caches) starts it again.
         compilation_cache.reset_cache()
+        self.store.use(directory)
         self.cache_dir = directory
 
     def device_kind(self) -> str:
