@@ -311,7 +311,7 @@ def test_a_stored_program_is_found_only_by_what_its_trace_reads():
     value is another program (a miss), the same module built again is the same program."""
     import torch
     from diffusers import UNet2DConditionModel
-    from diffusers.models.attention_processor import AttnProcessor
+    from diffusers.models.attention_processor import AttnProcessor, SlicedAttnProcessor
 
     from tpugen.backends.jax.store import module_description
     from tpugen.families.parts import TINY_UNET
@@ -331,6 +331,19 @@ def test_a_stored_program_is_found_only_by_what_its_trace_reads():
     changed = unet()
     changed.register_to_config(sample_size=16)
     assert module_description(changed) != module_description(first)
+    # an attention processor's own settings, a hook, a tensor that is not a weight: each is another key
+    one, two = unet(), unet()
+    one.set_attn_processor(SlicedAttnProcessor(1))
+    two.set_attn_processor(SlicedAttnProcessor(2))
+    assert module_description(one) != module_description(two)
+    hooked = unet()
+    hooked.mid_block.register_forward_pre_hook(functools.partial(lambda scale, module, args: None, 2.0))
+    assert module_description(hooked) != module_description(first)
+    held = unet()
+    held.time_proj.extra = torch.ones(3, dtype=torch.bfloat16)
+    other = unet()
+    other.time_proj.extra = torch.zeros(3, dtype=torch.bfloat16)
+    assert module_description(held) != module_description(other)
 
 
 @pytest.mark.parametrize(

@@ -31,14 +31,17 @@ class JaxBackend(OneDeviceBackend):
         self.runtime = process_runtime()
         directory = jax_cache_dir(cache)
         self.runtime.use_cache(directory)
-        self.cache = {
-            "enabled": directory is not None,
-            "dir": directory,
-            "note": "JAX's persistent compilation cache, the denoising loop and decode kept whole beside it "
-            "(tpugen-programs: a later process neither traces nor compiles them): read back by every later process"
-            if directory
-            else "off (cache.enabled: false)",
-        }
+        whole = self.runtime.store.directory is not None
+        if directory is None:
+            note = "off (cache.enabled: false)"
+        elif whole:
+            note = (
+                "JAX's persistent compilation cache, the denoising loop and decode kept whole beside it "
+                "(tpugen-programs: a later process neither traces nor compiles them): read back by every later process"
+            )
+        else:
+            note = "JAX's persistent compilation cache (no whole programs on a remote folder): read back by every later process"
+        self.cache = {"enabled": directory is not None, "dir": directory, "whole_programs": whole, "note": note}
         self.device = torch.device("cpu")  # where the pipeline's own (glue) tensors live
         self.modules: dict = {}  # component -> JaxModule
         self._loops = None
@@ -117,16 +120,19 @@ class JaxBackend(OneDeviceBackend):
                 return env.t2j_iso(image)
 
             decode.__name__ = f"{family.name}_decode"
-            identity = (
-                "decode",
-                family.name,
-                method,
-                height,
-                width,
-                type(pipe).__qualname__,
-                pipe_description(pipe),
-                vae.description(),
-            )
+
+            def identity() -> tuple:
+                return (
+                    "decode",
+                    family.name,
+                    method,
+                    height,
+                    width,
+                    type(pipe).__qualname__,
+                    pipe_description(pipe),
+                    vae.description(),
+                )
+
             self._decoders[key] = self.runtime.store.program(decode, identity)
         if isinstance(latents, torch.Tensor):
             latents = to_jax(latents)
@@ -180,12 +186,13 @@ class JaxBackend(OneDeviceBackend):
                 **self.cache,
                 # this process's, warmup's among them: programs read whole from the store (neither traced nor
                 # compiled), and stored ones that could not be read (traced and compiled again)
-                "whole_programs_read_back": tally.stored_loads if self.cache["enabled"] else None,
-                "whole_programs_unreadable": tally.load_failures if self.cache["enabled"] else None,
+                "whole_programs_read_back": tally.stored_loads if self.cache["whole_programs"] else None,
+                "whole_programs_unreadable": tally.load_failures if self.cache["whole_programs"] else None,
             },
             "weights_on_device_bytes": sum(m.bytes for m in self.modules.values()),
-            "counters_scope": "JAX's own compile and persistent-cache events, tpugen's calls and reads of its JAX "
-            "programs; process-wide, one device in this process",
+            "counters_scope": "JAX's own compile and persistent-cache events, the whole programs tpugen read from its "
+            "store (counted as cache hits), tpugen's calls and reads of its JAX programs; process-wide, one device in "
+            "this process",
         }
 
     def bind_thread(self) -> None:

@@ -14,13 +14,11 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
     """aten.convolution on JAX arrays: a 2-D, non-transposed one channels-last, any other as torchax has it."""
     import jax
 
-    if transposed or weight.ndim != 4 or input.ndim != 4 or isinstance(padding, str):
+    if transposed or weight.ndim != 4 or input.ndim != 4:
         from torchax.ops.jaten import _aten_convolution
 
         return _aten_convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-    padding = list(padding) * 2 if len(padding) == 1 else list(padding)
-    stride = list(stride) * 2 if len(stride) == 1 else list(stride)
-    dilation = list(dilation) * 2 if len(dilation) == 1 else list(dilation)
+    padding, stride, dilation = _pair(padding), _pair(stride), _pair(dilation)
     out = jax.lax.conv_general_dilated(
         input.transpose(0, 2, 3, 1),
         weight.transpose(2, 3, 1, 0),
@@ -35,16 +33,17 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
     return out.transpose(0, 3, 1, 2)
 
 
-def conv2d(input, weight, bias=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
-    return convolution(input, weight, bias, stride, padding, dilation, False, (0, 0), groups)
+def _pair(value) -> list[int]:
+    values = [value] if isinstance(value, int) else list(value)
+    return values * 2 if len(values) == 1 else values
 
 
 def install(env) -> None:
-    """`convolution` as the definition of aten.convolution and aten.conv2d in `env`."""
+    """`convolution` as the definition of aten.convolution in `env` (torch's conv2d reaches the device as it)."""
     import torch
     from torchax.ops import ops_registry
 
-    for op, function in ((torch.ops.aten.convolution, convolution), (torch.ops.aten.conv2d, conv2d)):
-        env._ops[op] = ops_registry.Operator(
-            op, function, is_jax_function=True, is_user_defined=True, needs_env=False, is_view_op=False
-        )
+    op = torch.ops.aten.convolution
+    env._ops[op] = ops_registry.Operator(
+        op, convolution, is_jax_function=True, is_user_defined=True, needs_env=False, is_view_op=False
+    )

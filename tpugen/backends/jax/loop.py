@@ -145,17 +145,20 @@ class LoopPrograms:
             return samples[0]
 
         program.__name__ = f"{body.key[0]}_loop".replace(" ", "_")
-        identity = (
-            "loop",
-            repr(body.key),
-            str(spec),
-            repr(fixed),
-            tuple(numbers),
-            draws,
-            WINDOW,
-            denoiser.label,
-            denoiser.description(),
-        )
+
+        def identity() -> tuple:
+            return (
+                "loop",
+                repr(body.key),
+                str(spec),
+                repr(fixed),
+                tuple(numbers),
+                draws,
+                WINDOW,
+                denoiser.label,
+                denoiser.description(),
+            )
+
         return self.runtime.store.program(program, identity)
 
 

@@ -116,7 +116,8 @@ class JaxModule:
         """What a trace of the module reads besides its weights (tpugen.backends.jax.store), as it is now."""
         from tpugen.backends.jax.store import module_description
 
-        return module_description(self.module)
+        with self._own_methods():  # as traced: the module's own methods, not the hooks that send calls to JAX
+            return module_description(self.module)
 
     @property
     def bytes(self) -> int:

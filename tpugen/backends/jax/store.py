@@ -27,18 +27,41 @@ from pathlib import Path
 log = logging.getLogger("tpugen")
 
 FOLDER = "tpugen-programs"
-_LIBRARIES = ("jax", "jaxlib", "torchax", "torch", "diffusers", "transformers", "numpy", "ml_dtypes")
+_LIBRARIES = (
+    "jax",
+    "jaxlib",
+    "torchax",
+    "torch",
+    "diffusers",
+    "transformers",
+    "peft",
+    "accelerate",
+    "numpy",
+    "ml_dtypes",
+)
 _SIMPLE = (bool, int, float, str, bytes, type(None))
 
 
 def _plain(value, depth: int = 0):
-    """A value as a stable, comparable description: plain values as they are, containers of them item by item,
-    a config object by its dict, anything else by its class (so two runs' descriptions match only when what a
-    trace reads of them does)."""
+    """A value as a stable, comparable description: plain values as they are, containers item by item, a config
+    by its dict, a function by its name, defaults and closure, an object of diffusers, transformers, peft or
+    tpugen (an attention processor, a hook) by its class and attributes, anything else by its class. Two runs'
+    descriptions match only when what a trace reads of them does."""
+    import functools
+    import types
+
+    import torch
+
     if isinstance(value, _SIMPLE):
         return value
-    if depth > 4:
-        return type(value).__qualname__
+    if depth > 6:
+        return ("deep", type(value).__qualname__)
+    if isinstance(value, torch.nn.Module):  # its own attributes are described where it is a submodule
+        return ("module", type(value).__module__, type(value).__qualname__)
+    if isinstance(value, torch.dtype | torch.device):
+        return str(value)
+    if isinstance(value, torch.Tensor):  # a plain tensor attribute (not a weight) is read as a constant
+        return ("tensor", tuple(value.shape), str(value.dtype), _tensor_digest(value))
     if isinstance(value, set | frozenset):
         return ("set", tuple(sorted(repr(_plain(v, depth + 1)) for v in value)))
     if isinstance(value, list | tuple):
@@ -48,52 +71,67 @@ def _plain(value, depth: int = 0):
         # any trace, so left out
         items = ((str(k), v) for k, v in value.items() if k != "_use_default_values")
         return ("dict", tuple(sorted((k, _plain(v, depth + 1)) for k, v in items)))
+    if isinstance(value, functools.partial):
+        return (
+            "partial",
+            _plain(value.func, depth + 1),
+            _plain(value.args, depth + 1),
+            _plain(value.keywords, depth + 1),
+        )
+    if isinstance(value, types.MethodType):
+        return ("method", type(value.__self__).__qualname__, _plain(value.__func__, depth + 1))
+    if isinstance(value, types.FunctionType):
+        closure = tuple(_plain(cell.cell_contents, depth + 1) for cell in value.__closure__ or ())
+        return ("function", value.__module__, value.__qualname__, _plain(value.__defaults__, depth + 1), closure)
     if hasattr(value, "to_dict") and callable(value.to_dict):
         try:
             return (type(value).__qualname__, _plain(value.to_dict(), depth + 1))
         except Exception:  # noqa: BLE001 - a config that cannot say itself is described by its class
-            return type(value).__qualname__
-    if callable(value):
-        target = getattr(value, "__func__", value)
-        return ("callable", getattr(target, "__module__", None), getattr(target, "__qualname__", type(value).__name__))
-    import torch
-
-    if isinstance(value, torch.dtype | torch.device):
-        return str(value)
-    if isinstance(value, torch.Tensor):  # a plain tensor attribute (not a weight) is read as a constant
-        return (
-            "tensor",
-            tuple(value.shape),
-            str(value.dtype),
-            hashlib.sha256(value.detach().cpu().numpy().tobytes()).hexdigest(),
-        )
+            return (type(value).__qualname__, os.urandom(8).hex())  # and never matches
     kind = type(value)
     if getattr(kind, "__module__", "").startswith(("diffusers", "transformers", "peft", "tpugen")):
         attributes = (
             {k: v for k, v in vars(value).items() if not k.startswith("__")} if hasattr(value, "__dict__") else {}
         )
         return (kind.__module__, kind.__qualname__, _plain(attributes, depth + 1))
+    if callable(value):
+        return ("callable", getattr(value, "__module__", None), getattr(value, "__qualname__", kind.__qualname__))
     return kind.__qualname__
 
 
-_SKIPPED = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
+def _tensor_digest(tensor) -> str:
+    try:
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(__import__("torch").uint8).numpy().tobytes()
+    except Exception:  # noqa: BLE001 - a tensor that cannot be read (meta) makes a key that never matches
+        return os.urandom(8).hex()
+    return hashlib.sha256(data).hexdigest()
+
+
+# A module's own weights are the programs' arguments (their shapes and dtypes in the key); "training" does not
+# change an inference trace; tpugen's host-side caches on a module hold what the trace is handed as arguments.
+_SKIPPED = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training", "_tpugen_tables"}
 
 
 def module_description(module) -> tuple:
-    """Every submodule of `module`: its name, class and plain attributes (not its weights: their shapes and dtypes
-    are the programs' arguments)."""
+    """Every submodule of `module`: its name, class and plain attributes, its hooks in order (not its weights:
+    their shapes and dtypes are the programs' arguments)."""
     parts = []
     for name, sub in module.named_modules(remove_duplicate=False):
-        attributes = {
-            k: v for k, v in vars(sub).items() if k not in _SKIPPED and not (k.startswith("_") and k.endswith("hooks"))
-        }
+        attributes = {}
+        for key, value in vars(sub).items():
+            if key in _SKIPPED:
+                continue
+            if key.startswith("_") and "hooks" in key and isinstance(value, dict):
+                value = list(value.values())  # their handles' numbers differ per process; their order counts
+            attributes[key] = value
         parts.append((name, type(sub).__module__, type(sub).__qualname__, _plain(attributes)))
     return tuple(parts)
 
 
 def pipe_description(pipe) -> tuple:
     """The pipeline's own plain attributes and its image processor's config (what a family's decode reads)."""
-    plain = {k: v for k, v in vars(pipe).items() if isinstance(v, _SIMPLE)}
+    # diffusers keeps each call's settings (_guidance_scale, _num_timesteps, ...) on the pipeline: not the decode's
+    plain = {k: v for k, v in vars(pipe).items() if isinstance(v, _SIMPLE) and not k.startswith("_")}
     processor = getattr(pipe, "image_processor", None)
     return (_plain(plain), _plain(getattr(processor, "config", None)))
 
@@ -125,6 +163,7 @@ def _process_description() -> tuple:
         bool(jax.config.jax_enable_x64),
         str(jax.config.jax_default_matmul_precision),
         devices[0].platform,
+        devices[0].client.platform_version,  # the PJRT plugin's (libtpu's) build
         devices[0].device_kind,
         len(devices),
         jax.process_count(),
@@ -150,9 +189,9 @@ class ProgramStore:
         else:
             self.directory = None
 
-    def program(self, function, identity: tuple):
-        """`function` jitted, found in the store by `identity` (what its trace reads besides its arguments) and
-        its arguments' shapes when it is there."""
+    def program(self, function, identity):
+        """`function` jitted, found in the store by `identity()` (what its trace reads besides its arguments, as
+        it is when the program is traced for a new signature) and its arguments' shapes when it is there."""
         jax = self.runtime.jax
         if self.directory is None:
             return jax.jit(function)
@@ -170,7 +209,7 @@ class ProgramStore:
 
 
 class _StoredProgram:
-    def __init__(self, store: ProgramStore, function, identity: tuple) -> None:
+    def __init__(self, store: ProgramStore, function, identity) -> None:
         self.store = store
         self.function = function
         self.identity = identity
@@ -205,17 +244,19 @@ class _StoredProgram:
         from jax.experimental import serialize_executable
 
         store, runtime = self.store, self.store.runtime
-        digest = hashlib.sha256(repr((store.process(), self.identity, signature)).encode()).hexdigest()
+        digest = hashlib.sha256(repr((store.process(), self.identity(), signature)).encode()).hexdigest()
         path = store.directory / f"{self.__name__}-{digest[:40]}.bin"
         started = time.perf_counter()
-        if path.is_file():
-            try:
-                payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+        try:
+            data = path.read_bytes() if path.is_file() else None
+            if data is not None:
+                payload, in_tree, out_tree = pickle.loads(data)
                 compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-            except Exception as exc:  # noqa: BLE001 - a file that cannot be read is a miss, said once
-                runtime.stored_program_unreadable()
-                store.warn_once(f"a stored JAX program could not be read ({path.name}: {exc}); compiling it again")
-            else:
+        except Exception as exc:  # noqa: BLE001 - a file that cannot be read is a miss, said once
+            runtime.stored_program_unreadable()
+            store.warn_once(f"a stored JAX program could not be read ({path.name}: {exc}); compiling it again")
+        else:
+            if data is not None:
                 runtime.stored_program_loaded(time.perf_counter() - started)
                 return compiled
         compiled = runtime.jax.jit(self.function).lower(*args).compile()
