@@ -109,6 +109,24 @@ class LoopCall:
     noising: str = "add_noise"
 
 
+def flow_transformer_call(**cfg) -> LoopCall:
+    """How a flow-matching transformer's pipeline (Flux.1, FLUX.2, Qwen-Image) calls it: the latents as
+    hidden_states, the step's timestep one per row over 1000, the input unscaled, an init image noised by the
+    scheduler's scale_noise; `cfg` the LoopCall fields of its guidance (none by default)."""
+    return LoopCall(
+        **{
+            "sample": "hidden_states",
+            "timestep": "timestep",
+            "timestep_rows": True,
+            "timestep_divisor": 1000.0,
+            "scales_input": False,
+            "cfg": "none",
+            "noising": "scale_noise",
+            **cfg,
+        }
+    )
+
+
 class Family:
     """One model family: the pipeline classes it covers and their defaults, its built-ins and known hub models,
     and how tpugen drives its pipelines (the noise they start from, what their call needs, how their latents

@@ -8,9 +8,9 @@ from tpugen.families.base import (
     Builtin,
     FlashRoute,
     KnownModel,
-    LoopCall,
     LoraSign,
     TransformerFamily,
+    flow_transformer_call,
     keys_contain,
     keys_start,
 )
@@ -73,15 +73,7 @@ class Flux(TransformerFamily):
     title = "Flux.1 (schnell, dev)"
     pipeline_classes = ("FluxPipeline",)
     # The timestep in the latents' dtype, one per row, over 1000; no CFG batch (a guidance embedding instead).
-    loop_call = LoopCall(
-        sample="hidden_states",
-        timestep="timestep",
-        timestep_rows=True,
-        timestep_divisor=1000.0,
-        scales_input=False,
-        cfg="none",
-        noising="scale_noise",
-    )
+    loop_call = flow_transformer_call()
     steps = 4
     # Flux.1 has no classifier-free guidance: schnell ignores guidance_scale, dev embeds it as a number.
     guidance_scale = 0.0

@@ -5,7 +5,14 @@ are batch-normalised."""
 
 from __future__ import annotations
 
-from tpugen.families.base import TRANSFORMER_KEYS, Builtin, FlashRoute, KnownModel, LoopCall, TransformerFamily
+from tpugen.families.base import (
+    TRANSFORMER_KEYS,
+    Builtin,
+    FlashRoute,
+    KnownModel,
+    TransformerFamily,
+    flow_transformer_call,
+)
 from tpugen.families.flux import FLUX_BLOCK_KEYS, FLUX_KOHYA_KEYS
 from tpugen.sharding import ATTENTION, COLUMN, ROW
 
@@ -98,15 +105,7 @@ class Flux2(TransformerFamily):
     negative_prompt = False
     guidance_note = "no CFG; guidance embedded in the transformer"
     # As Flux.1's, the latents cast to the transformer's dtype (the call seen says which).
-    loop_call = LoopCall(
-        sample="hidden_states",
-        timestep="timestep",
-        timestep_rows=True,
-        timestep_divisor=1000.0,
-        scales_input=False,
-        cfg="none",
-        noising="scale_noise",
-    )
+    loop_call = flow_transformer_call()
     # References to edit from (Flux2Pipeline's `image` list): Black Forest Labs recommend at most 6 for [dev], 4
     # for [klein]; each is encoded by the VAE once and its tokens join the latent's at every step.
     max_references = 6
@@ -210,15 +209,9 @@ class Flux2Klein(Flux2):
     pipeline_classes = ("Flux2KleinPipeline",)
     cfg = True
     # CFG is a second transformer call with the empty prompt's embeddings and ids (none for the distilled models).
-    loop_call = LoopCall(
-        sample="hidden_states",
-        timestep="timestep",
-        timestep_rows=True,
-        timestep_divisor=1000.0,
-        scales_input=False,
+    loop_call = flow_transformer_call(
         cfg="calls",
         cfg_by_call=(("encoder_hidden_states", "negative_prompt_embeds"), ("txt_ids", "negative_text_ids")),
-        noising="scale_noise",
     )
     guidance_note = "CFG against an empty prompt above guidance 1"
     max_references = 4

@@ -9,9 +9,9 @@ from tpugen.families.base import (
     Builtin,
     FlashRoute,
     KnownModel,
-    LoopCall,
     LoraSign,
     TransformerFamily,
+    flow_transformer_call,
     keys_start,
 )
 from tpugen.sharding import ADALN, ATTENTION, COLUMN, ROW
@@ -87,12 +87,7 @@ class QwenImage(TransformerFamily):
     pipeline_classes = ("QwenImagePipeline",)
     # True CFG: a second transformer call with the negative prompt's embeddings and mask, the combined prediction
     # rescaled to the conditional one's norm.
-    loop_call = LoopCall(
-        sample="hidden_states",
-        timestep="timestep",
-        timestep_rows=True,
-        timestep_divisor=1000.0,
-        scales_input=False,
+    loop_call = flow_transformer_call(
         cfg="calls",
         cfg_by_call=(
             ("encoder_hidden_states_mask", "negative_prompt_embeds_mask"),
@@ -101,7 +96,6 @@ class QwenImage(TransformerFamily):
         cfg_flag="do_true_cfg",
         cfg_scale="true_cfg_scale",
         cfg_rescale="norm",
-        noising="scale_noise",
     )
     size = 1328  # the model card's 1:1 size
     steps = 50
