@@ -216,3 +216,33 @@ def test_a_hub_model_in_the_local_cache_is_sized_from_its_safetensors_headers(tm
     assert {c.name: c.parameters for c in view.memory.components} == counts
     assert view.memory.source == "safetensors headers (the local Hugging Face cache)"
     assert run_cli("plan", write_config(tmp_path / "c.yaml", config)).exit_code == 0
+
+
+def test_the_counting_process_runs_offline_and_is_stopped_after_its_time(monkeypatch):
+    """`tpugen plan` counts a model whose classes it must build in a process of its own: that process never
+    reaches the hub (the parent reads the hub's headers itself) and is stopped, with one line, when it overruns."""
+    import subprocess
+
+    import tpugen.memory as memory
+
+    source = ModelSource("hub", "black-forest-labs/FLUX.1-dev")
+    monkeypatch.setattr(memory, "COUNT_SECONDS", 0.05)  # far below a Python start that imports tpugen
+    with pytest.raises(RuntimeError) as caught:
+        memory._counted_apart(source, None, None)
+    assert str(caught.value) == (
+        "counting the model's parameters took longer than 0.05 s (in a process of its own, offline) and was stopped"
+    )
+
+    seen = {}
+    real_run = subprocess.run
+
+    def run(command, **kwargs):
+        seen.update(kwargs)
+        return real_run(command, **kwargs)
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(memory, "COUNT_SECONDS", 300.0)
+    monkeypatch.setattr(subprocess, "run", run)
+    counts, how = memory._counted_apart(source, None, None)
+    assert seen["env"]["HF_HUB_OFFLINE"] == "1" and seen["timeout"] == 300.0
+    assert how == "configs on the meta device" and counts["transformer"] > 11e9

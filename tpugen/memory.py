@@ -331,12 +331,31 @@ def _needs_model_code(source) -> bool:
     return components is not None and _known_counts(components) is None
 
 
+# The counting process builds a built-in model or counts configs on the meta device: seconds; a minute is wrong.
+COUNT_SECONDS = 300.0
+
+
 def _counted_apart(source, variant: str | None, revision: str | None) -> tuple[dict[str, int], str] | None:
-    """component_counts in a process of its own that never imports torch_xla (`python -m tpugen.memory`)."""
+    """component_counts in a process of its own that never imports torch_xla (`python -m tpugen.memory`),
+    offline (the hub's headers are read here, before it starts) and stopped after COUNT_SECONDS."""
     import subprocess
 
+    from tpugen.settings import offline_environment
+
     request = json.dumps({"kind": source.kind, "ref": source.ref, "variant": variant, "revision": revision})
-    proc = subprocess.run([sys.executable, "-m", "tpugen.memory", request], capture_output=True, text=True)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tpugen.memory", request],
+            capture_output=True,
+            text=True,
+            timeout=COUNT_SECONDS,
+            env=offline_environment(),
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"counting the model's parameters took longer than {COUNT_SECONDS:g} s (in a process of its own, "
+            "offline) and was stopped"
+        ) from None
     if proc.returncode:
         last = (proc.stderr.strip().split("\n") or [f"exit code {proc.returncode}"])[-1]
         raise RuntimeError(f"counting the model's parameters failed: {last}")
@@ -353,11 +372,12 @@ def memory_plan_for(
     `device_free` (`tpugen plan`): model code that counting needs runs in a process of its own, so this
     one never starts torch_xla (diffusers imports it whenever it is installed)."""
     apart = device_free and not {"diffusers", "torch_xla"} & set(sys.modules) and _needs_model_code(source)
-    counted = (
-        _counted_apart(source, model.variant, model.revision)
-        if apart
-        else component_counts(source, model.variant, model.revision)
-    )
+    if apart:
+        # the hub's own reading of the weights' headers needs no model code: here, so the child stays offline
+        counted = hub_parameters(source.ref, model.revision, model.variant) if source.kind == "hub" else None
+        counted = counted or _counted_apart(source, model.variant, model.revision)
+    else:
+        counted = component_counts(source, model.variant, model.revision)
     if counted is None:
         return None
     counts, how = counted

@@ -52,6 +52,11 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
 
 
+def offline_environment() -> dict[str, str]:
+    """This process's environment for a child that must not reach the hub (HF_HUB_OFFLINE=1)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
 def hub_token() -> str | None:
     """The token huggingface_hub would send: HF_TOKEN, else the one `hf auth login` saved."""
     try:
