@@ -346,6 +346,15 @@ def test_a_stored_program_is_found_only_by_what_its_trace_reads():
     assert module_description(held) != module_description(other)
 
 
+def test_plan_of_a_jax_config_says_how_its_loops_and_attention_run(tmp_path):
+    config = write_config(tmp_path / "p.yaml", tiny_config(tmp_path, execution={"backend": "jax"}))
+    result = run_cli("plan", config)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "denoising loop: the whole loop as one compiled call per batch (lax.fori_loop on JAX)" in text
+    assert "flash attention: off -- backend jax runs plain attention" in text
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
