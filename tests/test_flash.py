@@ -99,18 +99,46 @@ SD35_MEDIUM = {"num_attention_heads": 24, "patch_size": 2}
     "family,config,shapes,text,expected",
     [
         # SD 1.5 at 512x512, batch 4 with CFG: 8 rows x 8 heads x 64*64 tokens.
-        ("sd", SD15_UNET, [ShapeKey(512, 512, 4, True)], 0, AttentionSize("unet", 4096, 8, 8, 2)),
+        (
+            "sd",
+            SD15_UNET,
+            [ShapeKey(height=512, width=512, batch_size=4, cfg=True)],
+            0,
+            AttentionSize("unet", 4096, 8, 8, 2),
+        ),
         # SDXL's first attention is one level down: 1024/16 = 64 tokens a side, 10 heads there.
-        ("sdxl", SDXL_UNET, [ShapeKey(1024, 1024, 4, True)], 0, AttentionSize("unet", 4096, 10, 8, 2)),
+        (
+            "sdxl",
+            SDXL_UNET,
+            [ShapeKey(height=1024, width=1024, batch_size=4, cfg=True)],
+            0,
+            AttentionSize("unet", 4096, 10, 8, 2),
+        ),
         # Flux at 1024x1024: 64*64 packed latent tokens and 512 T5 tokens, no CFG.
-        ("flux", FLUX, [ShapeKey(1024, 1024, 4, False)], 512, AttentionSize("transformer", 4608, 24, 4, 2)),
+        (
+            "flux",
+            FLUX,
+            [ShapeKey(height=1024, width=1024, batch_size=4, cfg=False)],
+            512,
+            AttentionSize("transformer", 4608, 24, 4, 2),
+        ),
         # SD 3.5 Medium: 64*64 patches, 77 CLIP and 256 T5 tokens.
-        ("sd3", SD35_MEDIUM, [ShapeKey(1024, 1024, 1, True)], 256, AttentionSize("transformer", 4429, 24, 2, 2)),
+        (
+            "sd3",
+            SD35_MEDIUM,
+            [ShapeKey(height=1024, width=1024, batch_size=1, cfg=True)],
+            256,
+            AttentionSize("transformer", 4429, 24, 2, 2),
+        ),
         # The biggest over a run's shape keys.
         (
             "sd",
             SD15_UNET,
-            [ShapeKey(512, 512, 4, True), ShapeKey(768, 512, 1, True), ShapeKey(512, 512, 8, False)],
+            [
+                ShapeKey(height=512, width=512, batch_size=4, cfg=True),
+                ShapeKey(height=768, width=512, batch_size=1, cfg=True),
+                ShapeKey(height=512, width=512, batch_size=8, cfg=False),
+            ],
             0,
             AttentionSize("unet", 4096, 8, 8, 2),
         ),
@@ -182,7 +210,11 @@ def test_attention_calls_per_step_that_reach_the_kernel(family, config, size, te
 
 
 def test_the_count_of_kernel_calls_per_size_and_its_words():
-    shapes = [ShapeKey(64, 64, 1, True), ShapeKey(64, 64, 2, True), ShapeKey(1024, 1024, 1, True)]
+    shapes = [
+        ShapeKey(height=64, width=64, batch_size=1, cfg=True),
+        ShapeKey(height=64, width=64, batch_size=2, cfg=True),
+        ShapeKey(height=1024, width=1024, batch_size=1, cfg=True),
+    ]
     found = largest_attention(
         family_code("sd"), TINY_SD_UNET, shapes, component="unet", dtype="float32", vae_scale=8, text_tokens=0
     )

@@ -170,8 +170,18 @@ def engines(tmp_path_factory):
 def _batch(steps: int = 4):
     from tpugen.plan import Batch, ShapeKey, WorkItem
 
-    item = WorkItem(0, 0, "a cat", "blurry", seed=3, steps=steps, guidance_scale=7.5, height=64, width=64)
-    return Batch(0, ShapeKey(64, 64, 1, True), (item,), 0)
+    item = WorkItem(
+        index=0,
+        prompt_index=0,
+        prompt="a cat",
+        negative_prompt="blurry",
+        seed=3,
+        steps=steps,
+        guidance_scale=7.5,
+        height=64,
+        width=64,
+    )
+    return Batch(number=0, shape=ShapeKey(height=64, width=64, batch_size=1, cfg=True), items=(item,), padding=0)
 
 
 @pytest.mark.xla

@@ -17,11 +17,27 @@ def _run(tmp_path, **overrides):
 
 def test_indices_seeds_and_padding(tmp_path):
     plan = plan_run(_run(tmp_path, prompts=["a", "b"], images_per_prompt=2, batch_size=3, seed=10))
-    item = lambda index, p, prompt: WorkItem(index, p, prompt, "blurry", 10 + index, 3, 7.5, 64, 64)  # noqa: E731
+
+    def item(index, p, prompt):
+        return WorkItem(
+            index=index,
+            prompt_index=p,
+            prompt=prompt,
+            negative_prompt="blurry",
+            seed=10 + index,
+            steps=3,
+            guidance_scale=7.5,
+            height=64,
+            width=64,
+        )
+
     items = (item(0, 0, "a"), item(1, 0, "a"), item(2, 1, "b"), item(3, 1, "b"))
-    shape = ShapeKey(64, 64, 3, True)
+    shape = ShapeKey(height=64, width=64, batch_size=3, cfg=True)
     assert plan.items == items
-    assert plan.batches == (Batch(0, shape, items[:3], 0), Batch(1, shape, items[3:], 2))
+    assert plan.batches == (
+        Batch(number=0, shape=shape, items=items[:3], padding=0),
+        Batch(number=1, shape=shape, items=items[3:], padding=2),
+    )
     assert plan.batches[1].rows == (items[3], items[3], items[3])  # padding reuses a real prompt
     assert plan.shape_keys == [shape]
     assert plan.padding_rows == 2
@@ -46,13 +62,16 @@ def test_per_prompt_seed_steps_and_guidance_group_batches(tmp_path):
         (7, 7),
     ]
     assert [([i.index for i in b.items], b.padding, b.steps, b.guidance_scale, b.shape) for b in plan.batches] == [
-        ([0, 1], 0, 3, 7.5, ShapeKey(64, 64, 2, True)),
-        ([4, 5], 0, 3, 7.5, ShapeKey(64, 64, 2, True)),
-        ([2, 3], 0, 5, 7.5, ShapeKey(64, 64, 2, True)),
-        ([6, 7], 0, 3, 1.0, ShapeKey(64, 64, 2, False)),
+        ([0, 1], 0, 3, 7.5, ShapeKey(height=64, width=64, batch_size=2, cfg=True)),
+        ([4, 5], 0, 3, 7.5, ShapeKey(height=64, width=64, batch_size=2, cfg=True)),
+        ([2, 3], 0, 5, 7.5, ShapeKey(height=64, width=64, batch_size=2, cfg=True)),
+        ([6, 7], 0, 3, 1.0, ShapeKey(height=64, width=64, batch_size=2, cfg=False)),
     ]
     # Step count does not change the compiled shape; switching CFG off does.
-    assert plan.shape_keys == [ShapeKey(64, 64, 2, True), ShapeKey(64, 64, 2, False)]
+    assert plan.shape_keys == [
+        ShapeKey(height=64, width=64, batch_size=2, cfg=True),
+        ShapeKey(height=64, width=64, batch_size=2, cfg=False),
+    ]
 
 
 def test_batch_larger_than_the_work_pads_one_batch(tmp_path):

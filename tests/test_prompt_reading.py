@@ -278,7 +278,18 @@ def test_a_family_without_clip_encoders_says_once_that_the_syntax_is_taken_out()
     from tpugen.plan import WorkItem
 
     def item(prompt, syntax="webui", negative=""):
-        return WorkItem(0, 0, prompt, negative, 0, 2, 1.0, 64, 64, prompt_syntax=syntax)
+        return WorkItem(
+            index=0,
+            prompt_index=0,
+            prompt=prompt,
+            negative_prompt=negative,
+            seed=0,
+            steps=2,
+            guidance_scale=1.0,
+            height=64,
+            width=64,
+            prompt_syntax=syntax,
+        )
 
     items = [item(WEIGHTED), item(WEIGHTED), item("a cat", negative="[blurry]"), item("a dog")]
     note = syntax_note(FAMILIES["flux"], items)

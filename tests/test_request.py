@@ -153,7 +153,9 @@ def test_every_problem_at_once_in_order():
 def test_a_requests_seeds_name_the_first_bad_one():
     from tpugen.config.request import ImageRequest
 
-    image = ImageRequest("a cat", "", 2**63 - 2, 3, 7.5, 64, 64)
+    image = ImageRequest(
+        prompt="a cat", negative_prompt="", seed=2**63 - 2, steps=3, guidance_scale=7.5, height=64, width=64
+    )
     assert image.problems(SD, seeds=range(2**63 - 2, 2**63 + 2)) == [
         "seed: must be from 0 to 2**63 - 1 (or -1 for a random one), got 9223372036854775808"
     ]
@@ -297,8 +299,24 @@ def test_a_valid_web_ui_request_makes_the_images_it_made_before(tmp_path):
 
     service = _service(tmp_path)
     assert _web_ui_request(service, batch_size=2, cfg_scale=30, steps=1000, prompt="a cat\non a mat") == [
-        ImageSpec("a cat on a mat", "blurry", 3, 1000, 30.0, 64, 64),  # the LoRA tag reader joins lines, as before
-        ImageSpec("a cat on a mat", "blurry", 4, 1000, 30.0, 64, 64),
+        ImageSpec(
+            prompt="a cat on a mat",
+            negative_prompt="blurry",
+            seed=3,
+            steps=1000,
+            guidance_scale=30.0,
+            height=64,
+            width=64,
+        ),  # the LoRA tag reader joins lines, as before
+        ImageSpec(
+            prompt="a cat on a mat",
+            negative_prompt="blurry",
+            seed=4,
+            steps=1000,
+            guidance_scale=30.0,
+            height=64,
+            width=64,
+        ),
     ]
     (image,) = _web_ui_request(service, seed=-1)  # the server's own size, steps and guidance
     assert (image.height, image.width, image.steps, image.guidance_scale) == (64, 64, 3, 7.5)

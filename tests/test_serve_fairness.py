@@ -8,13 +8,15 @@ import base64
 from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, ImageSpec, Request
 from tpugen.modes.serve.request_ids import client_of, request_id_for
 
-KEY = BatchKey(64, 64, True, 3, 7.5, None)
-OTHER = BatchKey(64, 64, True, 5, 7.5, None)  # another step count: never batched with KEY
+KEY = BatchKey(height=64, width=64, cfg=True, steps=3, guidance_scale=7.5, scheduler=None)
+OTHER = BatchKey(
+    height=64, width=64, cfg=True, steps=5, guidance_scale=7.5, scheduler=None
+)  # another step count: never batched with KEY
 
 
 def image(prompt: str, seed: int) -> ImageSpec:
     """An image a request asks for: the queue reads none of it but what a test names it by (its prompt)."""
-    return ImageSpec(prompt, "", seed, 3, 7.5, 64, 64)
+    return ImageSpec(prompt=prompt, negative_prompt="", seed=seed, steps=3, guidance_scale=7.5, height=64, width=64)
 
 
 def ask(queue: BatchQueue, client: str, images: int, key: BatchKey = KEY) -> Request:

@@ -119,9 +119,13 @@ def test_under_new_shapes_compile_a_side_past_serve_max_side_is_refused(tmp_path
     from tpugen.modes.serve.queue import ImageSpec
 
     service = _compile_service(tmp_path)
-    service.check([ImageSpec("a fox", "", 1, 3, 7.5, 2048, 64)])  # the default bound, 2048, is fine
+    service.check(
+        [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=2048, width=64)]
+    )  # the default bound, 2048, is fine
     with pytest.raises(InputError) as refused:
-        service.check([ImageSpec("a fox", "", 1, 3, 7.5, 64, 8192)])
+        service.check(
+            [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=64, width=8192)]
+        )
     assert refused.value.lines == ["size: 8192x64: width and height must be at most 2048 (serve.max_side)"]
     assert _compile_service(tmp_path, max_side=512).admission.max_side == 512
 
@@ -138,14 +142,20 @@ def test_under_new_shapes_compile_the_warm_shapes_are_capped(tmp_path):
         embeddings = ()  # the textual-inversion embeddings its text encoders hold
 
     service.engines = [Warm()]
-    service.check([ImageSpec("a fox", "", 1, 3, 7.5, 96, 64)])  # warm (height x width): compiles no new shape
+    service.check(
+        [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=96, width=64)]
+    )  # warm (height x width): compiles no new shape
     with pytest.raises(NotWarm) as refused:
-        service.check([ImageSpec("a fox", "", 1, 3, 7.5, 128, 64)])
+        service.check(
+            [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=128, width=64)]
+        )
     assert refused.value.lines[0].startswith(
         "128x64 b2 cfg would be compiled, and this server keeps at most 2 shapes warm (serve.max_warm_shapes)"
     )
     with pytest.raises(Exception) as steps:
-        service.check([ImageSpec("a fox", "", 1, 1000, 7.5, 64, 64)])
+        service.check(
+            [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=1000, guidance_scale=7.5, height=64, width=64)]
+        )
     assert steps.value.lines == ["steps: 1000; sampler DDIM runs at most 999 on this model"]
 
 
@@ -309,15 +319,56 @@ def test_a_server_refuses_controlnet_units_its_family_cannot_run_and_warms_none_
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())
     assert service.warm.controlled_tasks == warm
     controls = Controls((ControlUnit(InputImage(str(tmp_path / "c.png"), "0" * 64)),))
-    service.check([ImageSpec("a fox", "", 1, 3, 4.0, 64, 64, controls=controls)])  # txt2img: fine
+    service.check(
+        [
+            ImageSpec(
+                prompt="a fox",
+                negative_prompt="",
+                seed=1,
+                steps=3,
+                guidance_scale=4.0,
+                height=64,
+                width=64,
+                controls=controls,
+            )
+        ]
+    )  # txt2img: fine
     mask = (str(tmp_path / "m.png"), "1" * 64)
     for source, wanted in (
         (ImageSource(str(tmp_path / "i.png"), "0" * 64, 0.5), img2img),
         (ImageSource(str(tmp_path / "i.png"), "0" * 64, 0.5, 0, *mask), inpaint),
     ):
         with pytest.raises(InputError) as refused:
-            service.check([ImageSpec("a fox", "", 1, 3, 4.0, 64, 64, source=source, controls=controls)])
+            service.check(
+                [
+                    ImageSpec(
+                        prompt="a fox",
+                        negative_prompt="",
+                        seed=1,
+                        steps=3,
+                        guidance_scale=4.0,
+                        height=64,
+                        width=64,
+                        source=source,
+                        controls=controls,
+                    )
+                ]
+            )
         assert refused.value.lines == [wanted]
     if "inpaint" in warm:  # at strength 1 it runs
         source = ImageSource(str(tmp_path / "i.png"), "0" * 64, 1.0, 0, *mask)
-        service.check([ImageSpec("a fox", "", 1, 3, 4.0, 64, 64, source=source, controls=controls)])
+        service.check(
+            [
+                ImageSpec(
+                    prompt="a fox",
+                    negative_prompt="",
+                    seed=1,
+                    steps=3,
+                    guidance_scale=4.0,
+                    height=64,
+                    width=64,
+                    source=source,
+                    controls=controls,
+                )
+            ]
+        )

@@ -178,7 +178,13 @@ def test_a_device_loop_that_dies_turns_readyz_503_and_answers_the_requests_waiti
 
         def ask() -> None:
             try:
-                service.generate([ImageSpec("a cat", "", 1, 3, 7.5, 64, 64)])
+                service.generate(
+                    [
+                        ImageSpec(
+                            prompt="a cat", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=64, width=64
+                        )
+                    ]
+                )
             except NotReady as exc:
                 answers.append(exc.lines)
 

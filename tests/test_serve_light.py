@@ -35,7 +35,7 @@ def test_a_request_past_its_timeout_says_how_many_of_its_images_were_made(tmp_pa
     run = load_config(write_config(tmp_path / "serve.yaml", config), prompts_required=False)
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())  # no engine: this test is the device
     service.state = "ready"
-    image = ImageSpec("a cat", "", 1, 3, 7.5, 64, 64)
+    image = ImageSpec(prompt="a cat", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=64, width=64)
 
     def make_one() -> None:  # what a device loop does, for the first image only
         _, jobs = service.queue.take(timeout=5)
@@ -44,7 +44,12 @@ def test_a_request_past_its_timeout_says_how_many_of_its_images_were_made(tmp_pa
     loop = threading.Thread(target=make_one)
     loop.start()
     with pytest.raises(TimedOut) as late:
-        service.generate([image, ImageSpec("a dog", "", 2, 3, 7.5, 64, 64)])
+        service.generate(
+            [
+                image,
+                ImageSpec(prompt="a dog", negative_prompt="", seed=2, steps=3, guidance_scale=7.5, height=64, width=64),
+            ]
+        )
     loop.join(5)
     assert late.value.lines == [
         "the request was not done within 0.5 s (serve.request_timeout_s): 1 of 2 images were made"
@@ -68,6 +73,10 @@ def test_a_flux_server_refuses_a_size_its_pipeline_would_round_down(tmp_path):
     run = load_config(write_config(tmp_path / "serve.yaml", config), prompts_required=False)
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())
     with pytest.raises(InputError) as refused:
-        service.check([ImageSpec("a fox", "", 1, 4, 0.0, 72, 64)])
+        service.check(
+            [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=4, guidance_scale=0.0, height=72, width=64)]
+        )
     assert refused.value.lines == ["size: 64x72: Flux.1 (schnell, dev) models need multiples of 16"]
-    service.check([ImageSpec("a fox", "", 1, 4, 0.0, 80, 64)])  # 16 divides both: fine
+    service.check(
+        [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=4, guidance_scale=0.0, height=80, width=64)]
+    )  # 16 divides both: fine

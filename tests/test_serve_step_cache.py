@@ -123,10 +123,28 @@ def test_a_step_cache_server_answers_any_steps_with_no_compile_after_warmup(tmp_
         from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem
 
         engine = service.engines[0]
-        shape = ShapeKey(64, 96, 2, False)
+        shape = ShapeKey(height=64, width=96, batch_size=2, cfg=False)
 
         def batch(steps: int) -> Batch:
-            return Batch(0, shape, (WorkItem(0, 0, "a fox", "", 5, steps, 7.5, 64, 96, False),), 1)
+            return Batch(
+                number=0,
+                shape=shape,
+                items=(
+                    WorkItem(
+                        index=0,
+                        prompt_index=0,
+                        prompt="a fox",
+                        negative_prompt="",
+                        seed=5,
+                        steps=steps,
+                        guidance_scale=7.5,
+                        height=64,
+                        width=96,
+                        cfg=False,
+                    ),
+                ),
+                padding=1,
+            )
 
         engine.warmup(RunPlan(batch(4).items, (batch(4),)))
         assert engine.is_warm(shape, None, 4) and not engine.is_warm(shape, None, 6)

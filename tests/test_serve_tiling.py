@@ -31,7 +31,7 @@ def test_tiling_is_warm_once_its_own_graphs_and_the_image_a_run_makes(tmp_path):
         wait_ready(url, seconds=300)
         assert service.warm_summary().endswith("; tiled and untiled")
         engine = service.engines[0]
-        key = (str(ShapeKey(64, 64, 1, True, tiling=True)), engine.loaded.default_scheduler)
+        key = (str(ShapeKey(height=64, width=64, batch_size=1, cfg=True, tiling=True)), engine.loaded.default_scheduler)
         assert key[0] == "64x64 b1 cfg tiled"
         warm = engine.warm[key]
         assert cold_graphs(warm) == FIRST_CALL  # three graphs, as any shape key

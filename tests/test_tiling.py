@@ -128,7 +128,7 @@ def test_tiling_is_a_run_config_key_and_its_own_shape_key(tmp_path):
     assert not plain.config.tiling and tiled.config.tiling
     assert tiled.config_hash != plain.config_hash
     shapes = {batch.shape for batch in plan_run(tiled).batches}
-    assert shapes == {ShapeKey(64, 64, 1, True, tiling=True)}
+    assert shapes == {ShapeKey(height=64, width=64, batch_size=1, cfg=True, tiling=True)}
     assert [str(shape) for shape in shapes] == ["64x64 b1 cfg tiled"]
     assert all(item.tiling for item in plan_run(tiled).items)
     assert not any(batch.shape.tiling for batch in plan_run(plain).batches)
@@ -152,9 +152,24 @@ def test_tiling_is_refused_for_transformer_families_in_configs_and_requests(tmp_
     run = load_config(write_config(tmp_path / "serve.yaml", server), prompts_required=False)
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())
     with pytest.raises(InputError) as request:
-        service.check([ImageSpec("a floor", "", 1, 4, 0.0, 64, 64, tiling=True)])
+        service.check(
+            [
+                ImageSpec(
+                    prompt="a floor",
+                    negative_prompt="",
+                    seed=1,
+                    steps=4,
+                    guidance_scale=0.0,
+                    height=64,
+                    width=64,
+                    tiling=True,
+                )
+            ]
+        )
     assert request.value.lines == [f"tiling: {TRANSFORMER_REFUSAL}"]
-    service.check([ImageSpec("a floor", "", 1, 4, 0.0, 64, 64)])  # untiled: fine
+    service.check(
+        [ImageSpec(prompt="a floor", negative_prompt="", seed=1, steps=4, guidance_scale=0.0, height=64, width=64)]
+    )  # untiled: fine
 
 
 def test_a_tiled_image_says_so_in_its_parameters_as_the_web_ui_writes_it():

@@ -22,7 +22,7 @@ def task_of(source: ImageSource | None, references: References | None) -> str:
     return source.task if source else "txt2img"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkItem:
     """One image to make. Its index, seed and file name never depend on batching or on the device."""
 
@@ -81,7 +81,7 @@ class Shaped(Protocol):
     control_count: int
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, kw_only=True)
 class ShapeKey:
     """What a compiled graph depends on: a new value of any field means a new XLA compile."""
 
@@ -108,17 +108,17 @@ class ShapeKey:
         (tpugen.modes.serve.queue), which names the same fields."""
         label = item.hires.shape_label if item.hires else ""
         return cls(
-            item.height,
-            item.width,
-            batch_size,
-            item.cfg,
-            item.task,
-            label,
-            item.chunks,
-            item.tiling,
-            item.clip_skip,
-            item.reference_count,
-            item.control_count,
+            height=item.height,
+            width=item.width,
+            batch_size=batch_size,
+            cfg=item.cfg,
+            task=item.task,
+            hires=label,
+            chunks=item.chunks,
+            tiling=item.tiling,
+            clip_skip=item.clip_skip,
+            references=item.reference_count,
+            controls=item.control_count,
         )
 
     def __str__(self) -> str:
@@ -132,7 +132,7 @@ class ShapeKey:
         return f"{text} {self.hires}" if self.hires else text
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Batch:
     """One pipeline call: real items first, then `padding` copies of the last one (never written)."""
 
@@ -256,7 +256,7 @@ def plan_batches(items: list[WorkItem], batch_size: int) -> list[Batch]:
         shape = ShapeKey.of(members[0], batch_size)
         for start in range(0, len(members), batch_size):
             chunk = tuple(members[start : start + batch_size])
-            batches.append(Batch(len(batches), shape, chunk, batch_size - len(chunk)))
+            batches.append(Batch(number=len(batches), shape=shape, items=chunk, padding=batch_size - len(chunk)))
     return batches
 
 

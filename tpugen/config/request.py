@@ -224,7 +224,7 @@ class RequestLimits:
         return cls(min([MIN_REQUEST_SIDE, *sides]), max(MAX_GUIDANCE_SCALE, guidance_scale), max_side=max_side)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ImageRequest:
     """One image a request asks for, in tpugen's words: what the rules below check."""
 

@@ -117,7 +117,7 @@ class DeviceLoops:
             self._batches += 1
         items = tuple(job.work_item(i) for i, job in enumerate(jobs))
         shape = key.shape(self.batch_size)
-        batch = Batch(number, shape, items, self.batch_size - len(items))
+        batch = Batch(number=number, shape=shape, items=items, padding=self.batch_size - len(items))
         cold = False
         try:
             # Every graph compiled here is one after warmup: a new shape (serve.new_shapes: compile; reject

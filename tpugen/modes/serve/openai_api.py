@@ -84,7 +84,14 @@ def _specs(
 
     def make(i: int) -> ImageSpec:
         return ImageSpec(
-            prompt, config.negative_prompt, seed + i, config.steps, config.guidance_scale, height, width, **fields
+            prompt=prompt,
+            negative_prompt=config.negative_prompt,
+            seed=seed + i,
+            steps=config.steps,
+            guidance_scale=config.guidance_scale,
+            height=height,
+            width=width,
+            **fields,
         )
 
     return collect(problems, service.image_specs, count, make)

@@ -26,7 +26,7 @@ class QueueFull(Exception):
     """More requests than the server keeps waiting (serve.max_queue)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ImageSpec(ImageRequest):
     """One image a request asks for, in tpugen's words: what ImageRequest's rules check, and how it is made."""
 
@@ -45,7 +45,7 @@ class ImageSpec(ImageRequest):
         return self.steps + (self.hires.steps if self.hires else 0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BatchKey:
     """Images with the same key can share a pipeline call."""
 
@@ -95,16 +95,16 @@ class ImageJob:
         (one for the whole batch). The one place a request's image becomes the engine's work."""
         image, key = self.image, self.key
         return WorkItem(
-            index,
-            0,
-            image.prompt,
-            image.negative_prompt,
-            image.seed,
-            key.steps,
-            key.guidance_scale,
-            key.height,
-            key.width,
-            key.cfg,
+            index=index,
+            prompt_index=0,
+            prompt=image.prompt,
+            negative_prompt=image.negative_prompt,
+            seed=image.seed,
+            steps=key.steps,
+            guidance_scale=key.guidance_scale,
+            height=key.height,
+            width=key.width,
+            cfg=key.cfg,
             source=image.source,
             hires=key.hires,
             chunks=key.chunks,

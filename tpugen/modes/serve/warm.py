@@ -111,16 +111,16 @@ class WarmEngines:
             controls = self._controls() if controlled else None
             for height, width in self.sizes:
                 item = WorkItem(
-                    0,
-                    0,
-                    "warmup",
-                    "",
-                    0,
-                    steps,
-                    config.guidance_scale,
-                    height,
-                    width,
-                    self.cfg,
+                    index=0,
+                    prompt_index=0,
+                    prompt="warmup",
+                    negative_prompt="",
+                    seed=0,
+                    steps=steps,
+                    guidance_scale=config.guidance_scale,
+                    height=height,
+                    width=width,
+                    cfg=self.cfg,
                     source=source,
                     hires=hires,
                     chunks=chunks,
@@ -131,7 +131,7 @@ class WarmEngines:
                     controls=controls,
                 )
                 shape = ShapeKey.of(item, self.batch_size)
-                batches.append(Batch(len(batches), shape, (item,), self.batch_size - 1))
+                batches.append(Batch(number=len(batches), shape=shape, items=(item,), padding=self.batch_size - 1))
         return RunPlan(tuple(b.items[0] for b in batches), tuple(batches))
 
     def _source(self, task: str, controlled: bool = False) -> ImageSource | None:
