@@ -25,6 +25,14 @@ def test_an_img2img_strength_runs_at_least_one_step_as_the_web_ui_does(steps, st
     assert steps - int(max(steps - steps * given, 0)) == runs
 
 
+def _fox(**changes):
+    """The image the checks below send (a server's ImageSpec), with `changes`."""
+    from tpugen.modes.serve.queue import ImageSpec
+
+    fields = {"prompt": "a fox", "negative_prompt": "", "seed": 1, "steps": 3, "guidance_scale": 7.5}
+    return ImageSpec(**{**fields, "height": 64, "width": 64, **changes})
+
+
 def test_the_most_steps_a_sampler_runs_is_what_indexes_its_tables():
     from diffusers import DDIMScheduler, EulerAncestralDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 
@@ -116,22 +124,16 @@ def _compile_service(tmp_path, **serve):
 
 def test_under_new_shapes_compile_a_side_past_serve_max_side_is_refused(tmp_path):
     from tpugen.errors import InputError
-    from tpugen.modes.serve.queue import ImageSpec
 
     service = _compile_service(tmp_path)
-    service.check(
-        [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=2048, width=64)]
-    )  # the default bound, 2048, is fine
+    service.check([_fox(height=2048)])  # the default bound, 2048, is fine
     with pytest.raises(InputError) as refused:
-        service.check(
-            [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=64, width=8192)]
-        )
+        service.check([_fox(width=8192)])
     assert refused.value.lines == ["size: 8192x64: width and height must be at most 2048 (serve.max_side)"]
     assert _compile_service(tmp_path, max_side=512).admission.max_side == 512
 
 
 def test_under_new_shapes_compile_the_warm_shapes_are_capped(tmp_path):
-    from tpugen.modes.serve.queue import ImageSpec
     from tpugen.modes.serve.service import NotWarm
 
     service = _compile_service(tmp_path, max_warm_shapes=2)
@@ -142,20 +144,14 @@ def test_under_new_shapes_compile_the_warm_shapes_are_capped(tmp_path):
         embeddings = ()  # the textual-inversion embeddings its text encoders hold
 
     service.engines = [Warm()]
-    service.check(
-        [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=96, width=64)]
-    )  # warm (height x width): compiles no new shape
+    service.check([_fox(height=96)])  # warm (height x width): compiles no new shape
     with pytest.raises(NotWarm) as refused:
-        service.check(
-            [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=128, width=64)]
-        )
+        service.check([_fox(height=128)])
     assert refused.value.lines[0].startswith(
         "128x64 b2 cfg would be compiled, and this server keeps at most 2 shapes warm (serve.max_warm_shapes)"
     )
     with pytest.raises(Exception) as steps:
-        service.check(
-            [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=1000, guidance_scale=7.5, height=64, width=64)]
-        )
+        service.check([_fox(steps=1000)])
     assert steps.value.lines == ["steps: 1000; sampler DDIM runs at most 999 on this model"]
 
 
@@ -309,7 +305,6 @@ def test_a_server_refuses_controlnet_units_its_family_cannot_run_and_warms_none_
     from tpugen.config.images import ImageSource, InputImage
     from tpugen.engine import Display
     from tpugen.errors import InputError
-    from tpugen.modes.serve.queue import ImageSpec
     from tpugen.modes.serve.service import Service
 
     config = tiny_config(tmp_path, serve={"tasks": ["txt2img", "img2img", "inpaint"], "new_shapes": "compile"})
@@ -319,56 +314,15 @@ def test_a_server_refuses_controlnet_units_its_family_cannot_run_and_warms_none_
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())
     assert service.warm.controlled_tasks == warm
     controls = Controls((ControlUnit(InputImage(str(tmp_path / "c.png"), "0" * 64)),))
-    service.check(
-        [
-            ImageSpec(
-                prompt="a fox",
-                negative_prompt="",
-                seed=1,
-                steps=3,
-                guidance_scale=4.0,
-                height=64,
-                width=64,
-                controls=controls,
-            )
-        ]
-    )  # txt2img: fine
+    service.check([_fox(guidance_scale=4.0, controls=controls)])  # txt2img: fine
     mask = (str(tmp_path / "m.png"), "1" * 64)
     for source, wanted in (
         (ImageSource(str(tmp_path / "i.png"), "0" * 64, 0.5), img2img),
         (ImageSource(str(tmp_path / "i.png"), "0" * 64, 0.5, 0, *mask), inpaint),
     ):
         with pytest.raises(InputError) as refused:
-            service.check(
-                [
-                    ImageSpec(
-                        prompt="a fox",
-                        negative_prompt="",
-                        seed=1,
-                        steps=3,
-                        guidance_scale=4.0,
-                        height=64,
-                        width=64,
-                        source=source,
-                        controls=controls,
-                    )
-                ]
-            )
+            service.check([_fox(guidance_scale=4.0, source=source, controls=controls)])
         assert refused.value.lines == [wanted]
     if "inpaint" in warm:  # at strength 1 it runs
         source = ImageSource(str(tmp_path / "i.png"), "0" * 64, 1.0, 0, *mask)
-        service.check(
-            [
-                ImageSpec(
-                    prompt="a fox",
-                    negative_prompt="",
-                    seed=1,
-                    steps=3,
-                    guidance_scale=4.0,
-                    height=64,
-                    width=64,
-                    source=source,
-                    controls=controls,
-                )
-            ]
-        )
+        service.check([_fox(guidance_scale=4.0, source=source, controls=controls)])
