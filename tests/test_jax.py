@@ -314,6 +314,14 @@ def test_warmup_fills_the_cache_that_the_next_process_reads_back(tmp_path):
     assert report["persistent_cache"]["load_failures"] == 2 and report["compiles_after_warmup"] == 0
     assert all(path.read_bytes() != b"not a program" for path in stored)  # stored again
 
+    # What was stored again (JAX's own cache held the same programs) runs in the next process: XLA:CPU cannot
+    # serialize again an executable read from JAX's cache, so the store compiles its programs afresh
+    proc, run_dir = generate_in_new_process(tmp_path / "fourth", **overrides)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["device"]["compile_cache"]["whole_programs_read_back"] == 2
+    assert report["persistent_cache"]["hits"] == 3 and report["compiles_after_warmup"] == 0
+
 
 @pytest.mark.xla
 def test_a_stored_program_is_found_only_by_what_its_trace_reads():

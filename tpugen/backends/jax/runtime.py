@@ -91,6 +91,11 @@ class Runtime:
             self.tally.stored_loads += 1
             self.tally.compile_seconds += seconds
 
+    def stored_program_written(self) -> None:
+        """A whole program compiled afresh and stored: counted as a cache write, as JAX counts its own."""
+        with self.lock:
+            self.tally.cache_writes += 1
+
     def stored_program_unreadable(self) -> None:
         with self.lock:
             self.tally.load_failures += 1

@@ -10,8 +10,8 @@ key of everything their trace reads:
 - each module it runs: every submodule's class and plain attributes (configs, scales, attention processors,
   methods set on an instance), and the shapes and dtypes of every argument, weights included.
 
-A key that differs is a miss (the program is traced and compiled, JAX's cache still saving the compile); a file
-that cannot be read is one warning and a miss. The files are executables for this machine's devices, as JAX's own
+A key that differs is a miss: the program is traced and compiled afresh (not read from JAX's cache: XLA:CPU
+cannot serialize again what it read from there) and stored; a file that cannot be read is one warning and a miss. The files are executables for this machine's devices, as JAX's own
 cache is: keep the folder as private as that one."""
 
 from __future__ import annotations
@@ -100,8 +100,10 @@ def _plain(value, depth: int = 0):
 
 
 def _tensor_digest(tensor) -> str:
+    import torch
+
     try:
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(__import__("torch").uint8).numpy().tobytes()
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     except Exception:  # noqa: BLE001 - a tensor that cannot be read (meta) makes a key that never matches
         return os.urandom(8).hex()
     return hashlib.sha256(data).hexdigest()
@@ -248,18 +250,18 @@ class _StoredProgram:
         path = store.directory / f"{self.__name__}-{digest[:40]}.bin"
         started = time.perf_counter()
         try:
-            data = path.read_bytes() if path.is_file() else None
-            if data is not None:
-                payload, in_tree, out_tree = pickle.loads(data)
-                compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            compiled = _read(path)
         except Exception as exc:  # noqa: BLE001 - a file that cannot be read is a miss, said once
             runtime.stored_program_unreadable()
             store.warn_once(f"a stored JAX program could not be read ({path.name}: {exc}); compiling it again")
-        else:
-            if data is not None:
-                runtime.stored_program_loaded(time.perf_counter() - started)
-                return compiled
-        compiled = runtime.jax.jit(self.function).lower(*args).compile()
+            compiled = None
+        if compiled is not None:
+            runtime.stored_program_loaded(time.perf_counter() - started)
+            return compiled
+        before = runtime.reading().cache_hits
+        compiled = _compile_fresh(runtime.jax, self.function, args)
+        if runtime.reading().cache_hits != before:  # read from JAX's cache after all: not one to store
+            return compiled
         try:
             payload = pickle.dumps(serialize_executable.serialize(compiled))
         except Exception as exc:  # noqa: BLE001 - a program JAX cannot serialize is kept by its own cache only
@@ -270,6 +272,39 @@ class _StoredProgram:
 
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(path, payload)
+            runtime.stored_program_written()
         except OSError as exc:
             store.warn_once(f"a JAX program could not be stored in {path.parent}: {exc}")
         return compiled
+
+
+def _read(path: Path):
+    """The program stored at `path`, loaded onto this process's devices; None when there is none."""
+    from jax.experimental import serialize_executable
+
+    if not path.is_file():
+        return None
+    payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+
+
+_FRESH = threading.Lock()
+
+
+def _compile_fresh(jax, function, args):
+    """`function` compiled for `args` without JAX's persistent cache. On XLA:CPU an executable JAX read back from
+    its cache holds no kernels of its own: serialized again, the copy fails when run ("Function ... not found").
+    JAX decides once per process whether its cache is used (jax._src.compilation_cache), so that decision is set
+    aside for this compile (a compile of another thread meanwhile is fresh too: slower, never wrong); the caller
+    also checks JAX's hit count, in case a JAX version decides otherwise."""
+    from jax._src import compilation_cache
+
+    with _FRESH:
+        with compilation_cache._cache_initialized_mutex:
+            saved = (compilation_cache._cache_checked, compilation_cache._cache_used)
+            compilation_cache._cache_checked, compilation_cache._cache_used = True, False
+        try:
+            return jax.jit(function).lower(*args).compile()
+        finally:
+            with compilation_cache._cache_initialized_mutex:
+                compilation_cache._cache_checked, compilation_cache._cache_used = saved
