@@ -89,9 +89,8 @@ def _side(report: dict) -> dict:
 
 
 def end_to_end(models: list[str], again: list[str]) -> list[dict]:
-    from bench_trace import _max_difference
-
     from bench import _generate_fresh  # scripts/bench.py: `tpugen generate` in a fresh process
+    from bench_trace import _max_difference
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="tpugen-bench-jax-") as tmp:
@@ -129,7 +128,6 @@ def full_size_worker(family_name: str, model_id: str, cache: str, again: bool) -
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import diffusers
     import torch
-    from bench_trace import _inputs
 
     from tpugen.backends.jax.loop import LoopPrograms
     from tpugen.backends.jax.modules import JaxModule, to_jax
@@ -137,6 +135,8 @@ def full_size_worker(family_name: str, model_id: str, cache: str, again: bool) -
     from tpugen.engine.linear_schedule import derive
     from tpugen.engine.whole_loop import DenoiserLoop, LoopWork
     from tpugen.families import family as family_named
+
+    from bench_trace import _inputs
 
     runtime = process_runtime()
     runtime.use_cache(cache)
