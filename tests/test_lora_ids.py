@@ -215,14 +215,15 @@ def test_the_servers_replies_name_a_lora_by_its_name_not_by_a_path_in_its_lora_d
     from tpugen.modes.serve.replies import image_record
     from tpugen.modes.serve.run_configs import run_loras
     from tpugen.modes.serve.service import Service
+    from tpugen.plan import ImageWork
 
     lora_dir = tmp_path / "srv" / "loras"
     fake_lora(lora_dir / "style.safetensors")
     service = fake_service(lora_dir)
 
     lora = Service.lora_named(service, "style", 0.7)  # <lora:style:0.7>
-    image = SimpleNamespace(prompt="a cat", negative_prompt="", seed=3, steps=2, guidance_scale=7.5, height=64,
-                            width=64, scheduler=None, loras=(lora,))  # fmt: skip
+    image = ImageWork(prompt="a cat", negative_prompt="", seed=3, steps=2, guidance_scale=7.5, height=64, width=64,
+                      loras=(lora,))  # fmt: skip
     (record,) = image_record(service, image)["loras"]
     assert (record["name"], record["id"], record["scale"]) == ("style", "style.safetensors", 0.7)
     assert lora.path == str(lora_dir / "style.safetensors")  # what loading reads

@@ -295,11 +295,11 @@ def test_every_problem_of_a_web_ui_request_at_once(tmp_path):
 
 
 def test_a_valid_web_ui_request_makes_the_images_it_made_before(tmp_path):
-    from tpugen.modes.serve.queue import ImageSpec
+    from tpugen.plan import ImageWork
 
     service = _service(tmp_path)
     assert _web_ui_request(service, batch_size=2, cfg_scale=30, steps=1000, prompt="a cat\non a mat") == [
-        ImageSpec(
+        ImageWork(
             prompt="a cat on a mat",
             negative_prompt="blurry",
             seed=3,
@@ -308,7 +308,7 @@ def test_a_valid_web_ui_request_makes_the_images_it_made_before(tmp_path):
             height=64,
             width=64,
         ),  # the LoRA tag reader joins lines, as before
-        ImageSpec(
+        ImageWork(
             prompt="a cat on a mat",
             negative_prompt="blurry",
             seed=4,

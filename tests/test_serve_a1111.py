@@ -347,8 +347,8 @@ def test_interrupt_answers_the_web_uis_requests_with_what_they_have_and_no_other
     gate = threading.Event()
     run_batch = service.device_loops.run_batch
 
-    def batch_then_wait(engine, key, jobs):
-        run_batch(engine, key, jobs)
+    def batch_then_wait(engine, jobs):
+        run_batch(engine, jobs)
         gate.wait(120)
 
     monkeypatch.setattr(service.device_loops, "run_batch", batch_then_wait)

@@ -4,24 +4,24 @@ one, same-key images of several clients still share a batch, and each client's i
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 
-from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, ImageSpec, Request
+from tpugen.modes.serve.queue import BatchQueue, ImageJob, Request
 from tpugen.modes.serve.request_ids import client_of, request_id_for
+from tpugen.plan import ImageWork
 
-KEY = BatchKey(height=64, width=64, cfg=True, steps=3, guidance_scale=7.5, scheduler=None)
-OTHER = BatchKey(
-    height=64, width=64, cfg=True, steps=5, guidance_scale=7.5, scheduler=None
-)  # another step count: never batched with KEY
-
-
-def image(prompt: str, seed: int) -> ImageSpec:
-    """An image a request asks for: the queue reads none of it but what a test names it by (its prompt)."""
-    return ImageSpec(prompt=prompt, negative_prompt="", seed=seed, steps=3, guidance_scale=7.5, height=64, width=64)
+# The work of the images a test sends: the queue reads their call key, and a test names them by their prompt.
+KEY = ImageWork(prompt="p", negative_prompt="", seed=0, steps=3, guidance_scale=7.5, height=64, width=64)
+OTHER = replace(KEY, steps=5)  # another step count: never batched with KEY
 
 
-def ask(queue: BatchQueue, client: str, images: int, key: BatchKey = KEY) -> Request:
+def image(prompt: str, seed: int, like: ImageWork = KEY) -> ImageWork:
+    return replace(like, prompt=prompt, seed=seed)
+
+
+def ask(queue: BatchQueue, client: str, images: int, like: ImageWork = KEY) -> Request:
     request = Request(images, client=client)
-    queue.submit(request, [ImageJob(request, i, image(f"{client}{i}", i), key) for i in range(images)])
+    queue.submit(request, [ImageJob(request, i, image(f"{client}{i}", i, like)) for i in range(images)])
     return request
 
 
@@ -30,7 +30,7 @@ def order(queue: BatchQueue, batches: int) -> list[list[str]]:
     taken = []
     for _ in range(batches):
         _, jobs = queue.take(timeout=1)
-        taken.append([job.image.prompt for job in jobs])
+        taken.append([job.work.prompt for job in jobs])
     assert queue.take(timeout=0) is None
     return taken
 
@@ -40,7 +40,7 @@ def test_one_image_of_another_client_goes_next_not_after_a_thousand():
     ask(queue, "big", 1000)
     ask(queue, "small", 1)
     first, second = queue.take(timeout=1)[1], queue.take(timeout=1)[1]
-    assert [first[0].image.prompt, second[0].image.prompt] == ["big0", "small0"]  # (before: small0 after big999)
+    assert [first[0].work.prompt, second[0].work.prompt] == ["big0", "small0"]  # (before: small0 after big999)
     assert queue.depth() == 999
 
 
@@ -60,15 +60,15 @@ def test_images_of_one_key_from_several_clients_share_a_batch_one_client_at_a_ti
 def test_a_clients_requests_keep_their_order_and_other_keys_are_never_mixed():
     queue = BatchQueue(batch_size=2, window_seconds=0.0, max_requests=8)
     first = Request(2, client="a")
-    queue.submit(first, [ImageJob(first, i, image(f"first{i}", i), KEY) for i in range(2)])
+    queue.submit(first, [ImageJob(first, i, image(f"first{i}", i)) for i in range(2)])
     ask(queue, "b", 1, OTHER)
     second = Request(1, client="a")
-    queue.submit(second, [ImageJob(second, 0, image("second0", 0), KEY)])
+    queue.submit(second, [ImageJob(second, 0, image("second0", 0))])
     taken = [queue.take(timeout=1) for _ in range(3)]
-    assert [(key, [job.image.prompt for job in jobs]) for key, jobs in taken] == [
-        (KEY, ["first0", "first1"]),
-        (OTHER, ["b0"]),
-        (KEY, ["second0"]),
+    assert [(key, [job.work.prompt for job in jobs]) for key, jobs in taken] == [
+        (KEY.call_key, ["first0", "first1"]),
+        (OTHER.call_key, ["b0"]),
+        (KEY.call_key, ["second0"]),
     ]
 
 
@@ -77,7 +77,7 @@ def test_a_client_whose_batch_is_not_ready_lets_a_ready_one_go_first():
     ask(queue, "a", 1)  # half a batch: it waits for the window
     ask(queue, "b", 2, OTHER)  # a full batch: ready now
     key, jobs = queue.take(timeout=0)
-    assert key == OTHER and [job.image.prompt for job in jobs] == ["b0", "b1"]
+    assert key == OTHER.call_key and [job.work.prompt for job in jobs] == ["b0", "b1"]
     assert queue.take(timeout=0) is None
 
 
@@ -87,7 +87,7 @@ def test_a_settled_request_leaves_its_clients_turn_and_starting_is_told_once():
     gone = ask(queue, "a", 3)
     gone.on_start = lambda: started.append("a")
     ask(queue, "b", 1)
-    assert queue.take(timeout=1)[1][0].image.prompt == "a0" and started == ["a"]
+    assert queue.take(timeout=1)[1][0].work.prompt == "a0" and started == ["a"]
     queue.settle(gone)  # answered (or timed out): a's other images leave, b is next
     assert order(queue, 1) == [["b0"]] and started == ["a"] and queue.depth() == 0
 

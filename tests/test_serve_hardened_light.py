@@ -26,11 +26,11 @@ def test_an_img2img_strength_runs_at_least_one_step_as_the_web_ui_does(steps, st
 
 
 def _fox(**changes):
-    """The image the checks below send (a server's ImageSpec), with `changes`."""
-    from tpugen.modes.serve.queue import ImageSpec
+    """The image the checks below send (a server's ImageWork), with `changes`."""
+    from tpugen.plan import ImageWork
 
     fields = {"prompt": "a fox", "negative_prompt": "", "seed": 1, "steps": 3, "guidance_scale": 7.5}
-    return ImageSpec(**{**fields, "height": 64, "width": 64, **changes})
+    return ImageWork(**{**fields, "height": 64, "width": 64, **changes})
 
 
 def test_the_most_steps_a_sampler_runs_is_what_indexes_its_tables():

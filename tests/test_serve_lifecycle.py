@@ -164,8 +164,8 @@ def test_a_device_loop_that_dies_turns_readyz_503_and_answers_the_requests_waiti
     from fastapi.testclient import TestClient
 
     from tpugen.modes.serve.http import build_app
-    from tpugen.modes.serve.queue import ImageSpec
     from tpugen.modes.serve.service import NotReady
+    from tpugen.plan import ImageWork
 
     engine = _FakeEngine()
     service = _service(tmp_path, [engine])
@@ -180,7 +180,7 @@ def test_a_device_loop_that_dies_turns_readyz_503_and_answers_the_requests_waiti
             try:
                 service.generate(
                     [
-                        ImageSpec(
+                        ImageWork(
                             prompt="a cat", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=64, width=64
                         )
                     ]

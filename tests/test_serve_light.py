@@ -27,15 +27,15 @@ def test_a_request_past_its_timeout_says_how_many_of_its_images_were_made(tmp_pa
     import pytest
 
     from tpugen.engine import Display
-    from tpugen.modes.serve.queue import ImageSpec
     from tpugen.modes.serve.service import Service, TimedOut
+    from tpugen.plan import ImageWork
 
     config = tiny_config(tmp_path, serve={"new_shapes": "compile", "request_timeout_s": 0.5, "batch_window_ms": 0})
     del config["prompts"]
     run = load_config(write_config(tmp_path / "serve.yaml", config), prompts_required=False)
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())  # no engine: this test is the device
     service.state = "ready"
-    image = ImageSpec(prompt="a cat", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=64, width=64)
+    image = ImageWork(prompt="a cat", negative_prompt="", seed=1, steps=3, guidance_scale=7.5, height=64, width=64)
 
     def make_one() -> None:  # what a device loop does, for the first image only
         _, jobs = service.queue.take(timeout=5)
@@ -47,7 +47,7 @@ def test_a_request_past_its_timeout_says_how_many_of_its_images_were_made(tmp_pa
         service.generate(
             [
                 image,
-                ImageSpec(prompt="a dog", negative_prompt="", seed=2, steps=3, guidance_scale=7.5, height=64, width=64),
+                ImageWork(prompt="a dog", negative_prompt="", seed=2, steps=3, guidance_scale=7.5, height=64, width=64),
             ]
         )
     loop.join(5)
@@ -65,8 +65,8 @@ def test_a_flux_server_refuses_a_size_its_pipeline_would_round_down(tmp_path):
 
     from tpugen.engine import Display
     from tpugen.errors import InputError
-    from tpugen.modes.serve.queue import ImageSpec
     from tpugen.modes.serve.service import Service
+    from tpugen.plan import ImageWork
 
     config = tiny_config(tmp_path, model={"id": "tiny-flux"}, serve={"new_shapes": "compile"})
     del config["prompts"]
@@ -74,9 +74,9 @@ def test_a_flux_server_refuses_a_size_its_pipeline_would_round_down(tmp_path):
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())
     with pytest.raises(InputError) as refused:
         service.check(
-            [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=4, guidance_scale=0.0, height=72, width=64)]
+            [ImageWork(prompt="a fox", negative_prompt="", seed=1, steps=4, guidance_scale=0.0, height=72, width=64)]
         )
     assert refused.value.lines == ["size: 64x72: Flux.1 (schnell, dev) models need multiples of 16"]
     service.check(
-        [ImageSpec(prompt="a fox", negative_prompt="", seed=1, steps=4, guidance_scale=0.0, height=80, width=64)]
+        [ImageWork(prompt="a fox", negative_prompt="", seed=1, steps=4, guidance_scale=0.0, height=80, width=64)]
     )  # 16 divides both: fine

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
-from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, ImageSpec, QueueFull, Request
+from tpugen.modes.serve.queue import BatchQueue, ImageJob, QueueFull, Request
+from tpugen.plan import ImageWork
 
-KEY = BatchKey(height=64, width=64, cfg=True, steps=3, guidance_scale=7.5, scheduler=None)
-OTHER = BatchKey(
-    height=64, width=64, cfg=True, steps=5, guidance_scale=7.5, scheduler=None
-)  # another step count: never batched with KEY
-
-
-def image(prompt: str, seed: int) -> ImageSpec:
-    """An image a request asks for: the queue reads none of it but what a test names it by (its prompt)."""
-    return ImageSpec(prompt=prompt, negative_prompt="", seed=seed, steps=3, guidance_scale=7.5, height=64, width=64)
+# The work of the images a test sends: the queue reads their call key, and a test names them by their prompt.
+KEY = ImageWork(prompt="p", negative_prompt="", seed=0, steps=3, guidance_scale=7.5, height=64, width=64)
+OTHER = replace(KEY, steps=5)  # another step count: never batched with KEY
 
 
-def ask(queue: BatchQueue, images: int, key: BatchKey = KEY, interruptible: bool = False) -> Request:
+def image(prompt: str, seed: int, like: ImageWork = KEY) -> ImageWork:
+    return replace(like, prompt=prompt, seed=seed)
+
+
+def ask(queue: BatchQueue, images: int, like: ImageWork = KEY, interruptible: bool = False) -> Request:
     request = Request(images, interruptible)
-    queue.submit(request, [ImageJob(request, i, image(f"p{i}", i), key) for i in range(images)])
+    queue.submit(request, [ImageJob(request, i, image(f"p{i}", i, like)) for i in range(images)])
     return request
 
 
@@ -30,7 +30,7 @@ def test_a_full_batch_goes_at_once_and_a_partial_one_after_the_window():
     queue = BatchQueue(batch_size=2, window_seconds=0.2, max_requests=8)
     first, second, third = ask(queue, 1), ask(queue, 1), ask(queue, 1)
     key, jobs = queue.take(timeout=0)  # a full batch leaves without waiting at all
-    assert key == KEY and [job.request for job in jobs] == [first, second]  # two requests, one batch
+    assert key == KEY.call_key and [job.request for job in jobs] == [first, second]  # two requests, one batch
     # The partial one waits for companions: made to arrive just now, whatever time a slow machine took so far.
     third.created = time.monotonic() + 60
     assert queue.take(timeout=0) is None
@@ -44,7 +44,7 @@ def test_images_of_other_keys_are_never_batched_together():
     queue = BatchQueue(batch_size=4, window_seconds=0.0, max_requests=8)
     ask(queue, 1, KEY), ask(queue, 1, OTHER), ask(queue, 1, KEY)
     taken = [queue.take(timeout=1), queue.take(timeout=1)]
-    assert [(key, len(jobs)) for key, jobs in taken] == [(KEY, 2), (OTHER, 1)]
+    assert [(key, len(jobs)) for key, jobs in taken] == [(KEY.call_key, 2), (OTHER.call_key, 1)]
 
 
 def test_a_big_request_is_split_into_batches_of_the_compiled_size():

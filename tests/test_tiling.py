@@ -139,8 +139,8 @@ def test_tiling_is_a_run_config_key_and_its_own_shape_key(tmp_path):
 
 def test_tiling_is_refused_for_transformer_families_in_configs_and_requests(tmp_path):
     from tpugen.engine import Display
-    from tpugen.modes.serve.queue import ImageSpec
     from tpugen.modes.serve.service import Service
+    from tpugen.plan import ImageWork
 
     config = tiny_config(tmp_path, model={"id": "tiny-flux"}, tiling=True, serve={"tiling": True})
     with pytest.raises(InputError) as refused:
@@ -154,7 +154,7 @@ def test_tiling_is_refused_for_transformer_families_in_configs_and_requests(tmp_
     with pytest.raises(InputError) as request:
         service.check(
             [
-                ImageSpec(
+                ImageWork(
                     prompt="a floor",
                     negative_prompt="",
                     seed=1,
@@ -168,7 +168,7 @@ def test_tiling_is_refused_for_transformer_families_in_configs_and_requests(tmp_
         )
     assert request.value.lines == [f"tiling: {TRANSFORMER_REFUSAL}"]
     service.check(
-        [ImageSpec(prompt="a floor", negative_prompt="", seed=1, steps=4, guidance_scale=0.0, height=64, width=64)]
+        [ImageWork(prompt="a floor", negative_prompt="", seed=1, steps=4, guidance_scale=0.0, height=64, width=64)]
     )  # untiled: fine
 
 

@@ -2,45 +2,38 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, fields
+from functools import cached_property
 
 from tpugen.config import ResolvedRun
 from tpugen.config.controls import Controls
 from tpugen.config.hires import HiresFix
 from tpugen.config.images import ImageSource, References
+from tpugen.config.loras import loras_key
 from tpugen.config.prompts import planned_images
+from tpugen.config.request import ImageRequest
 from tpugen.families import FAMILIES
 from tpugen.prompt_reading import PromptReader
 
 
-def task_of(source: ImageSource | None, references: References | None) -> str:
-    """txt2img, img2img (from an init image), inpaint (an init image and a mask) or edit (by reference): a run's
-    image (WorkItem.task) and a server's request (its batch key) are told apart by this alone."""
-    if references is not None:
-        return "edit"
-    return source.task if source else "txt2img"
-
-
 @dataclass(frozen=True, kw_only=True)
-class WorkItem:
-    """One image to make. Its index, seed and file name never depend on batching or on the device."""
+class ImageWork(ImageRequest):
+    """Everything one image asks for: a run's prompt at one size (work_items) and a server's request
+    (tpugen.modes.serve) alike. Its task, the key that decides which images share a pipeline call and the shape
+    it compiles to are derived here and nowhere else. A new per-image option is a field here and the places that
+    act on it.
 
-    index: int
-    prompt_index: int
-    prompt: str
-    negative_prompt: str
-    seed: int
-    steps: int
-    guidance_scale: float
-    height: int
-    width: int
-    # Classifier-free guidance (guidance above 1, in families that have it) doubles the denoiser's batch,
-    # so it is part of the compiled shape.
+    `cfg`, `chunks` and `prompt_syntax` are how the model reads the image: whoever knows the model fills them (a
+    run's plan; a server's admission, once a request's rules are checked)."""
+
+    # Classifier-free guidance (guidance above 1, in families that have it) doubles the denoiser's batch, so it
+    # is part of the compiled shape.
     cfg: bool = True
+    scheduler: str | None = None  # a request's sampler (find_scheduler's name); None: the pipeline's own
+    loras: tuple = ()  # a request's <lora:NAME:SCALE> (tpugen.config.loras.Lora), fused for it; a run fuses at load
     source: ImageSource | None = None  # img2img and inpainting: what the image starts from
     hires: HiresFix | None = None  # hires fix: a second, img2img pass at a larger size (steps resolved)
-    # 75-token chunks the text encoders take for this image's prompt and negative prompt, the longer of the two
+    # 75-token chunks the text encoders take for its prompt and negative prompt, the longer of the two
     # (tpugen.families.prompt_syntax): the denoiser's text length, so part of the compiled shape.
     chunks: int = 1
     tiling: bool = False  # seamless tiling: the convolutions pad circularly, another graph
@@ -51,75 +44,81 @@ class WorkItem:
 
     @property
     def task(self) -> str:
-        return task_of(self.source, self.references)
-
-    @property
-    def reference_count(self) -> int:
-        return self.references.count if self.references else 0
-
-    @property
-    def control_count(self) -> int:
-        return self.controls.count if self.controls else 0
+        """txt2img, img2img (from an init image), inpaint (an init image and a mask) or edit (by reference)."""
+        if self.references is not None:
+            return "edit"
+        return self.source.task if self.source else "txt2img"
 
     @property
     def strength(self) -> float | None:
         return self.source.strength if self.source else None
 
+    @property
+    def steps_in_all(self) -> int:
+        """The steps its call runs: with a hires fix, its second pass's too."""
+        return self.steps + (self.hires.steps if self.hires else 0)
 
-class Shaped(Protocol):
-    """What decides a batch's compiled shape: a run's WorkItem has it, and so has a server's batch key."""
+    def shape(self, batch_size: int) -> ShapeKey:
+        """The compiled shape a call of `batch_size` rows like this one runs at."""
+        return ShapeKey(
+            height=self.height,
+            width=self.width,
+            batch_size=batch_size,
+            cfg=self.cfg,
+            task=self.task,
+            hires=self.hires.shape_label if self.hires else "",
+            chunks=self.chunks,
+            tiling=self.tiling,
+            clip_skip=self.clip_skip,
+            references=self.references.count if self.references else 0,
+            controls=self.controls.count if self.controls else 0,
+        )
 
-    height: int
-    width: int
-    cfg: bool
-    task: str
-    hires: HiresFix | None
-    chunks: int
-    tiling: bool
-    clip_skip: int
-    reference_count: int
-    control_count: int
+    @cached_property
+    def call_key(self) -> tuple:
+        """Equal for images that can share a pipeline call: one shape, and what diffusers takes once per call
+        (steps, guidance, img2img's strength, the hires pass, an edit's references, which the pipeline gives every
+        row, each ControlNet's scale, start and end), the sampler and the LoRAs fused. What stays each image's
+        own: its prompts, seed, input images and control images."""
+        controls = self.controls.call_key if self.controls else None
+        shared = (self.steps, self.guidance_scale, self.strength, self.prompt_syntax, self.hires, self.references)
+        return (self.shape(1), *shared, controls, self.scheduler, loras_key(self.loras))
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkItem(ImageWork):
+    """One image's work at its place in a run (or, for a server's request, in its batch). Its index, seed and file
+    name never depend on batching or on the device."""
+
+    index: int
+    prompt_index: int = 0
+
+    @classmethod
+    def at(cls, work: ImageWork, *, index: int, prompt_index: int = 0) -> WorkItem:
+        """`work` as image `index`."""
+        return cls(index=index, prompt_index=prompt_index, **{f.name: getattr(work, f.name) for f in fields(work)})
 
 
 @dataclass(frozen=True, order=True, kw_only=True)
 class ShapeKey:
-    """What a compiled graph depends on: a new value of any field means a new XLA compile."""
+    """What a compiled graph depends on (ImageWork.shape): a new value of any field means a new XLA compile."""
 
     height: int
     width: int
     batch_size: int
     cfg: bool
-    # img2img and inpaint encode their images before the loop: a graph of their own (tpugen.plan.WorkItem.task).
+    # img2img and inpaint encode their images before the loop: a graph of their own (ImageWork.task).
     task: str = "txt2img"
     # Hires fix's second pass (HiresFix.shape_label: its scale and upscaler), "" for none: the larger size's
     # graphs, and the upscale's, are this key's too.
     hires: str = ""
-    chunks: int = 1  # 75-token prompt chunks (WorkItem.chunks)
-    tiling: bool = False  # seamless tiling (WorkItem.tiling)
-    clip_skip: int = 1  # the text encoder's layer (WorkItem.clip_skip): another text-encoding graph
+    chunks: int = 1  # 75-token prompt chunks (ImageWork.chunks)
+    tiling: bool = False  # seamless tiling (ImageWork.tiling)
+    clip_skip: int = 1  # the text encoder's layer (ImageWork.clip_skip): another text-encoding graph
     # An edit's reference images, each fitted to the key's size: their tokens join the latent's at every step.
     references: int = 0
     # ControlNets that run beside the denoiser at each step (0: none): their residuals join the step's graph.
     controls: int = 0
-
-    @classmethod
-    def of(cls, item: Shaped, batch_size: int) -> ShapeKey:
-        """The shape a batch of `batch_size` rows like `item` runs at: a run's WorkItem, or a server's BatchKey
-        (tpugen.modes.serve.queue), which names the same fields."""
-        label = item.hires.shape_label if item.hires else ""
-        return cls(
-            height=item.height,
-            width=item.width,
-            batch_size=batch_size,
-            cfg=item.cfg,
-            task=item.task,
-            hires=label,
-            chunks=item.chunks,
-            tiling=item.tiling,
-            clip_skip=item.clip_skip,
-            references=item.reference_count,
-            controls=item.control_count,
-        )
 
     def __str__(self) -> str:
         text = f"{self.height}x{self.width} b{self.batch_size} {'cfg' if self.cfg else 'nocfg'}"
@@ -142,24 +141,29 @@ class Batch:
     padding: int
 
     @property
+    def work(self) -> WorkItem:
+        """What the whole call shares (ImageWork.call_key): its first image's."""
+        return self.items[0]
+
+    @property
     def rows(self) -> tuple[WorkItem, ...]:
         return self.items + (self.items[-1],) * self.padding
 
     @property
     def steps(self) -> int:
-        return self.items[0].steps
+        return self.work.steps
 
     @property
     def guidance_scale(self) -> float:
-        return self.items[0].guidance_scale
+        return self.work.guidance_scale
 
     @property
     def strength(self) -> float | None:
-        return self.items[0].strength
+        return self.work.strength
 
     @property
     def hires(self) -> HiresFix | None:
-        return self.items[0].hires
+        return self.work.hires
 
 
 @dataclass(frozen=True)
@@ -200,30 +204,29 @@ def work_items(run: ResolvedRun) -> list[WorkItem]:
             for _ in range(cfg.images_per_prompt):
                 index = len(items)
                 seed = spec.seed + k if spec.seed is not None else cfg.seed + index
-                items.append(
-                    WorkItem(
-                        index=index,
-                        prompt_index=p,
-                        prompt=spec.prompt,
-                        negative_prompt=spec.negative_prompt,
-                        seed=seed,
-                        steps=spec.steps,
-                        guidance_scale=spec.guidance_scale,
-                        height=height,
-                        width=width,
-                        cfg=family.uses_cfg(spec.guidance_scale),
-                        source=spec.source,
-                        # A hires fix is txt2img's: a prompt with an init image is its own img2img pass, one with
-                        # references an edit.
-                        hires=hires_fix(hires, spec.steps) if spec.source is None and not spec.references else None,
-                        chunks=chunks,
-                        prompt_syntax=cfg.prompt_syntax,
-                        tiling=cfg.tiling,
-                        clip_skip=cfg.clip_skip,
-                        references=spec.references,
-                        controls=spec.controls,
-                    )
+                item = WorkItem(
+                    index=index,
+                    prompt_index=p,
+                    prompt=spec.prompt,
+                    negative_prompt=spec.negative_prompt,
+                    seed=seed,
+                    steps=spec.steps,
+                    guidance_scale=spec.guidance_scale,
+                    height=height,
+                    width=width,
+                    cfg=family.uses_cfg(spec.guidance_scale),
+                    source=spec.source,
+                    # A hires fix is txt2img's: a prompt with an init image is its own img2img pass, one with
+                    # references an edit.
+                    hires=hires_fix(hires, spec.steps) if spec.source is None and not spec.references else None,
+                    chunks=chunks,
+                    prompt_syntax=cfg.prompt_syntax,
+                    tiling=cfg.tiling,
+                    clip_skip=cfg.clip_skip,
+                    references=spec.references,
+                    controls=spec.controls,
                 )
+                items.append(item)
                 k += 1
     return items
 
@@ -247,13 +250,10 @@ def plan_batches(items: list[WorkItem], batch_size: int) -> list[Batch]:
     """
     groups: dict[tuple, list[WorkItem]] = {}
     for item in items:
-        key = (item.height, item.width, item.cfg, item.task, item.chunks, item.tiling, item.clip_skip, item.steps)
-        key = (*key, item.guidance_scale, item.strength, item.prompt_syntax, item.hires, item.references)
-        key = (*key, item.controls.call_key if item.controls else None)
-        groups.setdefault(key, []).append(item)
+        groups.setdefault(item.call_key, []).append(item)
     batches = []
     for members in groups.values():
-        shape = ShapeKey.of(members[0], batch_size)
+        shape = members[0].shape(batch_size)
         for start in range(0, len(members), batch_size):
             chunk = tuple(members[start : start + batch_size])
             batches.append(Batch(number=len(batches), shape=shape, items=chunk, padding=batch_size - len(chunk)))

@@ -297,7 +297,7 @@ class LoadedPipeline:
         """The batch's prompts as `pipe` takes them: the family's reading (Family.text_arguments), in the batch's
         chunk count (tpugen.plan.WorkItem.chunks)."""
         shape = batch.shape
-        syntax = batch.items[0].prompt_syntax
+        syntax = batch.work.prompt_syntax
         return self.family.text_arguments(
             pipe, batch.rows, chunks=shape.chunks, syntax=syntax, cfg=shape.cfg, clip_skip=shape.clip_skip
         )
@@ -354,7 +354,7 @@ class LoadedPipeline:
             return {}
         from tpugen.engine.controls import control_image
 
-        shape, units = batch.shape, batch.items[0].controls.units
+        shape, units = batch.shape, batch.work.controls.units
         # Per row, each unit's image, laid out as the family's multi-ControlNet pipeline of the task takes them
         # (Family.multi_control_layout, and multi_control_layout_from_image for img2img and inpainting).
         made: dict = {}  # each distinct unit's control made once (padding rows repeat the last item's units)
@@ -392,7 +392,7 @@ class LoadedPipeline:
         host, as PIL images the pipeline encodes once before its loop."""
         from tpugen.engine import images
 
-        references, shape = batch.items[0].references, batch.shape
+        references, shape = batch.work.references, batch.shape
         return [
             images.load(image.path, shape.width, shape.height, references.resize_mode) for image in references.images
         ]

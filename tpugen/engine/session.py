@@ -35,7 +35,7 @@ from tpugen.outputs.report import (
     read_report,
     write_report,
 )
-from tpugen.plan import RunPlan, plan_run, plan_share
+from tpugen.plan import ImageWork, RunPlan, plan_run, plan_share
 
 # How a resume treats a key (tpugen/config/schema.py) whose value differs from the run's. Any key not named below
 # is refused: it can change an image (the model, its revision, variant, dtype, scheduler, LoRAs, watermark and
@@ -103,48 +103,47 @@ def make_run_dir(output_dir: str | Path, run_id: str) -> Path:
 
 def image_record(
     run: ResolvedRun,
-    image,
+    work: ImageWork,
     *,
     scheduler: str,
     model_label: str,
     loras=(),
+    index: int | None = None,
     file: str | None = None,
     batch: int | None = None,
 ) -> dict:
     """What made an image; stored in its PNG, so it holds nothing that varies between identical runs or
-    depends on how the run was executed (no rank, no worker, no timing). `image`: a run's WorkItem or a
-    server's request for one (tpugen.modes.serve.queue.ImageSpec); `loras`: the ones fused for it. A run's image
-    (its `file` and `batch` given) records its index, file, batch and the run's config hash too; a server's reply
-    has no run file or batch."""
+    depends on how the run was executed (no rank, no worker, no timing). `work`: a run's image's or a server's
+    request's (tpugen.plan.ImageWork); `loras`: the ones fused for it. A run's image (its `index`, `file` and
+    `batch` given) records its index, file, batch and the run's config hash too; a server's reply has no run file
+    or batch."""
     model = run.config.model
     in_run = file is not None
     # LoRAs change the images, so they are part of what made one; a run without them keeps the record it had.
     fused = {"loras": [lora.record() for lora in loras]} if loras else {}
     cache = run.config.compile.step_cache.record()  # cached images are not the uncached ones
     step_cache = {"step_cache": cache} if cache else {}
-    source, hires = getattr(image, "source", None), getattr(image, "hires", None)  # a request may have neither
-    source = source.record() if source else {}  # by content: the path is where it was, not what it was
-    references = getattr(image, "references", None)
-    source = {**source, **references.record()} if references else source
-    controls = getattr(image, "controls", None)
-    if controls:  # each unit's control image by content, and how it steered
+    source = work.source.record() if work.source else {}  # by content: the path is where it was, not what it was
+    source = {**source, **work.references.record()} if work.references else source
+    if work.controls:  # each unit's control image by content, and how it steered
         controlnets = [recorded_name(c.id) for c in model.controlnets]
-        units = [{"controlnet": name, **unit.record()} for name, unit in zip(controlnets, controls.units, strict=True)]
-        source = {**source, "controlnet_units": units}
+        units = zip(controlnets, work.controls.units, strict=True)
+        source = {**source, "controlnet_units": [{"controlnet": name, **unit.record()} for name, unit in units]}
     multiple = FAMILIES[run.family].size_multiple
-    hires = {"hires": hires.record(image.height, image.width, multiple)} if hires else {}
-    tiling = {"tiling": True} if getattr(image, "tiling", False) else {}  # an untiled image keeps the record it had
-    skip = getattr(image, "clip_skip", 1)
-    clip_skip = {"clip_skip": skip} if skip > 1 else {}  # as tiling: the last layer's records stay as they were
+    hires = {"hires": work.hires.record(work.height, work.width, multiple)} if work.hires else {}
+    tiling = {"tiling": True} if work.tiling else {}  # an untiled image keeps the record it had
+    clip_skip = (
+        {"clip_skip": work.clip_skip} if work.clip_skip > 1 else {}
+    )  # the last layer's records stay as they were
     return {
-        **({"index": image.index, "file": file} if in_run else {}),
-        "prompt": image.prompt,
-        "negative_prompt": image.negative_prompt,
-        "seed": image.seed,
-        "steps": image.steps,
-        "guidance_scale": image.guidance_scale,
-        "height": image.height,
-        "width": image.width,
+        **({"index": index, "file": file} if in_run else {}),
+        "prompt": work.prompt,
+        "negative_prompt": work.negative_prompt,
+        "seed": work.seed,
+        "steps": work.steps,
+        "guidance_scale": work.guidance_scale,
+        "height": work.height,
+        "width": work.width,
         "scheduler": scheduler,
         "model": model_label,
         "model_id": model.id,
@@ -184,6 +183,7 @@ class ImageWriter:
                 scheduler=self.scheduler,
                 model_label=self.model_label,
                 loras=session.run.loras,
+                index=item.index,
                 file=name,
                 batch=batch.number,
             )

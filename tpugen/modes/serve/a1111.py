@@ -21,10 +21,10 @@ from tpugen.errors import InputError
 from tpugen.modes.serve import sd_upscale
 from tpugen.modes.serve.controlnet_api import controls_for, script_problems
 from tpugen.modes.serve.progress import Job
-from tpugen.modes.serve.queue import ImageSpec
 from tpugen.modes.serve.replies import base64_image, image_b64, image_record, json_response, parse
 from tpugen.modes.serve.service import Service
 from tpugen.outputs.png import a1111_parameters
+from tpugen.plan import ImageWork
 from tpugen.schedulers import SCHEDULER_NAMES, find_scheduler
 
 router = APIRouter(prefix="/sdapi/v1")
@@ -251,7 +251,7 @@ def with_styles(service: Service, body: Txt2Img) -> tuple[str, str | None]:
     return prompt, negative
 
 
-def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
+def images_for(service: Service, body: Txt2Img) -> list[ImageWork]:
     """The request's images, or an InputError with every problem it has (one line each)."""
     config = service.run.config
     height, width = service.sizes[0]
@@ -272,8 +272,8 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
     if controls is not None and hires is not None:
         problems.append("enable_hr: a hires fix with ControlNet units is not built (its second pass would run without)")
 
-    def make(i: int) -> ImageSpec:
-        return ImageSpec(
+    def make(i: int) -> ImageWork:
+        return ImageWork(
             prompt=prompt,
             negative_prompt=negative if negative is not None else config.negative_prompt,
             seed=seed + i,  # the web UI's rule: image i of a request gets seed + i
@@ -289,12 +289,12 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageSpec]:
             controls=controls,
         )
 
-    images = collect(problems, service.image_specs, count, make)
+    images = collect(problems, service.image_works, count, make)
     refuse(problems, service, images)
     return images
 
 
-def refuse(problems: list[str], service: Service, images: list[ImageSpec] | None) -> None:
+def refuse(problems: list[str], service: Service, images: list[ImageWork] | None) -> None:
     """An InputError with `problems`, if there are any, and what service.check finds in `images` beside them
     (every problem of a request at once)."""
     if problems:
@@ -331,7 +331,7 @@ def txt2img_reply(service: Service, body: Txt2Img):
 def _reply(
     service: Service,
     body: Txt2Img,
-    images: list[ImageSpec],
+    images: list[ImageWork],
     crop: dict | None = None,
     combine=None,
     note: str | None = None,
@@ -438,7 +438,7 @@ def _init_problems(body: Img2Img) -> tuple[list[str], float]:
     return problems, strength
 
 
-def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageSpec], dict | None]:
+def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageWork], dict | None]:
     """The request's images (each starting from the init image, fitted, and its mask prepared as the web UI does),
     and for inpaint_full_res the crop each result is pasted back at (None otherwise)."""
     from tpugen.engine import images as pictures
@@ -526,7 +526,7 @@ def img2img_reply(service: Service, body: Img2Img):
     return _reply(service, body, images, crop)
 
 
-def edit_images(service: Service, body: Img2Img) -> list[ImageSpec]:
+def edit_images(service: Service, body: Img2Img) -> list[ImageWork]:
     """The request's images on a model that edits by reference (FLUX.2): txt2img's, with init_images as the
     references, in order, each stored as sent and fitted to the size by the engine (resize_mode as the request
     sets it; unset, crop and resize, as FLUX.2's pipelines fit one). denoising_strength is not read (an edit
@@ -614,7 +614,7 @@ def sd_upscale_images(service: Service, body: Img2Img):
     whole = ImageSource("", hashlib.sha256(data).hexdigest(), strength=strength)
     answered = [replace(image, width=width, height=height, source=whole) for image in upscales]
 
-    def combine(made: list[tuple[int, object]]) -> tuple[list[ImageSpec], list[tuple[int, object]]]:
+    def combine(made: list[tuple[int, object]]) -> tuple[list[ImageWork], list[tuple[int, object]]]:
         drawn: dict[int, dict[int, object]] = {}
         for position, pixels in made:
             drawn.setdefault(position // per_image, {})[position % per_image] = pixels

@@ -3,17 +3,18 @@ for until the device loops have made them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tpugen.config.controls import controlled_problems
-from tpugen.config.loras import loras_key
 from tpugen.config.request import RequestLimits
 from tpugen.config.rules import CLIP_SKIP_NEEDS_WEBUI, jax_image_problems
 from tpugen.errors import InputError, one_line
 from tpugen.modes.serve.progress import Jobs
-from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob, ImageSpec, Request
+from tpugen.modes.serve.queue import BatchQueue, ImageJob, Request
 from tpugen.modes.serve.refusals import NotWarm, TimedOut
 from tpugen.modes.serve.request_ids import TASK_ID, current_caller
 from tpugen.modes.serve.warm import WarmEngines
-from tpugen.plan import task_of
+from tpugen.plan import ImageWork
 
 COMPILED_MAX_SIDE = 2048  # serve.max_side's default under new_shapes: compile
 
@@ -39,30 +40,15 @@ class Admission:
         default_side = COMPILED_MAX_SIDE if serve.new_shapes == "compile" else None
         self.max_side = serve.max_side or default_side
 
-    def key_for(self, image: ImageSpec) -> BatchKey:
+    def work_for(self, image: ImageWork) -> ImageWork:
+        """A request's image as this server's model reads it: its guidance's CFG, its prompts' chunks, the server's
+        prompt syntax (the fields a request's builder leaves at their defaults). Called once its rules passed."""
         cfg = self.warm.family.uses_cfg(image.guidance_scale)
-        source = image.source
         reader = self.warm.reader
-        return BatchKey(
-            height=image.height,
-            width=image.width,
-            cfg=cfg,
-            steps=image.steps,
-            guidance_scale=image.guidance_scale,
-            scheduler=image.scheduler,
-            loras=loras_key(image.loras),
-            task=task_of(source, image.references),
-            strength=source.strength if source else None,
-            hires=image.hires,
-            chunks=reader.chunks(image.prompt, image.negative_prompt, cfg=cfg),
-            tiling=image.tiling,
-            prompt_syntax=reader.syntax,
-            clip_skip=image.clip_skip,
-            references=image.references,
-            controls=image.controls.call_key if image.controls else (),
-        )
+        chunks = reader.chunks(image.prompt, image.negative_prompt, cfg=cfg)
+        return replace(image, cfg=cfg, chunks=chunks, prompt_syntax=reader.syntax)
 
-    def image_specs(self, count: int, make) -> list[ImageSpec]:
+    def image_works(self, count: int, make) -> list[ImageWork]:
         """`make(i)` for each of a request's `count` images. Past serve.max_images_per_request only the first
         and last are made, and refused with the count: a request for ten billion images costs two specs."""
         if count <= self.warm.serve.max_images_per_request:
@@ -71,7 +57,7 @@ class Admission:
         self.check(images, count=count)  # refuses the count, with whatever else the two show
         return images
 
-    def check(self, images: list[ImageSpec], *, count: int | None = None) -> None:
+    def check(self, images: list[ImageWork], *, count: int | None = None) -> None:
         """Every problem with a request's images, one line each, in tpugen's words: InputError, or NotWarm when
         the request is fine but asks for what is not warm (both 422). Each request is checked on its own, so a
         bad one never fails the batch it would have shared. `count`: how many images the request asks for,
@@ -116,61 +102,63 @@ class Admission:
             problems.extend(warm.steps_problems(images[0].steps, images[0].hires, images[0].scheduler))
         if problems:
             raise InputError(*problems)
-        keys = list(dict.fromkeys(self.key_for(image) for image in images))
+        works = list({work.call_key: work for work in map(self.work_for, images)}.values())
         if serve.new_shapes == "reject":
-            cold = [self._not_warm(key) for key in keys]
+            cold = [self._not_warm(work) for work in works]
             if any(cold):
                 raise NotWarm(*(problem for problem in cold if problem))
         elif warm.engines:
             cap = serve.max_warm_shapes
             warmed = {shape for shape, _ in warm.engines[0].warm}
-            new = {str(key.shape(warm.batch_size)) for key in keys} - warmed
+            new = {str(work.shape(warm.batch_size)) for work in works} - warmed
             if new and len(warmed) + len(new) > cap:
                 raise NotWarm(
                     f"{', '.join(sorted(new))} would be compiled, and this server keeps at most {cap} shapes warm "
                     f"(serve.max_warm_shapes); warm: {warm.summary()}"
                 )
 
-    def _not_warm(self, key: BatchKey) -> str | None:
+    def _not_warm(self, work: ImageWork) -> str | None:
         warm = self.warm
         engine = warm.engines[0]
-        shape = key.shape(warm.batch_size)
-        if engine.is_warm(shape, key.scheduler, key.steps):
+        shape = work.shape(warm.batch_size)
+        if engine.is_warm(shape, work.scheduler, work.steps):
             return None
-        scheduler = key.scheduler or engine.loaded.default_scheduler
-        if (key.height, key.width) not in warm.sizes:
-            what = f"size {key.width}x{key.height} is not warm"
-        elif key.hires is not None and not warm.hires_warm(key.hires):
-            what = f"hires fix {key.hires.shape_label.removeprefix('hires ')} is not warm ({warm.hires_summary()})"
-        elif key.task not in warm.serve.tasks:
-            what = f"{key.task} is not warm (serve.tasks: {', '.join(warm.serve.tasks)})"
-        elif key.control_count and not warm.controlnets:
+        scheduler = work.scheduler or engine.loaded.default_scheduler
+        if (work.height, work.width) not in warm.sizes:
+            what = f"size {work.width}x{work.height} is not warm"
+        elif work.hires is not None and not warm.hires_warm(work.hires):
+            what = f"hires fix {work.hires.shape_label.removeprefix('hires ')} is not warm ({warm.hires_summary()})"
+        elif work.task not in warm.serve.tasks:
+            what = f"{work.task} is not warm (serve.tasks: {', '.join(warm.serve.tasks)})"
+        elif shape.controls and not warm.controlnets:
             what = "ControlNet units are not warm (the server's model.controlnets is empty)"
-        elif key.control_count and key.task not in warm.controlled_tasks:
-            what = f"ControlNet units on {key.task} are not warm (warm with them: {', '.join(warm.controlled_tasks)})"
-        elif key.references and key.references.count not in warm.reference_counts:
+        elif shape.controls and work.task not in warm.controlled_tasks:
+            what = f"ControlNet units on {work.task} are not warm (warm with them: {', '.join(warm.controlled_tasks)})"
+        elif shape.references and shape.references not in warm.reference_counts:
             counts = ", ".join(map(str, warm.reference_counts))
-            count = key.references.count
+            count = shape.references
             what = f"edit with {count} reference{'s' if count > 1 else ''} is not warm"
             what += f" (serve.reference_counts: {counts})"
-        elif key.chunks not in warm.chunk_counts:
+        elif work.chunks not in warm.chunk_counts:
             counts = ", ".join(map(str, warm.chunk_counts))
-            what = f"a prompt of {key.chunks} chunks of 75 tokens is not warm (serve.prompt_chunks: {counts})"
-        elif key.cfg != warm.cfg:
-            what = f"{'CFG on' if key.cfg else 'CFG off (guidance 1 or less)'} at {key.width}x{key.height} is not warm"
-        elif key.tiling and not warm.serve.tiling:
+            what = f"a prompt of {work.chunks} chunks of 75 tokens is not warm (serve.prompt_chunks: {counts})"
+        elif work.cfg != warm.cfg:
+            what = (
+                f"{'CFG on' if work.cfg else 'CFG off (guidance 1 or less)'} at {work.width}x{work.height} is not warm"
+            )
+        elif work.tiling and not warm.serve.tiling:
             what = "tiling is not warm (serve.tiling: false)"
-        elif key.clip_skip != warm.run.config.clip_skip:
-            what = f"clip skip {key.clip_skip} is not warm (clip_skip: {warm.run.config.clip_skip})"
-        elif engine.is_warm(shape, key.scheduler):
-            warmed = engine.warm_steps(shape, key.scheduler)
-            what = f"{key.steps} steps need step graphs (compile.step_cache) not compiled at {warmed} steps"
+        elif work.clip_skip != warm.run.config.clip_skip:
+            what = f"clip skip {work.clip_skip} is not warm (clip_skip: {warm.run.config.clip_skip})"
+        elif engine.is_warm(shape, work.scheduler):
+            warmed = engine.warm_steps(shape, work.scheduler)
+            what = f"{work.steps} steps need step graphs (compile.step_cache) not compiled at {warmed} steps"
         else:
             what = f"sampler {scheduler!r} is not warm"
         return f"{what} (serve.new_shapes: reject); warm: {warm.summary()}"
 
     def generate(
-        self, images: list[ImageSpec], *, interruptible: bool = False, task: str | None = None
+        self, images: list[ImageWork], *, interruptible: bool = False, task: str | None = None
     ) -> list[tuple[int, object]]:
         """(position, pixels) of each image made, in order, once the device loops have made them (uint8 HxWx3);
         blocks the caller. All of them, unless the request is `interruptible` (the web UI's) and a client
@@ -188,7 +176,7 @@ class Admission:
         )
         request = Request(len(images), interruptible, client=caller.client, job=job)
         request.on_start = lambda: self.progress.start(job)
-        jobs = [ImageJob(request, i, image, self.key_for(image)) for i, image in enumerate(images)]
+        jobs = [ImageJob(request, i, self.work_for(image)) for i, image in enumerate(images)]
         outcome, error = "failed", None
         timeout = self.warm.serve.request_timeout_s
         try:

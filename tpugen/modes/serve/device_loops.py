@@ -15,7 +15,7 @@ from tpugen.errors import InputError, RunError, one_line
 from tpugen.logs import logger
 from tpugen.modes.serve.metrics import Metrics
 from tpugen.modes.serve.progress import Jobs
-from tpugen.modes.serve.queue import BatchKey, BatchQueue, ImageJob
+from tpugen.modes.serve.queue import BatchQueue, ImageJob
 from tpugen.plan import Batch, RunPlan
 
 log = logger("serve")
@@ -72,8 +72,8 @@ class DeviceLoops:
                     if self.queue.closed:
                         return
                     continue
-                key, jobs = taken
-                self.run_batch(engine, key, [job for job in jobs if not job.request.done])
+                _, jobs = taken
+                self.run_batch(engine, [job for job in jobs if not job.request.done])
         except BaseException as exc:  # the loop is gone, and no other thread makes this engine's batches
             self.metrics.device_failures.inc()
             self.break_down(f"device loop {self._number(engine)} died: {one_line(exc)}")
@@ -108,34 +108,36 @@ class DeviceLoops:
 
         return stepped
 
-    def run_batch(self, engine: Engine, key: BatchKey, jobs: list[ImageJob]) -> None:
-        """One batch of `key` made on `engine`: each image delivered to its request, or the batch's failure."""
+    def run_batch(self, engine: Engine, jobs: list[ImageJob]) -> None:
+        """One batch of jobs of one key made on `engine`: each image delivered to its request, or the batch's
+        failure."""
         if not jobs:
             return
+        work = jobs[0].work  # what the call shares (ImageWork.call_key)
         with self._count_lock:
             number = self._batches
             self._batches += 1
         items = tuple(job.work_item(i) for i, job in enumerate(jobs))
-        shape = key.shape(self.batch_size)
+        shape = work.shape(self.batch_size)
         batch = Batch(number=number, shape=shape, items=items, padding=self.batch_size - len(items))
         cold = False
         try:
             # Every graph compiled here is one after warmup: a new shape (serve.new_shapes: compile; reject
             # refused it at the door) or, if a count shows up for a warm one, a shape planning missed.
             before = engine.backend.counters()
-            cold = not engine.is_warm(batch.shape, key.scheduler, key.steps)
+            cold = not engine.is_warm(batch.shape, work.scheduler, work.steps)
             if cold:
                 log.info(f"compiling {batch.shape} for a request (serve.new_shapes: compile)")
                 compile_start = time.perf_counter()
                 # Under a step cache, at the steps that compile its every kind of step: compiled once for
                 # requests of any steps, not again for each step count that brings a new kind.
-                steps = warm_steps(self.step_cache, key.steps)
+                steps = warm_steps(self.step_cache, work.steps)
                 warm_items = tuple(replace(item, steps=steps) for item in items)
-                engine.warmup(RunPlan(warm_items, (replace(batch, items=warm_items),)), scheduler=key.scheduler)
+                engine.warmup(RunPlan(warm_items, (replace(batch, items=warm_items),)), scheduler=work.scheduler)
                 log.info(f"compiled {batch.shape} in {time.perf_counter() - compile_start:.1f} s")
             start = time.perf_counter()
             pixels = engine.generate(
-                batch, scheduler=key.scheduler, loras=jobs[0].image.loras, on_step=self._step_reporter(jobs)
+                batch, scheduler=work.scheduler, loras=work.loras, on_step=self._step_reporter(jobs)
             )
             seconds = time.perf_counter() - start
             after = engine.backend.counters()

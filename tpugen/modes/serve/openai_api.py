@@ -14,9 +14,9 @@ from pydantic import BaseModel, ConfigDict
 from tpugen.config.request import RANDOM_SEEDS
 from tpugen.errors import InputError
 from tpugen.modes.serve.a1111 import collect, refuse
-from tpugen.modes.serve.queue import ImageSpec
 from tpugen.modes.serve.replies import image_b64, image_record, json_response, parse, problem_response
 from tpugen.modes.serve.service import Service
+from tpugen.plan import ImageWork
 
 router = APIRouter(prefix="/v1/images")
 
@@ -71,7 +71,7 @@ def generations_reply(service: Service, body: Generation):
 
 def _specs(
     service, problems: list[str], count: int, prompt: str, size, source=None, references=None
-) -> list[ImageSpec] | None:
+) -> list[ImageWork] | None:
     """A request's `count` images at the server's settings (its negative prompt, steps, guidance, clip skip),
     seeded from a fresh seed (OpenAI's API has none), from an image (`source`) or references (`references`);
     None where the size is (a problem already noted)."""
@@ -82,8 +82,8 @@ def _specs(
     height, width = size
     fields = {"source": source, "references": references, "clip_skip": config.clip_skip}
 
-    def make(i: int) -> ImageSpec:
-        return ImageSpec(
+    def make(i: int) -> ImageWork:
+        return ImageWork(
             prompt=prompt,
             negative_prompt=config.negative_prompt,
             seed=seed + i,
@@ -94,10 +94,10 @@ def _specs(
             **fields,
         )
 
-    return collect(problems, service.image_specs, count, make)
+    return collect(problems, service.image_works, count, make)
 
 
-def _answer(service, problems: list[str], images: list[ImageSpec] | None):
+def _answer(service, problems: list[str], images: list[ImageWork] | None):
     """The reply: every image made (OpenAI's never stop short), or the request's problems."""
     refuse(problems, service, images)
     made = service.generate(images)

@@ -1,4 +1,4 @@
-"""The server's queue: a request's images (ImageSpec) wait here until a device loop takes a batch of them (plain
+"""The server's queue: a request's images (ImageJob) wait here until a device loop takes a batch of them (plain
 Python, no device).
 
 Images whose batch key is the same (shape, steps, guidance, scheduler) coalesce into one static batch of the
@@ -15,70 +15,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tpugen.config.controls import Controls
-from tpugen.config.hires import HiresFix
-from tpugen.config.images import ImageSource, References
-from tpugen.config.request import ImageRequest
-from tpugen.plan import ShapeKey, WorkItem
+from tpugen.plan import ImageWork, WorkItem
 
 
 class QueueFull(Exception):
     """More requests than the server keeps waiting (serve.max_queue)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ImageSpec(ImageRequest):
-    """One image a request asks for, in tpugen's words: what ImageRequest's rules check, and how it is made."""
-
-    scheduler: str | None = None  # a name find_scheduler knows; None: the model's own
-    loras: tuple = ()  # tpugen.config.loras.Lora, fused for this image (a request's <lora:NAME:SCALE>)
-    source: ImageSource | None = None  # img2img and inpainting: the images it starts from
-    hires: HiresFix | None = None  # hires fix (the web UI's enable_hr): a second pass at a larger size
-    tiling: bool = False  # seamless tiling (the web UI's tiling): tpugen.plan.WorkItem.tiling
-    clip_skip: int = 1  # the web UI's CLIP_stop_at_last_layers: tpugen.plan.WorkItem.clip_skip
-    references: References | None = None  # an edit by reference: the images it edits from (FLUX.2)
-    controls: Controls | None = None  # the web UI's ControlNet units: one per ControlNet the server runs
-
-    @property
-    def steps_in_all(self) -> int:
-        """The steps its batch runs: with a hires fix, its second pass's too."""
-        return self.steps + (self.hires.steps if self.hires else 0)
-
-
-@dataclass(frozen=True, kw_only=True)
-class BatchKey:
-    """Images with the same key can share a pipeline call."""
-
-    height: int
-    width: int
-    cfg: bool
-    steps: int
-    guidance_scale: float
-    scheduler: str | None  # None: the model's own
-    loras: tuple = ()  # tpugen.config.loras.loras_key of the LoRAs fused for it: other sets never share a batch
-    task: str = "txt2img"  # img2img, inpaint and edit: tpugen.plan.WorkItem.task
-    strength: float | None = None  # img2img's: a call has one
-    hires: HiresFix | None = None  # hires fix's second pass: a call has one
-    chunks: int = 1  # the prompts' 75-token chunks (tpugen.plan.WorkItem.chunks)
-    tiling: bool = False  # seamless tiling (tpugen.plan.WorkItem.tiling)
-    prompt_syntax: str = "webui"  # the server's (RunConfig.prompt_syntax)
-    clip_skip: int = 1  # tpugen.plan.WorkItem.clip_skip
-    # An edit's references: the pipeline gives its one `image` list to every row, so a batch shares one set.
-    references: References | None = None
-    # Each ControlNet unit's scale, start and end (tpugen.config.controls.Controls.call_key): a call has one.
-    controls: tuple = ()
-
-    @property
-    def reference_count(self) -> int:
-        return self.references.count if self.references else 0
-
-    @property
-    def control_count(self) -> int:
-        return len(self.controls)
-
-    def shape(self, batch_size: int) -> ShapeKey:
-        """The compiled shape a batch of this key runs at."""
-        return ShapeKey.of(self, batch_size)
 
 
 @dataclass
@@ -87,33 +28,16 @@ class ImageJob:
 
     request: Request
     position: int  # its place among the request's images
-    image: ImageSpec  # as the request asks for it: its prompts, seed, the LoRAs its key names, its input images
-    key: BatchKey
+    work: ImageWork  # as admission completed it (tpugen.modes.serve.admission.Admission.work_for)
+
+    @property
+    def key(self) -> tuple:
+        """Jobs of one key can share a pipeline call (ImageWork.call_key)."""
+        return self.work.call_key
 
     def work_item(self, index: int) -> WorkItem:
-        """The image as row `index` of its batch: its prompts, seed and input images its own, the rest its key's
-        (one for the whole batch). The one place a request's image becomes the engine's work."""
-        image, key = self.image, self.key
-        return WorkItem(
-            index=index,
-            prompt_index=0,
-            prompt=image.prompt,
-            negative_prompt=image.negative_prompt,
-            seed=image.seed,
-            steps=key.steps,
-            guidance_scale=key.guidance_scale,
-            height=key.height,
-            width=key.width,
-            cfg=key.cfg,
-            source=image.source,
-            hires=key.hires,
-            chunks=key.chunks,
-            tiling=key.tiling,
-            prompt_syntax=key.prompt_syntax,
-            clip_skip=key.clip_skip,
-            references=image.references,
-            controls=image.controls,
-        )
+        """The image as row `index` of its batch."""
+        return WorkItem.at(self.work, index=index)
 
 
 @dataclass
@@ -223,7 +147,7 @@ class BatchQueue:
             self.closed = True
             self._changed.notify_all()
 
-    def take(self, timeout: float) -> tuple[BatchKey, list[ImageJob]] | None:
+    def take(self, timeout: float) -> tuple[tuple, list[ImageJob]] | None:
         """The next batch, or None if nothing is ready within `timeout` or the queue is closed.
 
         A key is ready when it has a full batch or its oldest image has waited the batch window. The clients
@@ -252,10 +176,10 @@ class BatchQueue:
                     request.on_start()
         return chosen[1], taken
 
-    def _choose(self, now: float) -> tuple[tuple[str, BatchKey] | None, float]:
+    def _choose(self, now: float) -> tuple[tuple[str, tuple] | None, float]:
         """(the client whose turn it is and the key it is served, or None; when a key next becomes ready)."""
-        count: dict[BatchKey, int] = {}
-        oldest: dict[BatchKey, float] = {}
+        count: dict[tuple, int] = {}
+        oldest: dict[tuple, float] = {}
         for jobs in self._clients.values():
             for job in jobs:
                 count[job.key] = count.get(job.key, 0) + 1
@@ -267,7 +191,7 @@ class BatchQueue:
                     return (client, job.key), now
         return None, min((oldest[key] + self.window for key in count), default=float("inf"))
 
-    def _fill(self, first: str, key: BatchKey) -> list[ImageJob]:
+    def _fill(self, first: str, key: tuple) -> list[ImageJob]:
         """A batch of `key`, one image per client in turn from `first` on; those clients go to the back."""
         order = list(self._clients)
         order = order[order.index(first) :] + order[: order.index(first)]

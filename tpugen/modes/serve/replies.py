@@ -14,6 +14,7 @@ from tpugen.engine import session
 from tpugen.errors import InputError
 from tpugen.modes.serve.service import Service
 from tpugen.outputs.png import png_bytes
+from tpugen.plan import ImageWork
 
 MAX_BODY_BYTES = 1 << 20  # a request of text
 # Routes whose bodies carry images (base64 in JSON, or multipart): room for the largest input image tpugen takes
@@ -73,15 +74,15 @@ def image_b64(pixels, record: dict) -> str:
     return base64.b64encode(png_bytes(Image.fromarray(pixels), record)).decode("ascii")
 
 
-def image_record(service: Service, image) -> dict:
+def image_record(service: Service, work: ImageWork) -> dict:
     """What made a server's image, as a run's PNG records it (there is no run file or batch here)."""
     engine = service.engines[0]
     return session.image_record(
         service.run,
-        image,
-        scheduler=image.scheduler or engine.loaded.default_scheduler,
+        work,
+        scheduler=work.scheduler or engine.loaded.default_scheduler,
         model_label=engine.model_label,
-        loras=getattr(image, "loras", ()),
+        loras=work.loras,
     )
 
 

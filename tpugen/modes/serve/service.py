@@ -21,11 +21,12 @@ from tpugen.modes.serve.input_images import MIB, InputImages
 from tpugen.modes.serve.lora_dir import lora_files, lora_named
 from tpugen.modes.serve.metrics import Metrics
 from tpugen.modes.serve.progress import Jobs
-from tpugen.modes.serve.queue import BatchQueue, ImageSpec
+from tpugen.modes.serve.queue import BatchQueue
 from tpugen.modes.serve.refusals import Conflict, NotReady, NotWarm, TimedOut, TooManyRuns
 from tpugen.modes.serve.run_handles import RunHandle
 from tpugen.modes.serve.runs import SentRuns
 from tpugen.modes.serve.warm import WarmEngines
+from tpugen.plan import ImageWork
 
 # The facade the routes use: the service, and what its methods refuse work with (tpugen.modes.serve.refusals).
 __all__ = ["Conflict", "NotReady", "NotWarm", "Service", "TimedOut", "TooManyRuns"]
@@ -262,17 +263,17 @@ class Service:
             return None
         return References(tuple(stored), resize_mode)
 
-    def image_specs(self, count: int, make) -> list[ImageSpec]:
+    def image_works(self, count: int, make) -> list[ImageWork]:
         """`make(i)` for each of a request's `count` images, bounded by serve.max_images_per_request
-        (Admission.image_specs)."""
-        return self.admission.image_specs(count, make)
+        (Admission.image_works)."""
+        return self.admission.image_works(count, make)
 
-    def check(self, images: list[ImageSpec], *, count: int | None = None) -> None:
+    def check(self, images: list[ImageWork], *, count: int | None = None) -> None:
         """Every problem with a request's images, one line each (Admission.check): InputError, or NotWarm."""
         self.admission.check(images, count=count)
 
     def generate(
-        self, images: list[ImageSpec], *, interruptible: bool = False, task: str | None = None
+        self, images: list[ImageWork], *, interruptible: bool = False, task: str | None = None
     ) -> list[tuple[int, object]]:
         """The images made for a request, once the server is ready (Admission.generate, which says the rest);
         NotReady (503) while it is not."""

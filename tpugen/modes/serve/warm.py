@@ -15,7 +15,7 @@ from tpugen.engine import Display, Engine
 from tpugen.engine.step_cache import warm_steps
 from tpugen.families import FAMILIES
 from tpugen.modes.serve.input_images import InputImages
-from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem, hires_fix
+from tpugen.plan import Batch, RunPlan, WorkItem, hires_fix
 from tpugen.prompt_reading import PromptReader
 from tpugen.schedulers import find_scheduler
 
@@ -112,7 +112,6 @@ class WarmEngines:
             for height, width in self.sizes:
                 item = WorkItem(
                     index=0,
-                    prompt_index=0,
                     prompt="warmup",
                     negative_prompt="",
                     seed=0,
@@ -130,7 +129,7 @@ class WarmEngines:
                     references=references,
                     controls=controls,
                 )
-                shape = ShapeKey.of(item, self.batch_size)
+                shape = item.shape(self.batch_size)
                 batches.append(Batch(number=len(batches), shape=shape, items=(item,), padding=self.batch_size - 1))
         return RunPlan(tuple(b.items[0] for b in batches), tuple(batches))
 
