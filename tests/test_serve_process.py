@@ -149,11 +149,17 @@ def test_multi_mode_serves_one_engine_per_device_from_one_queue(tmp_path, xla_ru
                 thread.start()
             for thread in threads:
                 thread.join(120)
+            metrics = httpx.get(f"{url}/metrics", timeout=30).text
         finally:
             proc.terminate()
             assert proc.wait(120) == 0
     text = log.read_text()
     assert "ready, 2 device loop(s)" in text
+    # Two engines, one process: torch_xla's counts are the process's. No compile after warmup (each counted once
+    # where batches overlap); the host's time per step is each call's own, the device's not measured.
+    value = {line.split()[0]: line.split()[1] for line in metrics.splitlines() if line.startswith("tpugen_")}
+    assert value["tpugen_compiles_after_warmup_total"] == "0.0" and value["tpugen_device_ms_per_step"] == "NaN"
+    assert float(value["tpugen_host_ms_per_step"]) > 0
     for i, answer in answers.items():
         assert answer.status_code == 200, answer.text
         image = decode(answer.json()["images"][0])

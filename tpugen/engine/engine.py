@@ -154,9 +154,12 @@ class Engine:
         display: Display | None = None,
         ranks_in_process: int = 1,
         device_index: int | None = None,
+        neighbours: int = 0,
     ) -> Engine:
         """The backend (with its compile cache started) and the pipeline on it. `device_index` (xla): which of
-        this process's devices, for a server that runs one engine per device."""
+        this process's devices, for a server that runs one engine per device; `neighbours`: the other engines of
+        such a server, running at the same time in this process, whose work the backend's process-wide counters
+        count too (so a call's device time per step is not measured: StepTiming's device_ms_per_step is None)."""
         display = display or Display()
         execution = spec.execution
         backend = make_backend(execution, spec.compile, spec.cache, device_index=device_index)
@@ -202,6 +205,7 @@ class Engine:
         for controlnet in controlnets:
             controlnet.to(backend.device)
         loaded = LoadedPipeline(pipe, backend, family, label, scheduler_name, controlnets)
+        loaded.neighbours = neighbours
         loaded.annotators = spec.model.annotators_dir
         backend.prepare_on_device(pipe, family, spec.compile, loaded.hooks)
         loaded.controlnet_hooks()

@@ -86,6 +86,9 @@ class LoadedPipeline:
         self._pass = ""  # "hires " while a hires fix's second pass runs: its phases are counted apart
         self._steps_before = 0  # steps of the batch's passes before this one (on_step counts on through them)
         self.on_step = None  # called with each denoising step's number (1..steps) as it is handed to the device
+        # Engines beside this one in the process, running at the same time (Engine.open's `neighbours`): the
+        # backend's counters count their executions too, so the device's time per step is not read from them.
+        self.neighbours = 0
         self._clock: StepClock | None = None  # the running call's
         self.step_timing: StepTiming | None = None  # the last call's host and device time per denoising step
         self.step_cache = None  # compile.step_cache once use_step_cache installed it
@@ -535,7 +538,7 @@ class LoadedPipeline:
         self.phase_memory = {}
         self._loop_started, self._pass, self._steps_before = False, "", 0
         self.running = "text encoders"
-        self._clock, self.step_timing = StepClock(self.backend), None
+        self._clock, self.step_timing = StepClock(self.backend, device_measured=not self.neighbours), None
         try:
             pipe = self.task_pipe(batch.shape.task, controlled=bool(batch.shape.controls))
             if batch.shape.task in ("txt2img", "edit"):

@@ -38,14 +38,16 @@ class StepClock:
     the smaller of the two: exact while the device waits on the host, the loop's own time while the host waits on
     the device.
 
-    A denoising loop may run more than once in a call (hires fix's second pass): the figures cover every loop."""
+    A denoising loop may run more than once in a call (hires fix's second pass): the figures cover every loop.
+    `device_measured` False: the backend's counters count other engines' work too (a server's engines per device
+    in one process), so the device's figure is None, not theirs added to this one's."""
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, *, device_measured: bool = True) -> None:
         self._backend = backend
         self._host: list[float] = []
         self._last: float | None = None
         self._device = 0.0
-        self._device_known = True
+        self._device_known = device_measured
         self._loop_started_at: float | None = None  # the device's execution seconds where the running loop started
 
     def loop_started(self) -> None:

@@ -48,10 +48,14 @@ class DeviceLoops:
         self._batches = 0
         self._failed_in_a_row: dict[int, int] = {}  # id(engine) -> batches failed since its last good one
         self._count_lock = threading.Lock()
+        self.compiles = CompileLedger()
 
     def start(self, engines: list[Engine]) -> None:
         """A device loop for each of `engines`, started."""
         self._engines = list(engines)
+        if any(engine.loaded.neighbours for engine in self._engines):
+            # Engines in one process: the device's time per step is not measured (StepClock), and says so.
+            self.metrics.device_ms_per_step.set(float("nan"))
         for number, engine in enumerate(self._engines):
             # Daemon threads: a second signal ends the process under a batch in flight (stop() joins them).
             loop = threading.Thread(target=self._loop, args=(engine,), name=f"tpugen-device-{number}", daemon=True)
@@ -120,11 +124,11 @@ class DeviceLoops:
         items = tuple(job.work_item(i) for i, job in enumerate(jobs))
         shape = work.shape(self.batch_size)
         batch = Batch(number=number, shape=shape, items=items, padding=self.batch_size - len(items))
-        cold = False
+        cold, window = False, None
         try:
             # Every graph compiled here is one after warmup: a new shape (serve.new_shapes: compile; reject
             # refused it at the door) or, if a count shows up for a warm one, a shape planning missed.
-            before = engine.backend.counters()
+            window = self.compiles.open(engine.backend)
             cold = not engine.is_warm(batch.shape, work.scheduler, work.steps)
             if cold:
                 log.info(f"compiling {batch.shape} for a request (serve.new_shapes: compile)")
@@ -140,8 +144,8 @@ class DeviceLoops:
                 batch, scheduler=work.scheduler, loras=work.loras, on_step=self._step_reporter(jobs)
             )
             seconds = time.perf_counter() - start
-            after = engine.backend.counters()
         except BaseException as exc:  # a request's failure never stops the loop
+            self.compiles.close(window)
             log.error(f"batch {number} failed: {one_line(exc)}")
             for job in jobs:
                 job.request.fail(exc)
@@ -152,8 +156,9 @@ class DeviceLoops:
             return
         self._failed_in_a_row[id(engine)] = 0
         # Counted before the images are handed over: a client that reads /metrics after its answer sees its batch.
-        if before is not None and after is not None and after.compiles > before.compiles:
-            self.metrics.compiles_after_warmup.inc(after.compiles - before.compiles)
+        new = self.compiles.close(window, engine.backend)
+        if new:
+            self.metrics.compiles_after_warmup.inc(new)
         self.metrics.batch(seconds, len(jobs), batch.padding, engine.step_timing)
         # Counted before the images are handed over too: a request's progress says done by the time it answers.
         made: dict[int, list] = {}
@@ -169,6 +174,60 @@ class DeviceLoops:
             f"batch {number}: {batch.shape}, {len(jobs)} images (+{batch.padding} padding), "
             f"{seconds:.2f} s, {self.queue.depth()} images waiting; requests {names}"
         )
+
+
+class CompileLedger:
+    """The compiles the server's batches saw, each counted once. A batch reads the backend's compile count as it
+    starts and ends (a window); where a server runs an engine per device in one process (mode multi), torch_xla
+    keeps one count for the process, the engines' windows overlap, and a compile falls in each window open at
+    the time: only the part of a closing window no other window counted yet is new. With one engine the windows
+    never overlap, and a window's new compiles are its end's count less its start's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[int, int] = {}  # the windows of batches in flight: their number -> the count at the start
+        self._counted: list[tuple[int, int]] = []  # spans of the count already counted, disjoint, in order
+        self._windows = 0
+
+    def open(self, backend) -> int | None:
+        """A batch starts on `backend`: its window (None where the backend counts no compiles). The count is read
+        under the lock, so that no window closes between the reading and the opening."""
+        with self._lock:
+            counters = backend.counters()
+            if counters is None:
+                return None
+            self._windows += 1
+            self._open[self._windows] = counters.compiles
+            return self._windows
+
+    def close(self, window: int | None, backend=None) -> int:
+        """The batch of `window` ended on `backend` (None: it failed, and counts nothing): the compiles in its
+        window that no other window counted."""
+        if window is None:
+            return 0
+        with self._lock:
+            counters = backend.counters() if backend is not None else None
+            count = counters.compiles if counters is not None else None
+            start = self._open.pop(window)
+            if count is None or count <= start:
+                new = 0
+            else:
+                new = count - start - sum(max(0, min(end, count) - max(begin, start)) for begin, end in self._counted)
+                self._counted = _merged([*self._counted, (start, count)])
+            # A window opens at the count of its time or later: spans below every open window's start are done.
+            floor = min(self._open.values(), default=None)
+            self._counted = [] if floor is None else [span for span in self._counted if span[1] > floor]
+            return new
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for begin, end in sorted(spans):
+        if merged and begin <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((begin, end))
+    return merged
 
 
 def counts_against_the_device(exc: BaseException, *, cold_shape: bool) -> bool:

@@ -26,7 +26,9 @@ class Metrics:
             "tpugen_padding_rows", "batch rows computed only to keep the compiled batch size", registry=self.registry
         )
         self.compiles_after_warmup = Counter(
-            "tpugen_compiles_after_warmup", "XLA graphs compiled while serving", registry=self.registry
+            "tpugen_compiles_after_warmup",
+            "XLA graphs compiled while serving (each once, where engines share the process's count)",
+            registry=self.registry,
         )
         self.host_ms_per_step = Gauge(
             "tpugen_host_ms_per_step",
@@ -35,7 +37,8 @@ class Metrics:
         )
         self.device_ms_per_step = Gauge(
             "tpugen_device_ms_per_step",
-            "the last batch's device milliseconds per denoising step (its graphs' execution, at most the loop's time)",
+            "the last batch's device milliseconds per denoising step (its graphs' execution, at most the loop's time); "
+            "NaN under execution.mode: multi, where the engines' executions share one process-wide count",
             registry=self.registry,
         )
         # A request's own bad input is not counted: only what says the device (or the code driving it) is broken.

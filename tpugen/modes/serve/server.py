@@ -49,6 +49,12 @@ def check_start(run: ResolvedRun, host: str, api_key: str | None) -> None:
             f"execution.mode: multi under tpugen serve runs one engine per device on xla; backend {execution.backend} "
             "serves with mode: single"
         )
+    if execution.mode == "multi" and execution.strict_shapes:
+        raise InputError(
+            "execution.strict_shapes: under execution.mode: multi the server's engines share one process, whose "
+            "compile count torch_xla keeps for the process: a compile for one device's request would stop a run on "
+            "another; serve with strict_shapes: false"
+        )
     if run.config.output.dir.startswith("gs://"):
         raise InputError("output.dir: the server writes runs to a local directory, not gs://")
 
@@ -68,7 +74,10 @@ def open_engines(run: ResolvedRun, display: Display) -> list[Engine]:
 
     use_devices(execution.cores, "tpugen serve")
     devices = local_device_count()
-    return [Engine.open(spec, display=display, ranks_in_process=devices, device_index=i) for i in range(devices)]
+    return [
+        Engine.open(spec, display=display, ranks_in_process=devices, device_index=i, neighbours=devices - 1)
+        for i in range(devices)
+    ]
 
 
 def listen(host: str, port: int) -> socket.socket:
