@@ -53,8 +53,9 @@ class DeviceLoops:
     def start(self, engines: list[Engine]) -> None:
         """A device loop for each of `engines`, started."""
         self._engines = list(engines)
-        if any(engine.loaded.neighbours for engine in self._engines):
-            # Engines in one process: the device's time per step is not measured (StepClock), and says so.
+        if len(self._engines) > 1:
+            # Engines in one process (mode multi): the device's time per step is not measured (StepClock), and
+            # /metrics says so.
             self.metrics.device_ms_per_step.set(float("nan"))
         for number, engine in enumerate(self._engines):
             # Daemon threads: a second signal ends the process under a batch in flight (stop() joins them).
