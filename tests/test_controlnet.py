@@ -174,8 +174,8 @@ def test_the_config_hash_counts_the_annotator_weights_a_run_reads_by_content(tmp
     assert hash_of("b", "mlsd") == hash_of("a", "mlsd")  # a file the run does not read changed
 
     # A resume compares them so too: another folder of the same weights goes on, weights changed in place do not.
-    from tpugen.engine.session import check_resumable, write_run_record
     from tpugen.errors import InputError
+    from tpugen.outputs.run_record import check_resumable, write_run_record
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -938,7 +938,7 @@ def test_two_rows_of_two_units_reach_the_pipeline_in_its_own_layout(tmp_path, mo
 
 
 def test_a_run_record_holds_the_units_and_a_plain_prompt_as_before(tmp_path):
-    from tpugen.engine.session import _prompts_data, recorded_prompts
+    from tpugen.outputs.run_record import prompts_data, recorded_prompts
 
     _control_images(tmp_path)
     prompts = [
@@ -946,6 +946,6 @@ def test_a_run_record_holds_the_units_and_a_plain_prompt_as_before(tmp_path):
         "a plain one",
     ]
     run = load_config(write_config(tmp_path / "run.yaml", _config(tmp_path, prompts)))
-    data = json.loads(json.dumps(_prompts_data(run.prompts)))
+    data = json.loads(json.dumps(prompts_data(run.prompts)))
     assert "controls" in data[0] and "controls" not in data[1]  # a run from before ControlNets resumes as it was
     assert recorded_prompts({"prompts": data}) == run.prompts

@@ -75,7 +75,8 @@ def test_a_resolved_config_keeps_each_lora_id_as_the_config_gave_it(tmp_path, mo
 
 @pytest.mark.parametrize("config_dir", [".", "configs"], ids=["config at the root", "configs/ beside outputs/"])
 def test_the_config_hash_and_the_resume_checks_keep_when_the_project_folder_moves(tmp_path, monkeypatch, config_dir):
-    from tpugen.engine.session import RunSession, check_resumable, load_run
+    from tpugen.engine.session import RunSession
+    from tpugen.outputs.run_record import check_resumable, load_run
 
     monkeypatch.setenv("TPUGEN_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)

@@ -785,8 +785,8 @@ def test_a_resume_with_a_config_that_changes_images_is_refused_before_any_worker
     # Each worker refuses it in its own folder, but a worker that lost its disk would start afresh with it
     # and the pod manifest would mix two configs' images.
     from tpugen.config import load_config
-    from tpugen.engine.session import write_run_record
     from tpugen.files import write_json
+    from tpugen.outputs.run_record import write_run_record
 
     output = {"dir": str(tmp_path / "out"), "run_id": "podrun"}
     first = load_config(write_config(tmp_path / "a.yaml", tiny_config(tmp_path, prompts=PROMPTS[:2], output=output)))

@@ -83,7 +83,7 @@ def _service(tmp_path: Path, engines=(), **serve):
 def test_ended_runs_are_read_back_from_their_directories_and_listed_newest_first(tmp_path):
     """What GET /v1/runs and /v1/runs/ID answer for runs no longer in memory: each from its run directory, its
     state from its report.json (none: the server stopped under it, so it says how to resume it)."""
-    from tpugen.engine.session import write_run_record
+    from tpugen.outputs.run_record import write_run_record
 
     service = _service(tmp_path)
     made = load_config(write_config(tmp_path / "run.yaml", tiny_config(tmp_path)))  # 3 prompts, 3 images
@@ -318,7 +318,8 @@ def test_the_socket_is_bound_first_runs_are_bounded_and_spread_and_a_second_sign
     /readyz counts the keys compiled; two runs go to the two engines, a third is a 429; the first SIGTERM drains,
     the second stops at once: both runs' batches in flight (900 steps each) are abandoned, their directories
     resumable."""
-    from tpugen.engine.session import RunSession, load_run
+    from tpugen.engine.session import RunSession
+    from tpugen.outputs.run_record import load_run
 
     config = serve_config(tmp_path, batch_window_ms=0, schedulers=["Euler a"], max_runs=2)
     proc, url, log, started = _start(tmp_path, config, "execution.mode=multi", "execution.cores=2")

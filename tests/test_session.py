@@ -123,13 +123,13 @@ def test_run_json_is_written_before_config_yaml(tmp_path, monkeypatch):
 
 
 def test_of_two_runs_started_at_once_with_one_run_id_the_second_is_refused(tmp_path, monkeypatch):
-    import tpugen.engine.session as session_module
+    import tpugen.outputs.run_dir as run_dir_module
 
     run = load_config(write_config(tmp_path / "c.yaml", tiny_config(tmp_path)))
     first = RunSession.create(run)
     record = (first.run_dir / "run.json").read_bytes()
     # The second passed the emptiness check before the first wrote anything: the race the check alone loses.
-    monkeypatch.setattr(session_module, "check_run_dir_free", lambda output_dir, run_id: first.run_dir)
+    monkeypatch.setattr(run_dir_module, "check_run_dir_free", lambda output_dir, run_id: first.run_dir)
     with pytest.raises(InputError, match="is being used by another run that started at the same time"):
         RunSession.create(run)
     assert (first.run_dir / "run.json").read_bytes() == record
@@ -203,7 +203,7 @@ def test_a_resume_takes_keys_that_change_no_pixel_and_warns_for_rounding_ones(ha
     ],
 )
 def test_which_keys_a_resume_refuses(key, old, new, effect):
-    from tpugen.engine.session import image_changing_differences, rounding_differences
+    from tpugen.outputs.run_record import image_changing_differences, rounding_differences
 
     def config(value):
         section, _, name = key.rpartition(".")
@@ -226,7 +226,7 @@ def test_which_keys_a_resume_refuses(key, old, new, effect):
 
 
 def test_with_components_placed_by_chip_memory_a_chip_change_is_rounding():
-    from tpugen.engine.session import image_changing_differences, rounding_differences
+    from tpugen.outputs.run_record import image_changing_differences, rounding_differences
 
     old = {"execution": {"placement": "auto", "chip": "v5e"}}
     new = {"execution": {"placement": "auto", "chip": "v5p"}}
@@ -235,7 +235,7 @@ def test_with_components_placed_by_chip_memory_a_chip_change_is_rounding():
 
 
 def test_a_resume_says_the_prompts_file_was_edited_and_its_edits_are_not_used(half_done):
-    from tpugen.engine.session import load_run
+    from tpugen.outputs.run_record import load_run
 
     path, run_dir = half_done
     prompts_file = path.parent / "p.txt"

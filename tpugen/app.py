@@ -53,7 +53,7 @@ def generate(
 
 def resume(run_dir: Path, *, display: Display | None = None) -> RunReport:
     """`tpugen resume RUN_DIR`: the run's own config and prompts, its finished images kept."""
-    from tpugen.engine.session import load_run
+    from tpugen.outputs.run_record import load_run
 
     return generate(load_run(run_dir), display=display, resume_dir=run_dir)
 

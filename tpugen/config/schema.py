@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import types
 import typing
@@ -26,6 +27,36 @@ class _Section(BaseModel):
     # strict: YAML already types its values, so "20" for steps is a mistake worth naming, not coercing.
     # No infinities: guidance_scale .inf runs to all-black images, chip_memory_gb .inf plans nothing.
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+# How a resume treats a key whose value differs from the run's (tpugen.outputs.run_record), declared on the key with
+# `json_schema_extra=RESUME_...`; on a section, for every key under it. A key declared with none can change an
+# image and refuses the resume: the model, its revision, variant, dtype, scheduler, LoRAs, watermark and remote
+# code; the prompts, sizes, steps, guidance, seed, batch_size (padding and graphs) and images_per_prompt; the
+# backend, whose noise and kernels differ; the pod share, which changes the batches.
+# Never changes pixels: where files go, the compile cache, the recompile guard, the server's settings, where a ray
+# run's workers are (so a killed driver's run can be resumed from another address).
+RESUME_NO_EFFECT = {"resume": "none"}
+# The same computation on other devices or as other graphs: the pixels move by rounding only (multi equals single
+# within 1/255, as scanned blocks, SPMD and placed components do; tests/conftest.py): a resume goes on, warned.
+RESUME_ROUNDING = {"resume": "rounding"}
+# The chip a memory plan is made for: no effect, unless execution.placement decides from its memory where each
+# component goes (then rounding).
+RESUME_PLACEMENT = {"resume": "placement"}
+
+
+@functools.cache
+def resume_effects(model: type[BaseModel] | None = None, prefix: str = "") -> dict[str, str]:
+    """{dotted key or section: "none", "rounding" or "placement"}: every key declared with its effect on a
+    resume; the keys left out change images."""
+    effects = {}
+    for name, field in (model or RunConfig).model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if "resume" in extra:
+            effects[prefix + name] = extra["resume"]
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            effects.update(resume_effects(field.annotation, f"{prefix}{name}."))
+    return effects
 
 
 # A LoRA's scale: 1.0 is the strength it was trained at and web UIs' sliders stop at 2; past 4 its change
@@ -498,6 +529,7 @@ class CompileConfig(_Section):
         description=(
             "torch.compile the denoiser on the cpu and cuda backends (xla compiles through torch_xla already)."
         ),
+        json_schema_extra=RESUME_ROUNDING,
     )
     trace_once: bool = Field(
         default=True,
@@ -508,6 +540,7 @@ class CompileConfig(_Section):
             "apply (a step cache, SPMD, offload, placement, scanned blocks, a denoiser dynamo cannot trace) the "
             "run falls back to lazy tracing and says why at load and in the report. false: lazy tracing."
         ),
+        json_schema_extra=RESUME_ROUNDING,
     )
     scan_blocks: bool = Field(
         default=False,
@@ -516,6 +549,7 @@ class CompileConfig(_Section):
             "each run of identical blocks through torch_xla's scan with the weights stacked once, so one block "
             "per kind is compiled."
         ),
+        json_schema_extra=RESUME_ROUNDING,
     )
     flash_attention: AutoOrBool = Field(
         default="auto",
@@ -524,6 +558,7 @@ class CompileConfig(_Section):
             "path). auto: on a TPU only; true: try it anywhere. If it cannot run (no jax, not a TPU, a "
             "compile error), the run goes on without."
         ),
+        json_schema_extra=RESUME_ROUNDING,
     )
     step_cache: StepCacheConfig = Field(
         default=StepCacheConfig(),
@@ -659,11 +694,13 @@ class ExecutionConfig(_Section):
             "one process each (torch_tpu: process group tpu_dist, cuda: nccl, cpu: gloo, with cores "
             "processes); ray: batches handed out to the workers of a Ray cluster (execution.ray)."
         ),
+        json_schema_extra=RESUME_ROUNDING,
     )
     cores: int = Field(
         default=0,
         ge=0,
         description="multi and spmd: how many devices (0 = every local device; on XLA:CPU, CPU_NUM_DEVICES or 1).",
+        json_schema_extra=RESUME_ROUNDING,
     )
     strict_shapes: bool = Field(
         default=False,
@@ -671,15 +708,18 @@ class ExecutionConfig(_Section):
             "Any compile after warmup stops the run (exit 1), naming the batch and shape key (also generate "
             "--strict-shapes)."
         ),
+        json_schema_extra=RESUME_NO_EFFECT,
     )
     pod: PodConfig = Field(default=PodConfig(), description="A worker's place in a TPU pod slice (`tpugen pod-run`).")
     offload: Literal["none", "model"] = Field(
         default="none",
         description="model: each component moves to the device only while it runs (xla, cuda, torch_tpu).",
+        json_schema_extra=RESUME_ROUNDING,
     )
     sharding: Literal["none", "spmd"] = Field(
         default="none",
         description="spmd (xla): one process drives every local device as a mesh; big weights are split over it.",
+        json_schema_extra=RESUME_ROUNDING,
     )
     mesh: MeshConfig = Field(
         default=MeshConfig(),
@@ -687,22 +727,33 @@ class ExecutionConfig(_Section):
             "The SPMD mesh (execution.sharding: spmd): {data: D, model: M}, D x M = the devices (on XLA:CPU, "
             "execution.cores)."
         ),
+        json_schema_extra=RESUME_ROUNDING,
     )
     placement: Placement = Field(
         default="none",
         description=(
             "xla: whole components on different chips of this VM: auto (greedy by size), or {component: chip index}."
         ),
+        json_schema_extra=RESUME_ROUNDING,
     )
     chip: Literal["v4", "v5e", "v5p", "v6e"] = Field(
         default="v5e",
         description="The TPU generation memory plans are made for (HBM per chip: v4 32 GB, v5e 16, v5p 95, v6e 32).",
+        json_schema_extra=RESUME_PLACEMENT,
     )
-    chip_memory_gb: float | None = Field(default=None, gt=0, description="Overrides the chip's HBM in GB.")
+    chip_memory_gb: float | None = Field(
+        default=None, gt=0, description="Overrides the chip's HBM in GB.", json_schema_extra=RESUME_PLACEMENT
+    )
     torch_tpu: TorchTpuConfig = Field(
-        default=TorchTpuConfig(), description="TorchTPU's options (execution.backend: torch_tpu)."
+        default=TorchTpuConfig(),
+        description="TorchTPU's options (execution.backend: torch_tpu).",
+        json_schema_extra=RESUME_ROUNDING,
     )
-    ray: RayConfig = Field(default=RayConfig(), description="A run over a Ray cluster (execution.mode: ray only).")
+    ray: RayConfig = Field(
+        default=RayConfig(),
+        description="A run over a Ray cluster (execution.mode: ray only).",
+        json_schema_extra=RESUME_NO_EFFECT,
+    )
 
 
 class CacheConfig(_Section):
@@ -1012,6 +1063,7 @@ class RunConfig(_Section):
             "steps, guidance_scale, height, width, init_image, mask_image, strength, resize_mode), relative to "
             "the config file (as the images' paths are)."
         ),
+        json_schema_extra=RESUME_NO_EFFECT,
     )
     negative_prompt: str = Field(default="", description="The negative prompt of every prompt without its own.")
     prompt_syntax: Literal["webui", "plain"] = Field(
@@ -1118,15 +1170,20 @@ class RunConfig(_Section):
         default=ExecutionConfig(), description="How the run is executed: backend, mode, devices, memory strategy."
     )
     compile: CompileConfig = Field(default=CompileConfig(), description="How the denoiser is compiled and sped up.")
-    cache: CacheConfig = Field(default=CacheConfig(), description="torch_xla's persistent compile cache.")
+    cache: CacheConfig = Field(
+        default=CacheConfig(), description="torch_xla's persistent compile cache.", json_schema_extra=RESUME_NO_EFFECT
+    )
     output: OutputConfig = Field(
-        default=OutputConfig(), description="Where the run directory goes and what it is called."
+        default=OutputConfig(),
+        description="Where the run directory goes and what it is called.",
+        json_schema_extra=RESUME_NO_EFFECT,
     )
     serve: ServeConfig = Field(
         default=ServeConfig(),
         description=(
             "`tpugen serve`: what the server keeps warm and how it batches requests (other commands ignore it)."
         ),
+        json_schema_extra=RESUME_NO_EFFECT,
     )
 
     @field_validator("height", "width")

@@ -6,9 +6,9 @@ import os
 _RANK = os.environ.get("TPUGEN_TEST_FAIL_RANK")
 
 if _RANK is not None:
-    import tpugen.engine.session as _session
+    import tpugen.outputs.writers as _writers
 
-    _write = _session.BatchWriter.__call__
+    _write = _writers.BatchWriter.__call__
 
     def _fail_after_the_first_batch(self, batch, pixels, seconds):
         if self.extra.get("rank") == int(_RANK) and getattr(self, "_wrote_a_batch", False):
@@ -17,4 +17,4 @@ if _RANK is not None:
         self._wrote_a_batch = True
         return names
 
-    _session.BatchWriter.__call__ = _fail_after_the_first_batch
+    _writers.BatchWriter.__call__ = _fail_after_the_first_batch

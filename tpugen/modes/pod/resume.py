@@ -51,8 +51,8 @@ def resume_run_id(value: str, output_dir: str) -> str:
 def check_pod_resumable(run, local_run: Path) -> None:
     """Refuse, before any gcloud call, a --resume whose config would make other images than the pod run's: a
     worker with its run folder refuses it itself, but one that lost its disk would start afresh with it."""
-    from tpugen.engine.session import differences, read_run_record
     from tpugen.outputs.report import read_report
+    from tpugen.outputs.run_record import differences, read_run_record
 
     if not local_run.is_dir():
         return

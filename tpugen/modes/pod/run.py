@@ -36,10 +36,11 @@ def run_pod(
     from tpugen.config.controls import shipped_models
     from tpugen.config.embeddings import shipped_embeddings
     from tpugen.config.loras import shipped_loras
-    from tpugen.engine.session import make_run_dir, read_run_record, run_id_for, write_run_record
     from tpugen.files import atomic_write_text
     from tpugen.outputs.manifest import rewrite_manifest
     from tpugen.outputs.report import write_report
+    from tpugen.outputs.run_dir import make_run_dir, run_id_for
+    from tpugen.outputs.run_record import read_run_record, write_run_record
 
     if dry_run and workers is None:
         raise InputError("--dry-run needs --workers N (without it the count comes from running gcloud describe)")

@@ -12,7 +12,6 @@ from tpugen import settings
 from tpugen.backends import Counters
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display, RunSession, StopSignals
-from tpugen.engine.session import check_run_dir_free
 from tpugen.errors import InputError, Interrupted, RunError, TpugenError, one_line
 from tpugen.files import write_json
 from tpugen.modes.host import NotStarted, warmup_plan
@@ -21,6 +20,7 @@ from tpugen.modes.ray.resources import IN_FLIGHT, actor_options, show_resources,
 from tpugen.modes.ray.wording import _gone_line, _message, gs_refusal
 from tpugen.modes.ray.worker import Worker, _RayHost
 from tpugen.outputs.report import RunReport, build_report, merge_phases, persistent_cache_summary, plan_counts
+from tpugen.outputs.run_dir import check_run_dir_free
 from tpugen.outputs.sections import RaySection
 from tpugen.plan import Batch, RunPlan, plan_run
 

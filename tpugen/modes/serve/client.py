@@ -19,9 +19,9 @@ from httpx_sse import ServerSentEvent, connect_sse
 
 from tpugen.config import ResolvedRun, run_sizes
 from tpugen.config.loras import is_hub_lora
-from tpugen.engine.session import run_id_for
 from tpugen.errors import InputError, Interrupted, RunError
 from tpugen.files import atomic_write_bytes
+from tpugen.outputs.run_dir import run_id_for
 
 POLL_SECONDS = 0.5  # between two looks at a run's status, when its event stream cannot be had
 STREAM_TRIES = 5  # event streams in a row that drop before an event arrives, before the client polls instead

@@ -10,9 +10,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from tpugen.config.request import MAX_INPUT_BYTES
-from tpugen.engine import session
 from tpugen.errors import InputError
 from tpugen.modes.serve.service import Service
+from tpugen.outputs import writers
 from tpugen.outputs.png import png_bytes
 from tpugen.plan import ImageWork
 
@@ -77,7 +77,7 @@ def image_b64(pixels, record: dict) -> str:
 def image_record(service: Service, work: ImageWork) -> dict:
     """What made a server's image, as a run's PNG records it (there is no run file or batch here)."""
     engine = service.engines[0]
-    return session.image_record(
+    return writers.image_record(
         service.run,
         work,
         scheduler=work.scheduler or engine.loaded.default_scheduler,

@@ -12,8 +12,9 @@ from pathlib import Path
 from tpugen.config import ResolvedRun
 from tpugen.config.prompts import planned_images
 from tpugen.engine import StopSignals
-from tpugen.engine.session import RUN_RECORD, read_run_record, recorded_prompts
 from tpugen.errors import InputError, one_line
+from tpugen.outputs.run_dir import RUN_RECORD
+from tpugen.outputs.run_record import read_run_record, recorded_prompts
 
 
 @dataclass

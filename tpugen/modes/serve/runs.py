@@ -12,7 +12,6 @@ from pathlib import Path
 from tpugen.config import ResolvedRun
 from tpugen.config.schema import is_safe_run_id
 from tpugen.engine import Display, Topology
-from tpugen.engine.session import RUN_RECORD, run_id_for
 from tpugen.errors import InputError, Interrupted, TpugenError, one_line
 from tpugen.logs import logger
 from tpugen.modes.serve.input_images import InputImages
@@ -20,6 +19,7 @@ from tpugen.modes.serve.refusals import Conflict, NotWarm, TooManyRuns
 from tpugen.modes.serve.run_configs import resolve_run
 from tpugen.modes.serve.run_handles import RunHandle, run_on_disk, runs_on_disk
 from tpugen.modes.serve.warm import WarmEngines
+from tpugen.outputs.run_dir import RUN_RECORD, run_id_for
 from tpugen.plan import image_count, plan_run
 
 log = logger("serve")

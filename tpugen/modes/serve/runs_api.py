@@ -13,7 +13,6 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
 
 from tpugen.config.yamlio import yaml_load, yaml_problem
-from tpugen.engine.session import RUN_RECORD
 from tpugen.errors import InputError
 from tpugen.files import inside
 from tpugen.modes.serve.progress import Event, Job
@@ -21,6 +20,7 @@ from tpugen.modes.serve.replies import WrongType, json_response, problem_respons
 from tpugen.modes.serve.run_handles import RunHandle
 from tpugen.modes.serve.service import Service
 from tpugen.outputs.manifest import read_manifest
+from tpugen.outputs.run_dir import RUN_RECORD
 
 router = APIRouter(prefix="/v1/runs")
 
