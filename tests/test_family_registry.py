@@ -175,3 +175,43 @@ def test_a_distilled_klein_folder_is_read_as_distilled(tmp_path):
     resolved = yaml.safe_load(run_cli("validate", write_config(tmp_path / "c.yaml", config)).output)
     assert (resolved["steps"], resolved["guidance_scale"]) == (50, 4.0)
     assert not FAMILIES["flux2_klein_distilled"].uses_cfg(4.0) and FAMILIES["flux2_klein"].uses_cfg(4.0)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_familys_refusals_of_an_images_work_are_its_own_words_whoever_asks(name):
+    # Run configs (rules, resolve, hires) and a server's admission all ask Family.refusals, through an image's
+    # work where they have one (ImageWork.refusals): one place puts the family's words together.
+    from dataclasses import replace
+
+    from tpugen.config.hires import HiresFix
+    from tpugen.config.images import ImageSource
+    from tpugen.plan import ImageWork
+
+    family = FAMILIES[name]
+    title = f"{family.title} models"
+    plain = ImageWork(prompt="a", negative_prompt="", seed=0, steps=2, guidance_scale=1.0, height=64, width=64)
+    source = ImageSource(init_image="i.png", init_image_sha256="0" * 64, strength=0.5)
+    asked = {
+        "image": replace(plain, source=source),
+        "tiling": replace(plain, tiling=True),
+        "clip_skip": replace(plain, clip_skip=2),
+        "hires": replace(plain, hires=HiresFix(2.0, 2, 0.5, "latent")),
+    }
+    why = {
+        "image": family.img2img_refusal,
+        "tiling": family.tiling_refusal,
+        "clip_skip": family.clip_skip_refusal,
+        "hires": family.img2img_refusal,
+    }
+    for part, work in asked.items():
+        refused = work.refusals(family)
+        assert refused.get(part) == (f"{title}: {why[part]}" if why[part] else None), (part, refused)
+    refused = asked["hires"].refusals(family)
+    latent = f"latent for {title}: {family.latent_upscale_refusal}"
+    assert refused.get("hires.upscaler") == (
+        latent if family.latent_upscale_refusal and "hires" not in refused else None
+    )
+    # An image without references is a txt2img's, which an edit-only family refuses.
+    assert plain.refusals(family).get("txt2img") == (
+        f"{title}: {family.txt2img_refusal}" if family.txt2img_refusal else None
+    )

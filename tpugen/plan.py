@@ -58,6 +58,16 @@ class ImageWork(ImageRequest):
         """The steps its call runs: with a hires fix, its second pass's too."""
         return self.steps + (self.hires.steps if self.hires else 0)
 
+    def refusals(self, family) -> dict[str, str]:
+        """What `family` (tpugen.families.Family) cannot do of this work, by part (Family.refusals)."""
+        return family.refusals(
+            image=self.source is not None,
+            edit=self.references is not None,
+            tiling=self.tiling,
+            clip_skip=self.clip_skip,
+            hires_upscaler=self.hires.upscaler if self.hires else None,
+        )
+
     def shape(self, batch_size: int) -> ShapeKey:
         """The compiled shape a call of `batch_size` rows like this one runs at."""
         return ShapeKey(

@@ -67,11 +67,12 @@ def hires_problems(upscaler: str, family, step_cache_method: str, keys: dict[str
     """Why a hires fix with `upscaler` cannot run for a model of `family` under a step cache of
     `step_cache_method`, one line each after the key that asks for it (`keys`: "hires" and "upscaler", as a
     run config or a request names them)."""
-    if family.img2img_refusal:
-        return [f"{keys['hires']}: {family.title} models: {family.img2img_refusal}"]
+    refused = family.refusals(hires_upscaler=upscaler)
+    if "hires" in refused:
+        return [f"{keys['hires']}: {refused['hires']}"]
     problems = []
-    if upscaler == "latent" and family.latent_upscale_refusal:
-        problems.append(f"{keys['upscaler']}: latent for {family.title} models: {family.latent_upscale_refusal}")
+    if "hires.upscaler" in refused:
+        problems.append(f"{keys['upscaler']}: {refused['hires.upscaler']}")
     if step_cache_method != "none":
         problems.append(
             f"{keys['hires']}: compile.step_cache.method: {step_cache_method} runs for txt2img only, and a hires "

@@ -221,7 +221,7 @@ def _img2img_problems(config: RunConfig, prompts: list[PromptSpec], family: Fami
     problems = []
     with_image = next((i for i, spec in enumerate(prompts) if spec.source is not None), None)
     if with_image is not None:
-        problems.append(f"prompts[{with_image}].init_image: {family.title} models: {family.img2img_refusal}")
+        problems.append(f"prompts[{with_image}].init_image: {family.refusals(image=True)['image']}")
     tasks = [task for task in config.serve.tasks if task not in ("txt2img", "edit")]  # edit: _reference_problems
     if tasks:
         problems.append(f"serve.tasks: {tasks[0]} for {family.title} models: {family.img2img_refusal}")
@@ -239,11 +239,9 @@ def _reference_problems(
         if spec.references is not None and config.execution.backend == "jax":
             return [*problems, f"prompts[{number}].reference_images: edits by reference {JAX_NOT_YET}"]
         if spec.references is None:
-            if family.txt2img_refusal:  # an edit-only family: every prompt edits by reference
-                return [
-                    *problems,
-                    f"prompts[{number}]: {family.title} models: {family.txt2img_refusal}; give it reference_images",
-                ]
+            refused = family.refusals()  # a prompt without references, init image or not, as a txt2img's
+            if "txt2img" in refused:  # an edit-only family: every prompt edits by reference
+                return [*problems, f"prompts[{number}]: {refused['txt2img']}; give it reference_images"]
             continue
         where = f"prompts[{number}].reference_images"
         if not family.max_references:
@@ -357,8 +355,8 @@ def _serve_edit_problems(config: RunConfig, family: Family, serving: bool) -> li
     than the family takes (serve.reference_counts), or at a warm size under the references' least side; a
     server's config (`serving`) warming txt2img for a family that only edits."""
     serve = config.serve
-    if serving and "txt2img" in serve.tasks and family.txt2img_refusal:
-        return [f"serve.tasks: txt2img: {family.title} models: {family.txt2img_refusal}; set serve.tasks: [edit]"]
+    if serving and "txt2img" in serve.tasks and (refused := family.refusals().get("txt2img")):
+        return [f"serve.tasks: txt2img: {refused}; set serve.tasks: [edit]"]
     if "edit" not in serve.tasks:
         return []
     if not family.max_references:

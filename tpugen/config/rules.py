@@ -60,13 +60,14 @@ def run_problems(config: RunConfig, family: Family) -> list[str]:
         )
     if config.batch_size > 1 and family.batch_refusal:
         problems.append(f"batch_size: {family.title} models: {family.batch_refusal}; set batch_size: 1")
-    if config.clip_skip > 1 and family.clip_skip_refusal:
-        problems.append(f"clip_skip: {family.title} models: {family.clip_skip_refusal}")
+    refused = family.refusals(clip_skip=config.clip_skip, tiling=config.tiling or config.serve.tiling)
+    if "clip_skip" in refused:
+        problems.append(f"clip_skip: {refused['clip_skip']}")
     elif config.clip_skip > 1 and config.prompt_syntax != "webui":
         problems.append(f"clip_skip: {CLIP_SKIP_NEEDS_WEBUI}")
     for key, tiled in (("tiling", config.tiling), ("serve.tiling", config.serve.tiling)):
-        if tiled and family.tiling_refusal:
-            problems.append(f"{key}: {family.title} models: {family.tiling_refusal}")
+        if tiled and "tiling" in refused:
+            problems.append(f"{key}: {refused['tiling']}")
     pod = config.execution.pod
     if pod.worker_index is not None and pod.num_workers is not None and pod.worker_index >= pod.num_workers:
         problems.append(f"execution.pod.worker_index: {pod.worker_index} is not below num_workers ({pod.num_workers})")

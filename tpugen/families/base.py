@@ -301,6 +301,33 @@ class Family:
                 total += width_ * height * width
         return total + channels[-1] * height * width  # the mid block's
 
+    def refusals(
+        self,
+        *,
+        image: bool = False,
+        edit: bool = False,
+        tiling: bool = False,
+        clip_skip: int = 1,
+        hires_upscaler: str | None = None,
+    ) -> dict[str, str]:
+        """What this family cannot do of what an image's work asks (tpugen.plan.ImageWork.refusals reads a
+        record's), each as "<title> models: why" under the part of the work it refuses: "image" (an init image:
+        img2img or inpainting), "txt2img" (no references, where the family only edits), "tiling", "clip_skip",
+        "hires" (a hires fix, whose second pass is img2img) and "hires.upscaler". Run configs, a server's
+        admission and hires fix ask here; each puts its own key before the words."""
+        title = f"{self.title} models"
+        asked = {
+            "image": (image, self.img2img_refusal),
+            "txt2img": (not image and not edit, self.txt2img_refusal),
+            "tiling": (tiling, self.tiling_refusal),
+            "clip_skip": (clip_skip > 1, self.clip_skip_refusal),
+            "hires": (hires_upscaler is not None, self.img2img_refusal),
+        }
+        found = {part: f"{title}: {why}" for part, (on, why) in asked.items() if on and why}
+        if hires_upscaler == "latent" and "hires" not in found and self.latent_upscale_refusal:
+            found["hires.upscaler"] = f"latent for {title}: {self.latent_upscale_refusal}"
+        return found
+
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Whether a call at this guidance runs classifier-free guidance (a second pass, another shape key)."""
         return self.cfg and guidance_scale > 1.0

@@ -80,17 +80,19 @@ class Admission:
                     tiling=image.tiling,
                 )
             )
-        if images and images[0].source is not None and family.img2img_refusal:
-            problems.append(f"image: {family.title} models: {family.img2img_refusal}")
+        # The family's refusals (its hires fix's are the request's hires field's: a1111.hires_for).
+        refused = images[0].refusals(family) if images else {}
+        if "image" in refused:
+            problems.append(f"image: {refused['image']}")
         if images and images[0].controls:
             found = controlled_problems(family, images[0].controls, images[0].source, warm.controlnet_configs())
             problems.extend(f"{CONTROLLED_WHAT[kind]}: {why}" for kind, why in found.items())
-        if images and images[0].source is None and not images[0].references and family.txt2img_refusal:
-            problems.append(f"image: {family.title} models: {family.txt2img_refusal}; send one or more images to edit")
-        if images and images[0].tiling and family.tiling_refusal:
-            problems.append(f"tiling: {family.title} models: {family.tiling_refusal}")
-        if images and images[0].clip_skip > 1 and family.clip_skip_refusal:
-            problems.append(f"clip skip {images[0].clip_skip}: {family.title} models: {family.clip_skip_refusal}")
+        if "txt2img" in refused:
+            problems.append(f"image: {refused['txt2img']}; send one or more images to edit")
+        if "tiling" in refused:
+            problems.append(f"tiling: {refused['tiling']}")
+        if "clip_skip" in refused:
+            problems.append(f"clip skip {images[0].clip_skip}: {refused['clip_skip']}")
         elif images and images[0].clip_skip > 1 and warm.run.config.prompt_syntax != "webui":
             problems.append(f"clip skip {images[0].clip_skip}: {CLIP_SKIP_NEEDS_WEBUI}")
         elif images and images[0].clip_skip > (layers := warm.text_layers()):
