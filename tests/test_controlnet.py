@@ -426,11 +426,11 @@ def _diffusers_controlled(
 
     family = CONTROLNETS[f"{model}-controlnet"][1]
     base = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
-    controlnet_class = getattr(diffusers, family.controlnet_class)
+    controlnet_class = getattr(diffusers, family.controlnet.model_class)
     controlnet = controlnet_class.from_pretrained(str(builtin_path(f"{model}-controlnet")))
     auto = AutoPipelineForInpainting if mask else AutoPipelineForImage2Image if init else AutoPipelineForText2Image
-    if mask and "inpaint" in family.controlled_pipelines:  # Z-Image's, which AutoPipeline does not make
-        auto = getattr(diffusers, family.controlled_pipelines["inpaint"])
+    if mask and "inpaint" in family.controlnet.pipelines:  # Z-Image's, which AutoPipeline does not make
+        auto = getattr(diffusers, family.controlnet.pipelines["inpaint"])
     pipe = auto.from_pipe(base, controlnet=controlnet)
     pipe.set_progress_bar_config(disable=True)
     unit = record["controlnet_units"][0]
@@ -438,11 +438,11 @@ def _diffusers_controlled(
     images = (
         {"image": init, "control_image": control, "strength": record["strength"]}
         if init
-        else {family.controlnet_image_argument: control}
+        else {family.controlnet.image_argument: control}
     )
-    if not family.control_window_refusal:  # Z-Image's pipeline takes no window (its units run 0 to 1)
+    if not family.controlnet.window_refusal:  # Z-Image's pipeline takes no window (its units run 0 to 1)
         images.update(control_guidance_start=unit["start"], control_guidance_end=unit["end"])
-    if mask and family.controlled_inpaint_strength_refusal:  # nor a strength (it inpaints from noise)
+    if mask and family.controlnet.inpaint_strength_refusal:  # nor a strength (it inpaints from noise)
         del images["strength"]
     if mask:
         images["mask_image"] = mask
@@ -574,7 +574,7 @@ def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(
 
     _control_images(tmp_path)
     family = CONTROLNETS[f"{model}-controlnet"][1]
-    windows = not family.control_window_refusal
+    windows = not family.controlnet.window_refusal
     prompts = [
         {"prompt": "a cat", "control_image": "disc.png"},
         # Another scale (and a unit that sits out the first half) in the same key: the scale is data.
@@ -595,7 +595,7 @@ def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(
                 "prompt": "a blue circle",
                 "init_image": "photo.png",
                 "mask_image": "mask.png",
-                "strength": 1.0 if family.controlled_inpaint_strength_refusal else 0.8,
+                "strength": 1.0 if family.controlnet.inpaint_strength_refusal else 0.8,
                 "control_image": "disc.png",
             }
         )
@@ -635,7 +635,7 @@ def test_each_familys_controlled_runs_are_diffusers_own_in_one_step_graph(
     if "inpaint" in tasks:
         # Inpainting blends the init image back after the last step (one more graph); Z-Image's ControlNet
         # inpainting blends nothing: its steps are the txt2img key's, the masked image encoded before the loop.
-        blends = not family.controlled_inpaint_strength_refusal
+        blends = not family.controlnet.inpaint_strength_refusal
         expected[f"64x64 b1 {cfg} inpaint 1 controlnet"] = {
             "text encoding": 1,
             "first denoising step": int(blends),
@@ -698,7 +698,7 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
         {"prompt": "a cat", **units},
         {"prompt": "a dog", **units, "control_start": [0.0, 0.5], "control_end": [0.5, 1.0]},
         # From an init image: diffusers' ControlNet img2img pipelines take a batch per ControlNet (SD's and SDXL's a
-        # tensor, Flux.1's a list: Family.multi_control_layout_from_image).
+        # tensor, Flux.1's a list: ControlNets.multi_layout_from_image).
         {"prompt": "a red square", "init_image": "photo.png", "strength": 0.7, **units},
     ]
     # compile.trace_once on (tiny_config turns it off): the denoiser and both ControlNets under dynamo.
@@ -716,9 +716,11 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
     assert [b["transfers_to_host"] for b in report["timed_phase"]["batches"]] == [1, 1, 1]
 
     base = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
-    controlnet = getattr(diffusers, family.controlnet_class).from_pretrained(str(builtin_path(f"{model}-controlnet")))
+    controlnet = getattr(diffusers, family.controlnet.model_class).from_pretrained(
+        str(builtin_path(f"{model}-controlnet"))
+    )
     pipe = AutoPipelineForText2Image.from_pipe(base, controlnet=[controlnet, controlnet])
-    assert type(pipe.controlnet).__name__ == family.multi_controlnet_class
+    assert type(pipe.controlnet).__name__ == family.controlnet.multi_class
     pipe.set_progress_bar_config(disable=True)
     from_image = AutoPipelineForImage2Image.from_pipe(base, controlnet=[controlnet, controlnet])
     from_image.set_progress_bar_config(disable=True)
@@ -741,7 +743,7 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
             expected = (from_image if started else pipe)(
                 prompt=record["prompt"],
                 **negative,
-                **(images or {family.controlnet_image_argument: controls}),
+                **(images or {family.controlnet.image_argument: controls}),
                 height=64,
                 width=64,
                 num_inference_steps=record["steps"],
@@ -759,7 +761,7 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
         first_only = pipe(
             prompt=records[0]["prompt"],
             **({"negative_prompt": records[0]["negative_prompt"]} if family.negative_prompt else {}),
-            **{family.controlnet_image_argument: controls},
+            **{family.controlnet.image_argument: controls},
             height=64,
             width=64,
             num_inference_steps=records[0]["steps"],
@@ -773,7 +775,7 @@ def test_two_controlnets_at_once_traced_once_as_diffusers_multi_controlnet(tmp_p
 
 @pytest.mark.xla
 def test_plan_counts_what_each_familys_controlnet_hands_its_denoiser(tmp_path):
-    # Family.controlnet_residuals against what diffusers' own ControlNet returns, eager on the CPU, one step at
+    # ControlNets.residuals against what diffusers' own ControlNet returns, eager on the CPU, one step at
     # 64x96 (no CFG: one row): a UNet ControlNet's down and mid residuals, the transformer ones' block hints.
     # Z-Image's joint sequence pads the text to 32 tokens here (diffusers' real caption length; tpugen's is 512).
     import diffusers
@@ -796,7 +798,7 @@ def test_plan_counts_what_each_familys_controlnet_hands_its_denoiser(tmp_path):
         family = CONTROLNETS[f"{model}-controlnet"][1]
         base = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
         folder = builtin_path(f"{model}-controlnet")
-        controlnet = getattr(diffusers, family.controlnet_class).from_pretrained(str(folder))
+        controlnet = getattr(diffusers, family.controlnet.model_class).from_pretrained(str(folder))
         pipe = AutoPipelineForText2Image.from_pipe(base, controlnet=controlnet)
         pipe.set_progress_bar_config(disable=True)
         handed: list[int] = []
@@ -808,19 +810,19 @@ def test_plan_counts_what_each_familys_controlnet_hands_its_denoiser(tmp_path):
                 width=96,
                 num_inference_steps=1,
                 guidance_scale=0.0 if model == "tiny-z-image" else 1.0,
-                **{family.controlnet_image_argument: Image.new("RGB", (96, 64))},
+                **{family.controlnet.image_argument: Image.new("RGB", (96, 64))},
                 output_type="latent",
             )
         config = json.loads((folder / "config.json").read_text())
         _, vae_scale = denoiser_config(classify_model_id(model), family.denoiser)
-        counted = family.controlnet_residuals(config, 64, 96, vae_scale=vae_scale, text_tokens=32)
+        counted = family.controlnet.residuals(config, 64, 96, vae_scale=vae_scale, text_tokens=32)
         assert counted == handed[0], (model, counted, handed[0])
 
     # tpugen plan says it for the largest controlled key: tiny-sd's two rows of CFG, float32.
     _control_images(tmp_path)
     config = _config(tmp_path, [{"prompt": "a cat", "control_image": "disc.png"}, "a plain prompt"])
     view = app.plan(load_config(write_config(tmp_path / "run.yaml", config)))
-    residuals = CONTROLNETS["tiny-sd-controlnet"][1].controlnet_residuals(
+    residuals = CONTROLNETS["tiny-sd-controlnet"][1].controlnet.residuals(
         json.loads((builtin_path("tiny-sd-controlnet") / "config.json").read_text()), 64, 64, vae_scale=8, text_tokens=0
     )
     assert view.controlnets["bytes"] == 2 * 2 * residuals * 4  # batch 2, doubled by CFG, float32
@@ -919,7 +921,9 @@ def test_two_rows_of_two_units_reach_the_pipeline_in_its_own_layout(tmp_path, mo
     [batch] = plan_run(run).batches
     assert batch.shape.task == task
     family = CONTROLNETS[controlnet][1]
-    assert (family.multi_control_layout if task == "txt2img" else family.multi_control_layout_from_image) == layout
+    assert (
+        family.controlnet.multi_layout if task == "txt2img" else family.controlnet.multi_layout_from_image
+    ) == layout
     loaded = SimpleNamespace(family=family, annotators=None)
     arguments = LoadedPipeline._control_arguments(loaded, batch, "image")
     images = arguments["image"]

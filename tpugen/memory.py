@@ -410,7 +410,7 @@ def controlnet_activations(
     family: Family, model, shapes, *, vae_scale: int, text_tokens: int, denoiser: str
 ) -> dict | None:
     """What the ControlNets add to a step's activations at the run's largest controlled shape key: what they hand
-    the denoiser (Family.controlnet_residuals), held until it has added them; their own attention is no larger
+    the denoiser (ControlNets.residuals), held until it has added them; their own attention is no larger
     than the denoiser's, which the plan gives already. None: no controlled key, or a ControlNet's config is not
     here (a hub id) or not counted for the family."""
     configs = {}
@@ -426,7 +426,7 @@ def controlnet_activations(
         if not shape.controls:
             continue
         sizes = [
-            family.controlnet_residuals(config, shape.height, shape.width, vae_scale=vae_scale, text_tokens=text_tokens)
+            family.controlnet.residuals(config, shape.height, shape.width, vae_scale=vae_scale, text_tokens=text_tokens)
             for config in configs.values()
         ]
         if None in sizes:

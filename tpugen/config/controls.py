@@ -184,13 +184,15 @@ def controlled_problems(family, controls: Controls, source=None, controlnets: li
     """Why an image with these units (and the image it starts from, `source`) cannot run for a model of `family`,
     whose ControlNets' configs are `controlnets` (those known), by what each reason is about: "image" (its task),
     "strength", "window" (the units' start and end). Empty: it can. A run config and a server word them apart."""
-    found = {}
-    if source is not None and (why := family.controlled_refusal(source.task, controlnets)):
+    found, parts = {}, family.controlnet
+    if parts is None:  # a family without ControlNets: model.controlnets is refused at the door
+        return found
+    if source is not None and (why := parts.refusal(source.task, controlnets)):
         found["image"] = f"{family.title} models: {why}"
     elif source is not None and source.task == "inpaint" and source.strength != 1:
-        if strength := family.controlled_inpaint_strength_refusal:
+        if strength := parts.inpaint_strength_refusal:
             found["strength"] = f"{family.title} models: {strength}"
-    refusal = family.control_window_refusal
+    refusal = parts.window_refusal
     if refusal and any(unit.start > 0 or unit.end < 1 for unit in controls.units):
         found["window"] = f"{family.title} models: {refusal}"
     return found

@@ -269,8 +269,9 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
     name them so): two of one name are refused."""
     if not config.model.controlnets:
         return []
-    if family.controlnet_refusal:
+    if family.controlnet is None:
         return [f"model.controlnets: {family.title} models: {family.controlnet_refusal}"]
+    parts = family.controlnet
     execution = config.execution
     for key, value, default in (
         ("offload", execution.offload, "none"),
@@ -284,8 +285,8 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
             ]
     if config.hires is not None:
         return ["model.controlnets: with hires: the second pass would run without the ControlNets; leave hires out"]
-    if len(config.model.controlnets) > 1 and family.multi_controlnet_refusal:
-        return [f"model.controlnets: {family.title} models: {family.multi_controlnet_refusal}"]
+    if len(config.model.controlnets) > 1 and parts.multi_refusal:
+        return [f"model.controlnets: {family.title} models: {parts.multi_refusal}"]
     problems = []
     for n, controlnet in enumerate(config.model.controlnets):
         source = classify_controlnet_id(controlnet.id, base_dir)
@@ -298,15 +299,15 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
             controlnet.id = source.ref
             found = local_config(Path(source.ref) / "config.json")
             embed = found.get("addition_embed_type")
-            if found.get("_class_name") != family.controlnet_class:
+            if found.get("_class_name") != parts.model_class:
                 problems.append(
                     f"model.controlnets[{n}].id: {source.ref!r} is a {found.get('_class_name')}; {family.title} "
-                    f"models take a {family.controlnet_class}"
+                    f"models take a {parts.model_class}"
                 )
-            elif embed != family.controlnet_addition_embed:
+            elif embed != parts.addition_embed:
                 problems.append(
                     f"model.controlnets[{n}].id: {source.ref!r} is another family's ControlNet (its config's "
-                    f"addition_embed_type is {embed!r}; a {family.title} one's is {family.controlnet_addition_embed!r})"
+                    f"addition_embed_type is {embed!r}; a {family.title} one's is {parts.addition_embed!r})"
                 )
     names = [control_name(c.id) for c in config.model.controlnets]
     twice = next((name for name in names if names.count(name) > 1), None)
@@ -321,10 +322,11 @@ def _controlnet_problems(config: RunConfig, base_dir: Path, family: Family, *, s
 def _controlnet_kind_problems(known: list[dict], count: int, family: Family) -> list[str]:
     """A ControlNet of a kind tpugen cannot run, and kinds the family's pipelines cannot mix, among the `count`
     ControlNets whose configs are `known`."""
-    problems = [
-        f"model.controlnets: {family.title} models: {why}" for why in map(family.unsupported_controlnet, known) if why
-    ]
-    if len(known) == count > 1 and (why := family.mixed_controlnets(known)):
+    parts = family.controlnet
+    if parts is None:  # refused by _controlnet_problems
+        return []
+    problems = [f"model.controlnets: {family.title} models: {why}" for why in map(parts.unsupported, known) if why]
+    if len(known) == count > 1 and (why := parts.mixed(known)):
         problems.append(f"model.controlnets: {family.title} models: {why}")
     return problems
 

@@ -22,7 +22,10 @@ def read_controlnets(model, family, base_dir=None) -> list:
     import diffusers
     import torch
 
-    controlnet_class = getattr(diffusers, family.controlnet_class)
+    parts = family.controlnet
+    if parts is None:  # refused at the door (model.controlnets); nothing to read for a family without them
+        return []
+    controlnet_class = getattr(diffusers, parts.model_class)
 
     found = []
     for n, controlnet in enumerate(model.controlnets):
@@ -44,9 +47,9 @@ def read_controlnets(model, family, base_dir=None) -> list:
     # Known once loaded (a hub ControlNet's config is read here): a kind tpugen cannot run, or kinds its family's
     # pipelines cannot mix.
     for n, controlnet in enumerate(found):
-        if why := family.unsupported_controlnet(dict(controlnet.config)):
+        if why := parts.unsupported(dict(controlnet.config)):
             raise RunError(f"model.controlnets[{n}].id: {family.title} models: {why}")
-    if len(found) > 1 and (why := family.mixed_controlnets([dict(c.config) for c in found])):
+    if len(found) > 1 and (why := parts.mixed([dict(c.config) for c in found])):
         raise RunError(f"model.controlnets: {family.title} models: {why}")
     return found
 
@@ -58,7 +61,7 @@ def combined(controlnets: list, family):
         return controlnets[0]
     import diffusers
 
-    return getattr(diffusers, family.multi_controlnet_class)(controlnets)
+    return getattr(diffusers, family.controlnet.multi_class)(controlnets)
 
 
 def install_scale_as_data(controlnets: list, hooks) -> None:

@@ -41,7 +41,7 @@ def quiet_libraries() -> None:
 
 def multi_control_images(per_row: list[list], layout: str) -> list:
     """Each row's control images (one per ControlNet, PIL) as a multi-ControlNet pipeline of `layout` takes them
-    (Family.multi_control_layout): the rows' lists; a list per ControlNet; or a batch tensor per ControlNet, its
+    (ControlNets.multi_layout): the rows' lists; a list per ControlNet; or a batch tensor per ControlNet, its
     pixels in [0, 1] as diffusers' control image processor makes of a PIL image."""
     if layout == "rows":
         return per_row
@@ -171,8 +171,8 @@ class LoadedPipeline:
             }[task]
             extra = {"controlnet": combined(self.controlnets, self.family)} if controlled else {}
             kind = f"ControlNet {task}" if controlled else task
-            if controlled and task in self.family.controlled_pipelines:  # one AutoPipeline does not make
-                auto = getattr(diffusers, self.family.controlled_pipelines[task])
+            if controlled and task in self.family.controlnet.pipelines:  # one AutoPipeline does not make
+                auto = getattr(diffusers, self.family.controlnet.pipelines[task])
             try:
                 made = auto.from_pipe(self.pipe, **extra)
             except (ValueError, KeyError) as exc:
@@ -194,7 +194,7 @@ class LoadedPipeline:
         for n, controlnet in enumerate(self.controlnets):
             label = f"controlnet {n}" if len(self.controlnets) > 1 else "controlnet"
             self.family.controlnet_hooks(controlnet, self.backend.device, self.hooks, label)
-            self.backend.trace_beside(controlnet, label, self.hooks, self.family.controlnet_traced_method)
+            self.backend.trace_beside(controlnet, label, self.hooks, self.family.controlnet.traced_method)
         install_scale_as_data(self.controlnets, self.hooks)
 
     def _scheduler_hooks(self) -> None:
@@ -359,7 +359,7 @@ class LoadedPipeline:
 
         shape, units = batch.shape, batch.work.controls.units
         # Per row, each unit's image, laid out as the family's multi-ControlNet pipeline of the task takes them
-        # (Family.multi_control_layout, and multi_control_layout_from_image for img2img and inpainting).
+        # (ControlNets.multi_layout, and multi_layout_from_image for img2img and inpainting).
         made: dict = {}  # each distinct unit's control made once (padding rows repeat the last item's units)
 
         def control(unit):
@@ -373,7 +373,8 @@ class LoadedPipeline:
             images = [row[0] for row in per_row]
         else:
             family = self.family
-            layout = family.multi_control_layout if shape.task == "txt2img" else family.multi_control_layout_from_image
+            parts = family.controlnet
+            layout = parts.multi_layout if shape.task == "txt2img" else parts.multi_layout_from_image
             images = multi_control_images(per_row, layout)
         arguments = {
             image_key: images,
@@ -381,7 +382,9 @@ class LoadedPipeline:
             "control_guidance_start": units[0].start if single else [u.start for u in units],
             "control_guidance_end": units[0].end if single else [u.end for u in units],
         }
-        if self.family.control_window_refusal:  # its pipelines take no window (a unit's is 0 to 1: checked at the door)
+        if (
+            self.family.controlnet.window_refusal
+        ):  # its pipelines take no window (a unit's is 0 to 1: checked at the door)
             del arguments["control_guidance_start"], arguments["control_guidance_end"]
         if not single and shape.task != "txt2img":
             # Flux.1's ControlNet img2img and inpaint pipelines zip the ControlNets with their modes (a Union one's
@@ -543,12 +546,12 @@ class LoadedPipeline:
             pipe = self.task_pipe(batch.shape.task, controlled=bool(batch.shape.controls))
             if batch.shape.task in ("txt2img", "edit"):
                 # Flux.1's ControlNet pipeline samples the control's latents from the generators, then the noise.
-                drawn_by_pipeline = bool(batch.shape.controls) and self.family.controlnet_samples_control_first
+                drawn_by_pipeline = bool(batch.shape.controls) and self.family.controlnet.samples_control_first
                 latents, generators = self._initial_noise(batch, draw=not drawn_by_pipeline)
                 arguments = self._call_arguments(batch, latents, generators)
                 if batch.shape.task == "edit":
                     arguments["image"] = self._references(batch)
-                arguments.update(self._control_arguments(batch, self.family.controlnet_image_argument))
+                arguments.update(self._control_arguments(batch, self.family.controlnet.image_argument))
             else:
                 arguments = self._image_arguments(batch, pipe)
             if batch.hires is not None:

@@ -39,7 +39,9 @@ for _family in FAMILIES.values():
     for _cls in _family.pipeline_classes:
         _BY_CLASS.setdefault(_cls, []).append(_family)
 BUILTINS: dict[str, tuple[Builtin, Family]] = {b.name: (b, f) for f in FAMILIES.values() for b in f.builtins}
-CONTROLNETS: dict[str, tuple[Builtin, Family]] = {b.name: (b, f) for f in FAMILIES.values() for b in f.controlnets}
+CONTROLNETS: dict[str, tuple[Builtin, Family]] = {
+    b.name: (b, f) for f in FAMILIES.values() if f.controlnet for b in f.controlnet.builtins
+}
 KNOWN_MODELS: dict[str, tuple[KnownModel, Family]] = {m.id: (m, f) for f in FAMILIES.values() for m in f.known_models}
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tpugen.families.controlnets import ControlNets
 from tpugen.sharding import ATTENTION, FEED_FORWARD
 
 # The scheduler hooks a family installs under these names (LoadedPipeline moves them when it switches schedulers).
@@ -202,64 +203,14 @@ class Family:
     # it can: its one CLIP encoder's hidden states of that layer, through the final layer norm).
     clip_skip_refusal: str | None = None
 
-    # The family's built-in ControlNets (model.controlnets ids), each built or read offline like a built-in model.
-    controlnets: tuple[Builtin, ...] = ()
-    # What this family's ControlNets' config.json says of the added embeddings (SDXL's text-time ones): a local
-    # ControlNet folder that says otherwise is another family's, refused at the door.
-    controlnet_addition_embed: str | None = None
-    # The diffusers class of this family's ControlNets: what a local ControlNet folder's config.json must name.
-    controlnet_class = "ControlNetModel"
-    # The argument of the family's txt2img ControlNet pipeline that takes the control images (its img2img and
-    # inpainting ones take them as control_image).
-    controlnet_image_argument = "image"
-    # Whether the family's txt2img ControlNet pipeline samples the control image's VAE latents from the generators
-    # before it draws the noise (Flux.1's): a controlled batch then leaves the noise to the pipeline, so that each
-    # image's noise is the one diffusers draws for its seed.
-    controlnet_samples_control_first = False
-    # Why a controlled prompt cannot start from an image without a mask, and why it cannot inpaint (None: it can,
-    # through the family's ControlNet img2img and inpainting pipelines).
-    controlled_img2img_refusal: str | None = None
-    controlled_inpaint_refusal: str | None = None
-    # Why a controlled inpainting prompt's strength must be 1 (None: any strength runs): a family whose ControlNet
-    # inpaints from noise, the masked image given to the ControlNet alone.
-    controlled_inpaint_strength_refusal: str | None = None
-    # The diffusers class of a controlled task's pipeline where AutoPipeline makes none for the family ({task: name}).
-    controlled_pipelines: dict[str, str] = {}
-    # Why two or more ControlNets at once cannot run for this family (None: they can, as diffusers' multi-ControlNet).
-    multi_controlnet_refusal: str | None = None
-    # The diffusers class that runs this family's ControlNets two or more at once (its pipelines' `controlnet`).
-    multi_controlnet_class = "MultiControlNetModel"
-    # How the family's multi-ControlNet txt2img pipeline takes its control images (MULTI_CONTROL_LAYOUTS): "rows",
-    # one list per row with an image per ControlNet (SD's, which transposes it); "controlnets", one list per
-    # ControlNet with an image per row (Flux.1's); "controlnet batches", one batch tensor per ControlNet (SDXL's,
-    # which refuses nested lists: "a single batch of multiple conditionings").
-    multi_control_layout = "rows"
-    # How its multi-ControlNet img2img and inpaint pipelines take them (SD's and SDXL's: a batch tensor per ControlNet;
-    # Flux.1's: a list per ControlNet).
-    multi_control_layout_from_image = "controlnet batches"
-    # Why model.controlnets cannot run for this family (None: they can, through diffusers' ControlNet pipelines
-    # made from the loaded components: AutoPipelineFor*.from_pipe(pipe, controlnet=...)).
-    controlnet_refusal: str | None = (
+    # How the family runs ControlNets (tpugen.families.controlnets.ControlNets); None: it runs none, and
+    # controlnet_refusal says why.
+    controlnet: ControlNets | None = None
+    # Why model.controlnets cannot run for this family, which has no `controlnet` part (a family with one runs
+    # them through diffusers' ControlNet pipelines made from the loaded components: AutoPipelineFor*.from_pipe).
+    controlnet_refusal: str = (
         "tpugen drives ControlNets for Stable Diffusion 1.x/2.x, SDXL, Flux.1, Qwen-Image and Z-Image models"
     )
-    # Why a unit cannot sit out part of the steps (control_start above 0 or control_end below 1) for this family
-    # (None: it can, as the family's ControlNet pipelines take control_guidance_start and _end).
-    control_window_refusal: str | None = None
-    # The method of this family's ControlNets that compile.trace_once traces (one that takes only tensors).
-    controlnet_traced_method = "forward"
-
-    def unsupported_controlnet(self, config: dict) -> str | None:
-        """Why a ControlNet of this family with this config cannot run on tpugen (None: it can)."""
-        return None
-
-    def mixed_controlnets(self, configs: list[dict]) -> str | None:
-        """Why ControlNets with these configs cannot run together for this family (None: they can)."""
-        return None
-
-    def controlled_refusal(self, task: str, controlnets: list[dict] | tuple = ()) -> str | None:
-        """Why a controlled prompt of `task` (img2img, inpaint) cannot run for this family (None: it can), with
-        the ControlNets whose configs are known (`controlnets`)."""
-        return {"img2img": self.controlled_img2img_refusal, "inpaint": self.controlled_inpaint_refusal}.get(task)
 
     def covers(self, index: dict) -> bool:
         """Whether a pipeline of one of this family's classes, with this model_index.json, is this family's (two
@@ -282,24 +233,6 @@ class Family:
         heads = heads[level] if isinstance(heads, (list, tuple)) else heads
         side = vae_scale * 2**level
         return (height // side) * (width // side), heads
-
-    def controlnet_residuals(
-        self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int
-    ) -> int | None:
-        """Elements of what one of this family's ControlNets (its config.json) hands the denoiser per batch row at
-        this size, held until the denoiser has added it: a UNet ControlNet's residuals, one per down-block output
-        (the stem's, each resnet's, each downsampler's) and the mid block's, at their levels' channels and sizes.
-        None: not counted for this family."""
-        channels = config.get("block_out_channels") or (320, 640, 1280, 1280)
-        layers = config.get("layers_per_block", 2)
-        height, width = height // vae_scale, width // vae_scale
-        total = channels[0] * height * width  # the stem
-        for level, width_ in enumerate(channels):
-            total += layers * width_ * height * width
-            if level < len(channels) - 1:  # a stride-2 convolution halves the size, rounding up
-                height, width = (height + 1) // 2, (width + 1) // 2
-                total += width_ * height * width
-        return total + channels[-1] * height * width  # the mid block's
 
     def refusals(
         self,
@@ -494,19 +427,6 @@ class TransformerFamily(Family):
         """(tokens, heads): the latent's patches joined by the text tokens in one joint attention."""
         side = vae_scale * (self.patch or config.get("patch_size") or 2)
         return (height // side) * (width // side) + text_tokens + self.extra_text_tokens, config["num_attention_heads"]
-
-    def controlnet_residuals(
-        self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int
-    ) -> int | None:
-        """A transformer ControlNet's hints (Flux.1's and Qwen-Image's): one per block of it, over the image's
-        patches at its inner width."""
-        if "num_layers" not in config:
-            return None
-        side = vae_scale * (self.patch or 2)
-        blocks = config["num_layers"] + config.get("num_single_layers", 0)
-        return (
-            blocks * (height // side) * (width // side) * config["num_attention_heads"] * config["attention_head_dim"]
-        )
 
 
 def _timesteps_at_the_door(module, device, hooks, whose: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tpugen.families.base import (
     TRANSFORMER_KEYS,
     UNET_KEYS,
@@ -15,6 +17,7 @@ from tpugen.families.base import (
     keys_start,
 )
 from tpugen.families.components import CLIP_L, T5_XXL, VAE_16
+from tpugen.families.controlnets import TransformerControlNets
 from tpugen.sharding import ADALN, ATTENTION, COLUMN, FEED_FORWARD, ROW
 
 FLUX_BLOCK_KEYS = LoraSign(
@@ -68,6 +71,32 @@ def _build_deep(target):
     build(target, double_blocks=19, single_blocks=38)
 
 
+@dataclass(frozen=True, kw_only=True)
+class FluxControlNets(TransformerControlNets):
+    """Flux.1's ControlNets: InstantX's and XLabs' layouts, one kind at a time."""
+
+    def unsupported(self, config: dict) -> str | None:
+        """A ControlNet-Union (InstantX's, with control modes: num_mode) needs a control type per unit, which no
+        unit gives yet (diffusers raises without one)."""
+        if config.get("num_mode"):
+            return (
+                "a ControlNet-Union (its config's num_mode) needs a control type per unit, which tpugen does not pass "
+                "yet; use a ControlNet of one kind"
+            )
+        return None
+
+    def mixed(self, configs: list[dict]) -> str | None:
+        """XLabs' Flux.1 ControlNets take the control image as pixels through their input hint block
+        (conditioning_embedding_channels), InstantX's as VAE latents: diffusers 0.42's Flux ControlNet pipelines
+        prepare the control for every ControlNet as the first one takes it."""
+        if len({bool(config.get("conditioning_embedding_channels")) for config in configs}) > 1:
+            return (
+                "XLabs' ControlNets (with an input hint block) and InstantX's (without) cannot run together: diffusers "
+                "0.42's FluxMultiControlNetModel gives every ControlNet the first one's kind of control image"
+            )
+        return None
+
+
 class Flux(TransformerFamily):
     name = "flux"
     title = "Flux.1 (schnell, dev)"
@@ -98,43 +127,23 @@ class Flux(TransformerFamily):
             _build_deep,
         ),
     )
-    controlnet_refusal = None
-    controlnet_class = "FluxControlNetModel"
-    controlnet_image_argument = "control_image"
-    controlnet_samples_control_first = True
-    multi_controlnet_class = "FluxMultiControlNetModel"
-    multi_control_layout = multi_control_layout_from_image = "controlnets"
-    controlnets = (
-        Builtin(
-            "tiny-flux-controlnet",
-            "a ControlNet for tiny-flux (Flux.1's ControlNet: one double- and one single-stream block) with tiny "
-            "random weights, built offline: it steers, but toward nothing",
-            1,
-            _build_controlnet,
+    controlnet = FluxControlNets(
+        model_class="FluxControlNetModel",
+        image_argument="control_image",
+        samples_control_first=True,
+        multi_class="FluxMultiControlNetModel",
+        multi_layout="controlnets",
+        multi_layout_from_image="controlnets",
+        builtins=(
+            Builtin(
+                "tiny-flux-controlnet",
+                "a ControlNet for tiny-flux (Flux.1's ControlNet: one double- and one single-stream block) with tiny "
+                "random weights, built offline: it steers, but toward nothing",
+                1,
+                _build_controlnet,
+            ),
         ),
     )
-
-    def unsupported_controlnet(self, config: dict) -> str | None:
-        """A ControlNet-Union (InstantX's, with control modes: num_mode) needs a control type per unit, which no
-        unit gives yet (diffusers raises without one)."""
-        if config.get("num_mode"):
-            return (
-                "a ControlNet-Union (its config's num_mode) needs a control type per unit, which tpugen does not pass "
-                "yet; use a ControlNet of one kind"
-            )
-        return None
-
-    def mixed_controlnets(self, configs: list[dict]) -> str | None:
-        """XLabs' Flux.1 ControlNets take the control image as pixels through their input hint block
-        (conditioning_embedding_channels), InstantX's as VAE latents: diffusers 0.42's Flux ControlNet pipelines
-        prepare the control for every ControlNet as the first one takes it."""
-        if len({bool(config.get("conditioning_embedding_channels")) for config in configs}) > 1:
-            return (
-                "XLabs' ControlNets (with an input hint block) and InstantX's (without) cannot run together: diffusers "
-                "0.42's FluxMultiControlNetModel gives every ControlNet the first one's kind of control image"
-            )
-        return None
-
     known_models = (
         KnownModel(
             "black-forest-labs/FLUX.1-schnell",

@@ -14,6 +14,7 @@ from tpugen.families.base import (
     flow_transformer_call,
     keys_start,
 )
+from tpugen.families.controlnets import TransformerControlNets
 from tpugen.sharding import ADALN, ATTENTION, COLUMN, ROW
 
 _TRANSFORMER = {
@@ -78,6 +79,12 @@ def components(**transformer) -> dict[str, tuple[str, dict]]:
     }
 
 
+_NO_CONTROLLED_IMAGE = (
+    "diffusers 0.42's AutoPipeline makes no ControlNet img2img or inpainting pipeline for Qwen-Image; a "
+    "controlled prompt starts from noise"
+)
+
+
 class QwenImage(TransformerFamily):
     latent_upscale_refusal = (
         "QwenImageImg2ImgPipeline encodes pixels (its latents are packed, its VAE's 5-D); use upscaler: lanczos"
@@ -118,25 +125,24 @@ class QwenImage(TransformerFamily):
             _build,
         ),
     )
-    controlnet_refusal = None
-    controlnet_class = "QwenImageControlNetModel"
-    controlnet_image_argument = "control_image"
-    controlnet_samples_control_first = True
-    controlled_img2img_refusal = controlled_inpaint_refusal = (
-        "diffusers 0.42's AutoPipeline makes no ControlNet img2img or inpainting pipeline for Qwen-Image; a "
-        "controlled prompt starts from noise"
-    )
-    multi_controlnet_refusal = (
-        "one ControlNet at a time (diffusers 0.42's QwenImageMultiControlNetModel runs a single ControlNet-Union "
-        "only: it raises for two ControlNets)"
-    )
-    controlnets = (
-        Builtin(
-            "tiny-qwen-image-controlnet",
-            "a ControlNet for tiny-qwen-image (Qwen-Image's ControlNet: one block) with tiny random weights, built "
-            "offline: it steers, but toward nothing",
-            1,
-            _build_controlnet,
+    controlnet = TransformerControlNets(
+        model_class="QwenImageControlNetModel",
+        image_argument="control_image",
+        samples_control_first=True,
+        img2img_refusal=_NO_CONTROLLED_IMAGE,
+        inpaint_refusal=_NO_CONTROLLED_IMAGE,
+        multi_refusal=(
+            "one ControlNet at a time (diffusers 0.42's QwenImageMultiControlNetModel runs a single ControlNet-Union "
+            "only: it raises for two ControlNets)"
+        ),
+        builtins=(
+            Builtin(
+                "tiny-qwen-image-controlnet",
+                "a ControlNet for tiny-qwen-image (Qwen-Image's ControlNet: one block) with tiny random weights, built "
+                "offline: it steers, but toward nothing",
+                1,
+                _build_controlnet,
+            ),
         ),
     )
     known_models = (

@@ -42,7 +42,7 @@ class QwenImageEditPlus(QwenImage):
         "img2img is QwenImageImg2ImgPipeline"
     )
     batch_refusal = "diffusers 0.42's QwenImageEditPlusPipeline takes one prompt a call"
-    controlnets = ()  # Qwen-Image's ControlNet pipelines are txt2img and inpainting ones, not edits
+    controlnet = None  # Qwen-Image's ControlNet pipelines are txt2img and inpainting ones, not edits
     controlnet_refusal = "diffusers 0.42 has no ControlNet pipeline for Qwen-Image-Edit"
     # compile.scan_blocks: Qwen-Image's rule (scan_attributes, inherited). The references' tokens join the latent's
     # in hidden_states, so each block gets the same arguments as Qwen-Image's; 2511's zero_cond_t adds a per-call

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tpugen.families.base import Builtin, Family, KnownModel
 from tpugen.families.components import CLIP_H, CLIP_L, VAE_4
+from tpugen.families.controlnets import ControlNets
 
 
 def _build(target):
@@ -47,21 +48,22 @@ class StableDiffusion(Family):
             guidance_scale=4.0,
         ),
     )
-    controlnet_refusal = None
-    controlnets = (
-        Builtin(
-            "tiny-sd-controlnet",
-            "a ControlNet for tiny-sd with tiny random weights, built offline: it steers, but toward nothing",
-            1,
-            _build_controlnet,
-        ),
-        Builtin(
-            "tiny-shapes-controlnet",
-            "a ControlNet for tiny-shapes, trained here, that ships with tpugen: a white shape on black (64x64) "
-            "places the shape the prompt asks for",
-            1,
-            _build_shapes_controlnet,
-        ),
+    controlnet = ControlNets(
+        builtins=(
+            Builtin(
+                "tiny-sd-controlnet",
+                "a ControlNet for tiny-sd with tiny random weights, built offline: it steers, but toward nothing",
+                1,
+                _build_controlnet,
+            ),
+            Builtin(
+                "tiny-shapes-controlnet",
+                "a ControlNet for tiny-shapes, trained here, that ships with tpugen: a white shape on black (64x64) "
+                "places the shape the prompt asks for",
+                1,
+                _build_shapes_controlnet,
+            ),
+        )
     )
     known_models = (
         KnownModel(

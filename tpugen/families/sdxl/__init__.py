@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tpugen.families.base import SECOND_TEXT_ENCODER, UNET_KEYS, Builtin, Family, KnownModel, LoraSign, keys_start
 from tpugen.families.components import CLIP_G, CLIP_L, VAE_4
+from tpugen.families.controlnets import ControlNets
 
 # kohya names SDXL's UNet blocks by the original model's layout (input/middle/output blocks).
 SDXL_UNET_KEYS = LoraSign(
@@ -54,15 +55,16 @@ class StableDiffusionXL(Family):
             _build,
         ),
     )
-    controlnet_refusal = None
-    controlnet_addition_embed = "text_time"
-    multi_control_layout = "controlnet batches"
-    controlnets = (
-        Builtin(
-            "tiny-sdxl-controlnet",
-            "a ControlNet for tiny-sdxl with tiny random weights, built offline: it steers, but toward nothing",
-            1,
-            _build_controlnet,
+    controlnet = ControlNets(
+        addition_embed="text_time",
+        multi_layout="controlnet batches",
+        builtins=(
+            Builtin(
+                "tiny-sdxl-controlnet",
+                "a ControlNet for tiny-sdxl with tiny random weights, built offline: it steers, but toward nothing",
+                1,
+                _build_controlnet,
+            ),
         ),
     )
     known_models = (

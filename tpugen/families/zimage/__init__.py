@@ -3,6 +3,8 @@ refiners), a Qwen3 text encoder, Flux.1's 16-channel VAE; CFG whenever guidance 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tpugen.families.base import (
     TRANSFORMER_KEYS,
     UNET_KEYS,
@@ -15,6 +17,7 @@ from tpugen.families.base import (
     keys_start,
 )
 from tpugen.families.components import VAE_16
+from tpugen.families.controlnets import ControlNets
 from tpugen.sharding import COLUMN, ROW
 
 _TRANSFORMER = {
@@ -55,6 +58,30 @@ def _build_controlnet(target):
     build_controlnet(target)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ZImageControlNets(ControlNets):
+    """Z-Image's ControlNets (Z-Image-Turbo-Fun-Controlnet-Union): one beside each control layer of the DiT."""
+
+    def refusal(self, task: str, controlnets: list[dict] | tuple = ()) -> str | None:
+        """ZImageControlNetInpaintPipeline takes a 2.x ControlNet (33 channels: the mask and the masked image beside
+        the control); a 1.0 one's control is the latents alone (16 channels, the transformer's own)."""
+        if task == "inpaint" and any(config.get("control_in_dim", 33) <= 16 for config in controlnets):
+            return (
+                "a ControlNet whose control has 16 channels (Z-Image-Turbo-Fun-Controlnet-Union 1.0) cannot inpaint: "
+                "diffusers 0.42's ZImageControlNetInpaintPipeline takes a 2.x one (33 channels: the mask and the "
+                "masked image beside the control)"
+            )
+        return super().refusal(task, controlnets)
+
+    def residuals(self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int) -> int | None:
+        """A ZImageControlNetModel's hints: one per control layer over the joint sequence (the image's patches and
+        the text, each padded to a multiple of 32; its refiner-stage hints stay inside it)."""
+        side = vae_scale * 2
+        image = (height // side) * (width // side)
+        joint = image + (-image) % 32 + text_tokens + (-text_tokens) % 32
+        return len(config["control_layers_places"]) * joint * config["dim"]
+
+
 class ZImage(TransformerFamily):
     latent_upscale_refusal = "ZImageImg2ImgPipeline encodes pixels; use upscaler: lanczos"
     name = "zimage"
@@ -84,37 +111,38 @@ class ZImage(TransformerFamily):
             _build,
         ),
     )
-    controlnet_refusal = None
-    controlnet_class = "ZImageControlNetModel"
-    controlnet_image_argument = "control_image"
-    # Its ControlNet's traced part takes only tensors, as the transformer's does (static.DEVICE_FORWARD).
-    controlnet_traced_method = "tpugen_device_forward"
-    controlled_img2img_refusal = (
-        "diffusers 0.42 has no ControlNet img2img pipeline for Z-Image; a controlled prompt starts from noise, or "
-        "inpaints with a mask_image"
-    )
-    # ZImageControlNetInpaintPipeline: the ControlNet is given the control, the mask and the masked image's latents
-    # (its 33 channels), and the picture is drawn from noise.
-    controlled_pipelines = {"inpaint": "ZImageControlNetInpaintPipeline"}
-    controlled_inpaint_strength_refusal = (
-        "ControlNet inpainting starts from noise (diffusers 0.42's ZImageControlNetInpaintPipeline takes no "
-        "strength: the ControlNet is given the masked image); set the strength to 1"
-    )
-    multi_controlnet_refusal = (
-        "one ControlNet at a time (diffusers 0.42's ZImageControlNetPipeline takes one ZImageControlNetModel and has "
-        "no multi-ControlNet class)"
-    )
-    control_window_refusal = (
-        "the ControlNet runs at every step (diffusers 0.42's ZImageControlNetPipeline has no control_guidance_start "
-        "or _end); leave the start at 0 and the end at 1"
-    )
-    controlnets = (
-        Builtin(
-            "tiny-z-image-controlnet",
-            "a ControlNet for tiny-z-image (Z-Image's ControlNet in the 2.1 layout: a refiner-stage block and one "
-            "beside each main layer) with tiny random weights, built offline: it steers, but toward nothing",
-            1,
-            _build_controlnet,
+    controlnet = ZImageControlNets(
+        model_class="ZImageControlNetModel",
+        image_argument="control_image",
+        # Its ControlNet's traced part takes only tensors, as the transformer's does (static.DEVICE_FORWARD).
+        traced_method="tpugen_device_forward",
+        img2img_refusal=(
+            "diffusers 0.42 has no ControlNet img2img pipeline for Z-Image; a controlled prompt starts from noise, or "
+            "inpaints with a mask_image"
+        ),
+        # ZImageControlNetInpaintPipeline: the ControlNet is given the control, the mask and the masked image's
+        # latents (its 33 channels), and the picture is drawn from noise.
+        pipelines={"inpaint": "ZImageControlNetInpaintPipeline"},
+        inpaint_strength_refusal=(
+            "ControlNet inpainting starts from noise (diffusers 0.42's ZImageControlNetInpaintPipeline takes no "
+            "strength: the ControlNet is given the masked image); set the strength to 1"
+        ),
+        multi_refusal=(
+            "one ControlNet at a time (diffusers 0.42's ZImageControlNetPipeline takes one ZImageControlNetModel and has "
+            "no multi-ControlNet class)"
+        ),
+        window_refusal=(
+            "the ControlNet runs at every step (diffusers 0.42's ZImageControlNetPipeline has no control_guidance_start "
+            "or _end); leave the start at 0 and the end at 1"
+        ),
+        builtins=(
+            Builtin(
+                "tiny-z-image-controlnet",
+                "a ControlNet for tiny-z-image (Z-Image's ControlNet in the 2.1 layout: a refiner-stage block and one "
+                "beside each main layer) with tiny random weights, built offline: it steers, but toward nothing",
+                1,
+                _build_controlnet,
+            ),
         ),
     )
     known_models = (
@@ -154,27 +182,6 @@ class ZImage(TransformerFamily):
     ) -> tuple[int, int]:
         side = vae_scale * 2
         return (height // side) * (width // side) + text_tokens, config["n_heads"]
-
-    def controlled_refusal(self, task: str, controlnets: list[dict] | tuple = ()) -> str | None:
-        """ZImageControlNetInpaintPipeline takes a 2.x ControlNet (33 channels: the mask and the masked image beside
-        the control); a 1.0 one's control is the latents alone (16 channels, the transformer's own)."""
-        if task == "inpaint" and any(config.get("control_in_dim", 33) <= 16 for config in controlnets):
-            return (
-                "a ControlNet whose control has 16 channels (Z-Image-Turbo-Fun-Controlnet-Union 1.0) cannot inpaint: "
-                "diffusers 0.42's ZImageControlNetInpaintPipeline takes a 2.x one (33 channels: the mask and the "
-                "masked image beside the control)"
-            )
-        return super().controlled_refusal(task, controlnets)
-
-    def controlnet_residuals(
-        self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int
-    ) -> int | None:
-        """A ZImageControlNetModel's hints: one per control layer over the joint sequence (the image's patches and
-        the text, each padded to a multiple of 32; its refiner-stage hints stay inside it)."""
-        side = vae_scale * 2
-        image = (height // side) * (width // side)
-        joint = image + (-image) % 32 + text_tokens + (-text_tokens) % 32
-        return len(config["control_layers_places"]) * joint * config["dim"]
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         return guidance_scale > 0  # ZImagePipeline's own rule: g = 1 still runs the negative pass

@@ -43,7 +43,8 @@ class WarmEngines:
         # inpaint where the family's ControlNets take an image.
         self.controlnets = [c.id for c in config.model.controlnets]
         known = self.controlnet_configs()
-        controlled = ["txt2img", *(t for t in ("img2img", "inpaint") if not self.family.controlled_refusal(t, known))]
+        parts = self.family.controlnet
+        controlled = ["txt2img", *(t for t in ("img2img", "inpaint") if parts and not parts.refusal(t, known))]
         self.controlled_tasks = [task for task in self.serve.tasks if task in controlled] if self.controlnets else []
         # Each (shape key, scheduler) warmup compiles, one at a time so /readyz can count them.
         plan = self.plan()
@@ -147,7 +148,7 @@ class WarmEngines:
             half = Image.new("L", (64, 64), 0)
             half.paste(255, (32, 0, 64, 64))
             mask = self.inputs.store(_png(half), "warmup")
-        full = controlled and task == "inpaint" and self.family.controlled_inpaint_strength_refusal
+        full = controlled and task == "inpaint" and self.family.controlnet.inpaint_strength_refusal
         return ImageSource(init[0], init[1], 1.0 if full else 0.75, 0, *(mask or (None, None)))
 
     def _references(self, count: int) -> References | None:
