@@ -192,6 +192,22 @@ def with_prompts_file(tmp: Path, config: dict, lines: list[str], name: str = "p.
     return config
 
 
+def work_item(**changes):
+    """One image's work at its place (tpugen.plan.WorkItem), at the tiny models' size, with `changes`."""
+    from tpugen.plan import WorkItem
+
+    fields = {"index": 0, "prompt": "a cat", "negative_prompt": "", "seed": 3, "steps": 2, "guidance_scale": 7.5}
+    return WorkItem(**{**fields, "height": 64, "width": 64, **changes})
+
+
+def one_call(*items, batch_size: int | None = None):
+    """A pipeline call of `items` (tpugen.plan.Batch) at the first one's shape, padded to `batch_size` rows."""
+    from tpugen.plan import Batch
+
+    rows = batch_size or len(items)
+    return Batch(number=0, shape=items[0].shape(rows), items=items, padding=rows - len(items))
+
+
 def write_config(path: Path, config: dict) -> Path:
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return path

@@ -73,7 +73,8 @@ def cpu_engine(tmp_path_factory):
 @pytest.mark.xla
 @pytest.mark.parametrize("name", SCHEDULER_NAMES)
 def test_every_scheduler_name_selects_its_class_and_runs_two_steps(cpu_engine, name):
-    from tpugen.plan import Batch, ShapeKey, WorkItem
+    from conftest import one_call, work_item
+
     from tpugen.schedulers import find_scheduler
 
     choice = find_scheduler(name)
@@ -82,21 +83,7 @@ def test_every_scheduler_name_selects_its_class_and_runs_two_steps(cpu_engine, n
     assert type(scheduler).__name__ == choice.class_name and cpu_engine.loaded.scheduler_name == name
     assert cpu_engine.scheduler_name == cpu_engine.loaded.default_scheduler  # runs still record the loaded one
     assert {key: scheduler.config[key] for key in choice.options} == choice.options
-    item = WorkItem(
-        index=0,
-        prompt_index=0,
-        prompt="a cat",
-        negative_prompt="",
-        seed=3,
-        steps=2,
-        guidance_scale=7.5,
-        height=64,
-        width=64,
-    )
-    (pixels,) = cpu_engine.generate(
-        Batch(number=0, shape=ShapeKey(height=64, width=64, batch_size=1, cfg=True), items=(item,), padding=0),
-        scheduler=name,
-    )
+    (pixels,) = cpu_engine.generate(one_call(work_item()), scheduler=name)
     assert pixels.shape == (64, 64, 3) and pixels.std() > 0
 
 

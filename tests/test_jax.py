@@ -168,20 +168,9 @@ def engines(tmp_path_factory):
 
 
 def _batch(steps: int = 4):
-    from tpugen.plan import Batch, ShapeKey, WorkItem
+    from conftest import one_call, work_item
 
-    item = WorkItem(
-        index=0,
-        prompt_index=0,
-        prompt="a cat",
-        negative_prompt="blurry",
-        seed=3,
-        steps=steps,
-        guidance_scale=7.5,
-        height=64,
-        width=64,
-    )
-    return Batch(number=0, shape=ShapeKey(height=64, width=64, batch_size=1, cfg=True), items=(item,), padding=0)
+    return one_call(work_item(negative_prompt="blurry", steps=steps))
 
 
 @pytest.mark.xla

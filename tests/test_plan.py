@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, tiny_config, write_config
+from conftest import run_cli, tiny_config, work_item, write_config
 
 from tpugen.config import load_config
-from tpugen.plan import Batch, ShapeKey, WorkItem, plan_run
+from tpugen.plan import Batch, ShapeKey, plan_run
 
 
 def _run(tmp_path, **overrides):
@@ -19,17 +19,7 @@ def test_indices_seeds_and_padding(tmp_path):
     plan = plan_run(_run(tmp_path, prompts=["a", "b"], images_per_prompt=2, batch_size=3, seed=10))
 
     def item(index, p, prompt):
-        return WorkItem(
-            index=index,
-            prompt_index=p,
-            prompt=prompt,
-            negative_prompt="blurry",
-            seed=10 + index,
-            steps=3,
-            guidance_scale=7.5,
-            height=64,
-            width=64,
-        )
+        return work_item(index=index, prompt_index=p, prompt=prompt, negative_prompt="blurry", seed=10 + index, steps=3)
 
     items = (item(0, 0, "a"), item(1, 0, "a"), item(2, 1, "b"), item(3, 1, "b"))
     shape = ShapeKey(height=64, width=64, batch_size=3, cfg=True)

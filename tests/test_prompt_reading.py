@@ -274,22 +274,12 @@ def test_clip_skip_is_refused_in_one_line_where_the_family_has_no_single_clip_en
 
 
 def test_a_family_without_clip_encoders_says_once_that_the_syntax_is_taken_out():
+    from conftest import work_item
+
     from tpugen.engine.engine import syntax_note
-    from tpugen.plan import WorkItem
 
     def item(prompt, syntax="webui", negative=""):
-        return WorkItem(
-            index=0,
-            prompt_index=0,
-            prompt=prompt,
-            negative_prompt=negative,
-            seed=0,
-            steps=2,
-            guidance_scale=1.0,
-            height=64,
-            width=64,
-            prompt_syntax=syntax,
-        )
+        return work_item(prompt=prompt, negative_prompt=negative, prompt_syntax=syntax)
 
     items = [item(WEIGHTED), item(WEIGHTED), item("a cat", negative="[blurry]"), item("a dog")]
     note = syntax_note(FAMILIES["flux"], items)

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 import yaml
-from conftest import write_config
+from conftest import one_call, work_item, write_config
 from serve_support import (
     AUTH,
     KEY,
@@ -120,31 +120,13 @@ def test_a_step_cache_server_answers_any_steps_with_no_compile_after_warmup(tmp_
         assert metric(url, "tpugen_compiles_after_warmup_total") == 0
         # Why the server warms at 6, on its engine at a size of its own: warmed at 4 steps, a call of 6 compiles
         # the one step graph step_graphs says 4 lacks (a step predicted 2 steps after a full one), and no other.
-        from tpugen.plan import Batch, RunPlan, ShapeKey, WorkItem
+        from tpugen.plan import Batch, RunPlan, ShapeKey
 
         engine = service.engines[0]
         shape = ShapeKey(height=64, width=96, batch_size=2, cfg=False)
 
         def batch(steps: int) -> Batch:
-            return Batch(
-                number=0,
-                shape=shape,
-                items=(
-                    WorkItem(
-                        index=0,
-                        prompt_index=0,
-                        prompt="a fox",
-                        negative_prompt="",
-                        seed=5,
-                        steps=steps,
-                        guidance_scale=7.5,
-                        height=64,
-                        width=96,
-                        cfg=False,
-                    ),
-                ),
-                padding=1,
-            )
+            return one_call(work_item(prompt="a fox", seed=5, steps=steps, width=96, cfg=False), batch_size=2)
 
         engine.warmup(RunPlan(batch(4).items, (batch(4),)))
         assert engine.is_warm(shape, None, 4) and not engine.is_warm(shape, None, 6)

@@ -349,12 +349,14 @@ class LoadedPipeline:
             pipe, batch, fitted, batch.strength, shape.height, shape.width, batch.steps, extra
         )
 
-    def _control_arguments(self, batch: Batch, image_key: str) -> dict:
+    def _control_arguments(self, batch: Batch, image_key: str | None = None) -> dict:
         """A controlled batch's ControlNet arguments (none for another): each row's control images made on the
         host (fitted to the batch's size, then preprocessed), under `image_key` (img2img and inpainting pipelines
-        take them as control_image); the units' scale, start and end, one per call (tpugen.plan.plan_batches)."""
+        take them as control_image; None: the family's txt2img pipeline's argument); the units' scale, start and
+        end, one per call (tpugen.plan.plan_batches)."""
         if not batch.shape.controls:
             return {}
+        image_key = image_key or self.family.controlnet.image_argument
         from tpugen.engine.controls import control_image
 
         shape, units = batch.shape, batch.work.controls.units
@@ -382,9 +384,7 @@ class LoadedPipeline:
             "control_guidance_start": units[0].start if single else [u.start for u in units],
             "control_guidance_end": units[0].end if single else [u.end for u in units],
         }
-        if (
-            self.family.controlnet.window_refusal
-        ):  # its pipelines take no window (a unit's is 0 to 1: checked at the door)
+        if self.family.controlnet.window_refusal:  # its pipelines take no window (units run 0 to 1: the door's)
             del arguments["control_guidance_start"], arguments["control_guidance_end"]
         if not single and shape.task != "txt2img":
             # Flux.1's ControlNet img2img and inpaint pipelines zip the ControlNets with their modes (a Union one's
@@ -551,7 +551,7 @@ class LoadedPipeline:
                 arguments = self._call_arguments(batch, latents, generators)
                 if batch.shape.task == "edit":
                     arguments["image"] = self._references(batch)
-                arguments.update(self._control_arguments(batch, self.family.controlnet.image_argument))
+                arguments.update(self._control_arguments(batch))
             else:
                 arguments = self._image_arguments(batch, pipe)
             if batch.hires is not None:
