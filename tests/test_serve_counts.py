@@ -151,3 +151,22 @@ def test_a_multi_mode_server_refuses_strict_shapes_at_the_start(tmp_path):
         "count torch_xla keeps for the process: a compile for one device's request would stop a run on another; "
         "serve with strict_shapes: false"
     ]
+
+
+def test_a_reading_that_raises_leaves_no_window_open():
+    count = ProcessCount()
+    backend = count.backend()
+    ledger = CompileLedger()
+    window = ledger.open(backend)
+    other = ledger.open(backend)
+
+    class Broken:
+        def counters(self):
+            raise RuntimeError("the device is gone")
+
+    with pytest.raises(RuntimeError):
+        ledger.close(window, Broken())
+    assert ledger.close(window) == 0  # the failed batch closing it again: nothing, no error
+    count.compiles += 2
+    assert ledger.close(other, backend) == 2
+    assert ledger._open == {} and ledger._counted == []  # nothing left pinned

@@ -23,7 +23,9 @@ def read_controlnets(model, family, base_dir=None) -> list:
     import torch
 
     parts = family.controlnet
-    if parts is None:  # refused at the door (model.controlnets); nothing to read for a family without them
+    if parts is None:
+        if model.controlnets:  # refused at the door (model.controlnets): never run without them
+            raise RunError(f"model.controlnets: {family.title} models: {family.controlnet_refusal}")
         return []
     controlnet_class = getattr(diffusers, parts.model_class)
 

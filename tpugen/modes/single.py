@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpugen.config import ResolvedRun
-from tpugen.engine import Display, Engine, EngineSpec, RunSession, StopSignals, Topology, worker_topology
+from tpugen.engine import Display, Engine, EngineSpec, StopSignals, Topology, worker_topology
+from tpugen.engine.session import RunSession
 from tpugen.outputs.report import RunReport, TimedPhase, persistent_cache_summary, write_report
 from tpugen.outputs.run_dir import check_run_dir_free
 from tpugen.plan import plan_run

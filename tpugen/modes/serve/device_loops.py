@@ -145,6 +145,7 @@ class DeviceLoops:
                 batch, scheduler=work.scheduler, loras=work.loras, on_step=self._step_reporter(jobs)
             )
             seconds = time.perf_counter() - start
+            window, new = None, self.compiles.close(window, engine.backend)
         except BaseException as exc:  # a request's failure never stops the loop
             self.compiles.close(window)
             log.error(f"batch {number} failed: {one_line(exc)}")
@@ -157,7 +158,6 @@ class DeviceLoops:
             return
         self._failed_in_a_row[id(engine)] = 0
         # Counted before the images are handed over: a client that reads /metrics after its answer sees its batch.
-        new = self.compiles.close(window, engine.backend)
         if new:
             self.metrics.compiles_after_warmup.inc(new)
         self.metrics.batch(seconds, len(jobs), batch.padding, engine.step_timing)
@@ -202,14 +202,16 @@ class CompileLedger:
             return self._windows
 
     def close(self, window: int | None, backend=None) -> int:
-        """The batch of `window` ended on `backend` (None: it failed, and counts nothing): the compiles in its
-        window that no other window counted."""
+        """The batch of `window` ended on `backend` (None: it failed, and adds nothing itself): the compiles in
+        its window that no other window counted."""
         if window is None:
             return 0
         with self._lock:
+            start = self._open.pop(window, None)  # first: a reading that raises leaves no window open
+            if start is None:  # closed already (its reading raised, and the batch failed)
+                return 0
             counters = backend.counters() if backend is not None else None
             count = counters.compiles if counters is not None else None
-            start = self._open.pop(window)
             if count is None or count <= start:
                 new = 0
             else:
