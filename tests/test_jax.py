@@ -353,6 +353,35 @@ def test_a_stored_program_is_found_only_by_what_its_trace_reads():
     assert module_description(held) != module_description(other)
 
 
+@pytest.mark.xla
+def test_mode_multi_is_one_program_over_every_device_and_makes_the_images_one_device_makes(tmp_path):
+    """Four JAX CPU devices (XLA_FLAGS, as on a TPU VM's four chips): mode multi splits each call's rows over a
+    data-parallel mesh in one process; the same files as mode single, within 1/255, nothing compiled after warmup.
+    Each side is a `tpugen generate` of its own (this test process imports no JAX)."""
+    devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    common = {"steps": 3, "batch_size": 4, "prompts": [f"a shape {n}" for n in range(6)]}
+    runs = {}
+    for mode in ("single", "multi"):
+        execution = {"backend": "jax", "mode": mode}
+        proc, run_dir = generate_in_new_process(tmp_path / mode, env=devices, execution=execution, **common)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = run_dir, json.loads((run_dir / "report.json").read_text())
+    (single_dir, single), (multi_dir, multi) = runs["single"], runs["multi"]
+    assert (single["device"]["devices"], multi["device"]["devices"], multi["device"]["mesh"]) == (1, 4, {"data": 4})
+    _assert_whole_loops(multi)
+    assert [b["images"] for b in multi["timed_phase"]["batches"]] == [4, 2]  # 6 images: each made once
+    assert_same_images(multi_dir, single_dir, 1)
+    # A call whose rows do not split over the devices, and more devices than JAX has: one line each, before loading.
+    for tag, changes, message in (
+        ("odd", {"batch_size": 3}, "batch_size: 3 rows a call cannot be split over 4 devices"),
+        ("many", {"execution": {"backend": "jax", "mode": "multi", "cores": 8}}, "execution.cores: 8 devices asked"),
+    ):
+        settings = {"execution": {"backend": "jax", "mode": "multi"}, **common, **changes}
+        proc, _ = generate_in_new_process(tmp_path / tag, env=devices, **settings)
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode != 0 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
 def test_plan_of_a_jax_config_says_how_its_loops_and_attention_run(tmp_path):
     config = write_config(tmp_path / "p.yaml", tiny_config(tmp_path, execution={"backend": "jax"}))
     result = run_cli("plan", config)
@@ -365,7 +394,7 @@ def test_plan_of_a_jax_config_says_how_its_loops_and_attention_run(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"execution": {"mode": "multi"}}, "execution.mode: multi is not built on execution.backend: jax yet"),
+        ({"execution": {"mode": "ray"}}, "execution.mode: ray is not built on execution.backend: jax yet"),
         ({"execution": {"offload": "model"}}, "execution.offload: model is not built on execution.backend: jax yet"),
         ({"hires": {"scale": 2.0}}, "hires: hires fix is not built on execution.backend: jax yet"),
         ({"tiling": True}, "tiling: seamless tiling is not built on execution.backend: jax yet"),

@@ -23,7 +23,7 @@ def make_backend(execution, compile_config, cache, *, device_index: int | None =
     if name == "jax":
         from tpugen.backends.jax import JaxBackend
 
-        return JaxBackend(cache)
+        return JaxBackend(cache, devices=execution.cores if execution.mode == "multi" else 1)
     spec = compile_spec(
         name,
         torch_compile=compile_config.torch_compile,

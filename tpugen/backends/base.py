@@ -180,6 +180,9 @@ class Backend(Protocol):
 
     def split_batch(self, tensor): ...
 
+    def splits(self, rows: int) -> str | None:
+        """Why a call of `rows` rows cannot be split over the devices, or None."""
+
     def memory(self) -> dict | None: ...
 
     def sync(self) -> None: ...
@@ -216,6 +219,10 @@ class OneDeviceBackend:
     def split_batch(self, tensor):
         """Lay a batch-first tensor out over the devices' data axis (a no-op without SPMD)."""
         return tensor
+
+    def splits(self, rows: int) -> str | None:
+        """Nothing to refuse: a call's rows are not split over devices."""
+        return None
 
 
 class EagerBackend(OneDeviceBackend):

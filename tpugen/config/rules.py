@@ -20,8 +20,8 @@ def jax_problems(config: RunConfig, family: Family) -> list[str]:
     if execution.backend != "jax":
         return []
     problems = []
-    if execution.mode != "single":
-        problems.append(f"execution.mode: {execution.mode} {JAX_NOT_YET}; use mode: single (one device)")
+    if execution.mode == "ray":
+        problems.append(f"execution.mode: ray {JAX_NOT_YET}; use mode: single or multi (every device of this VM)")
     if execution.offload != "none":
         problems.append(f"execution.offload: {execution.offload} {JAX_NOT_YET}")
     if execution.pod.worker_index is not None or execution.pod.num_workers is not None:

@@ -692,7 +692,8 @@ class ExecutionConfig(_Section):
         description=(
             "single: one device; multi: one replica per device, through torch_xla.launch (xla) or torchrun, "
             "one process each (torch_tpu: process group tpu_dist, cuda: nccl, cpu: gloo, with cores "
-            "processes); ray: batches handed out to the workers of a Ray cluster (execution.ray)."
+            "processes), or on jax one process over a mesh of the devices, each call's batch_size rows split over "
+            "them; ray: batches handed out to the workers of a Ray cluster (execution.ray)."
         ),
         json_schema_extra=RESUME_ROUNDING,
     )

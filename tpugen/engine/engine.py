@@ -163,6 +163,8 @@ class Engine:
         display = display or Display()
         execution = spec.execution
         backend = make_backend(execution, spec.compile, spec.cache, device_index=device_index)
+        if why := backend.splits(spec.batch_size):
+            raise InputError(why)
         memory = _memory_plan(spec)
         _check_fit(spec, backend, memory)
         family = family_named(spec.family)

@@ -44,11 +44,16 @@ class Single(_OnThisMachine):
 
 
 class Multi(_OnThisMachine):
-    """One replica per chip of the VM: torch_xla.launch on xla, torchrun on the other backends."""
+    """One replica per chip of the VM: torch_xla.launch on xla, torchrun on cpu, cuda and torch_tpu; on jax one
+    process, one program over a data-parallel mesh of every device (each call's rows split over them)."""
 
     name = "multi"
 
     def run(self, run, *, display, skip_warmup: bool, resume_dir: Path | None) -> RunReport:
+        if run.config.execution.backend == "jax":  # one process, one program over a mesh of every device
+            from tpugen.modes.single import run_single
+
+            return run_single(run, display=display, skip_warmup=skip_warmup, resume_dir=resume_dir)
         if skip_warmup:  # each rank compiles its own shapes before its timed phase, always
             raise InputError("--skip-warmup: execution.mode: multi warms every rank up first; leave it out")
         from tpugen.modes.multi import run_multi

@@ -25,10 +25,19 @@ class JaxBackend(OneDeviceBackend):
     name = "jax"
     whole_loop = True  # the engine hands this backend whole denoising loops (run_loop)
 
-    def __init__(self, cache=None) -> None:
+    def __init__(self, cache=None, devices: int = 1) -> None:
+        """`devices` above 1 (execution.mode: multi; 0: every device JAX has): one process over that many devices,
+        a data-parallel mesh: the weights copied on each, each call's rows split over them."""
         import torch
 
         self.runtime = process_runtime()
+        self.mesh = self.runtime.mesh(devices) if devices != 1 else None
+        self.device_count = len(self.mesh.devices.flat) if self.mesh is not None else 1
+        self._replicated = None
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            self._replicated = NamedSharding(self.mesh, PartitionSpec())
         directory = jax_cache_dir(cache)
         self.runtime.use_cache(directory)
         whole = self.runtime.store.directory is not None
@@ -64,9 +73,9 @@ class JaxBackend(OneDeviceBackend):
         for name, component in pipe.components.items():
             if isinstance(component, nn.Module):
                 self.placing = name
-                self.modules[name] = JaxModule(self.runtime, component, name)
+                self.modules[name] = JaxModule(self.runtime, component, name, self._replicated)
         self.placing = None
-        self._loops = LoopPrograms(self.runtime, self.modules[family.denoiser])
+        self._loops = LoopPrograms(self.runtime, self.modules[family.denoiser], self.mesh)
         self._family, self._pipe = family, pipe
 
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
@@ -166,6 +175,15 @@ class JaxBackend(OneDeviceBackend):
             graph_lookups=tally.executables,
         )
 
+    def splits(self, rows: int) -> str | None:
+        """Why a call of `rows` rows cannot be split over this backend's devices, or None."""
+        if rows % self.device_count == 0:
+            return None
+        return (
+            f"batch_size: {rows} rows a call cannot be split over {self.device_count} devices (execution.mode: multi "
+            f"on backend jax splits each call's rows over the devices); set it to a multiple of {self.device_count}"
+        )
+
     def memory(self) -> dict | None:
         stats = self.runtime.jax.devices()[0].memory_stats()
         if not stats:
@@ -180,6 +198,8 @@ class JaxBackend(OneDeviceBackend):
             "device": str(jax.devices()[0]),
             "device_kind": self.runtime.device_kind(),
             "world_size": 1,
+            "devices": self.device_count,
+            **({"mesh": {"data": self.device_count}} if self.mesh is not None else {}),
             "jax": jax.__version__,
             "torchax": getattr(self.runtime.torchax, "__version__", None),
             "compile_cache": {
@@ -191,8 +211,13 @@ class JaxBackend(OneDeviceBackend):
             },
             "weights_on_device_bytes": sum(m.bytes for m in self.modules.values()),
             "counters_scope": "JAX's own compile and persistent-cache events, the whole programs tpugen read from its "
-            "store (counted as cache hits), tpugen's calls and reads of its JAX programs; process-wide, one device in "
-            "this process",
+            "store (counted as cache hits), tpugen's calls and reads of its JAX programs; process-wide"
+            + (
+                f": one program over the {self.device_count} devices of a data-parallel mesh, each call's rows split "
+                "over them, counted once"
+                if self.mesh is not None
+                else ", one device in this process"
+            ),
         }
 
     def bind_thread(self) -> None:

@@ -23,9 +23,17 @@ def noise_bucket(calls: int) -> int:
 class LoopPrograms:
     """The loop programs of one denoiser, one per body, input layout and noise bucket (JAX adds one per shape)."""
 
-    def __init__(self, runtime, denoiser) -> None:
+    def __init__(self, runtime, denoiser, mesh=None) -> None:
         self.runtime = runtime
         self.denoiser = denoiser  # tpugen.backends.jax.modules.JaxModule
+        # A data-parallel mesh (execution.mode: multi): each call's rows split over its devices, the latents and
+        # the noise by their batch axis (the rest of the inputs follow: XLA's partitioner splits the program).
+        self.rows = self.noise_rows = None
+        if mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            self.rows = NamedSharding(mesh, PartitionSpec("data"))
+            self.noise_rows = NamedSharding(mesh, PartitionSpec(None, None, "data"))
         self._programs: dict = {}
         self._tables: dict = {}
         self._lock = threading.Lock()
@@ -57,11 +65,11 @@ class LoopPrograms:
 
         table = self._table(schedule, draws, tuple((name, tuple(work.per_call[name])) for name in numbers))
         arrays = [to_jax(leaves[i]) for i in positions]
-        noise = to_jax(work.noise) if draws else None
+        noise = to_jax(work.noise, self.noise_rows) if draws else None
         calls = np.int32(schedule.calls)
         latents = program(
             self.denoiser.weights,
-            to_jax(work.latents),
+            to_jax(work.latents, self.rows),
             arrays,
             table,
             noise,

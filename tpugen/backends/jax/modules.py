@@ -26,11 +26,12 @@ def host_array(tensor):
     return array
 
 
-def to_jax(tensor):
-    """A host torch tensor as a JAX array on the default device: a transfer, never a compile."""
+def to_jax(tensor, sharding=None):
+    """A host torch tensor as a JAX array: a transfer, never a compile. On the default device, or laid out by
+    `sharding` (a jax.sharding.Sharding: copies on every device of a mesh, or split over them)."""
     import jax
 
-    return jax.device_put(host_array(tensor))
+    return jax.device_put(host_array(tensor), sharding)
 
 
 def to_torch(arrays: list) -> list:
@@ -55,10 +56,11 @@ class JaxModule:
     `call` from host torch tensors (a jitted function per signature, outputs read back), `traced` inside another
     JAX function (the whole denoising loop)."""
 
-    def __init__(self, runtime, module, label: str) -> None:
+    def __init__(self, runtime, module, label: str, sharding=None) -> None:
         self.runtime = runtime
         self.module = module
         self.label = label
+        self.sharding = sharding  # how the weights lie on the devices (None: on the default device)
         # Tied weights (one tensor under several names) are one device array.
         self._alias: dict[str, str] = {}
         first: dict[int, str] = {}
@@ -70,7 +72,7 @@ class JaxModule:
             canonical = first.setdefault(id(tensor), name)
             self._alias[name] = canonical
             if canonical == name:
-                self.weights[name] = to_jax(tensor)
+                self.weights[name] = to_jax(tensor, sharding)
         self._jitted: dict = {}
         self._lock = threading.Lock()
         self._patched: dict[str, Callable | None] = {}  # method -> what the module had on itself before
@@ -127,7 +129,7 @@ class JaxModule:
         """New data for one weight (a LoRA fused on the host): a transfer, never a compile."""
         canonical = self._alias.get(name, name)
         old = self.weights[canonical]
-        new = to_jax(host.to(dtype=self._torch_dtype(old)))
+        new = to_jax(host.to(dtype=self._torch_dtype(old)), self.sharding)
         if new.shape != old.shape:
             raise ValueError(f"{self.label}: {name} is {tuple(old.shape)}, the new data {tuple(new.shape)}")
         self.weights[canonical] = new

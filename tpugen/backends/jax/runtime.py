@@ -139,6 +139,19 @@ class Runtime:
         self.store.use(directory)
         self.cache_dir = directory
 
+    def mesh(self, devices: int):
+        """A data-parallel mesh (axis "data") over the first `devices` of JAX's devices (0: all of them)."""
+        import numpy as np
+
+        found = self.jax.devices()
+        count = devices or len(found)
+        if count > len(found):
+            raise InputError(
+                f"execution.cores: {count} devices asked for, and JAX sees {len(found)} ({found[0].platform}; on the "
+                "CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
+            )
+        return self.jax.sharding.Mesh(np.array(found[:count]), ("data",))
+
     def device_kind(self) -> str:
         device = self.jax.devices()[0]
         return f"{device.platform.upper()} ({device.device_kind})"

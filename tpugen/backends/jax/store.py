@@ -229,7 +229,9 @@ class _StoredProgram:
             self._weights = (weights, signature)
         leaves, tree = jax.tree_util.tree_flatten(rest)
         shapes = tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
-        return (signature, str(tree), shapes)
+        # How the arguments lie on the devices (a program split over a mesh is another executable).
+        layout = tuple(str(getattr(x, "sharding", None)) for x in (*leaves, *list(weights.values())[:1]))
+        return (signature, str(tree), shapes, layout)
 
     def __call__(self, *args):
         signature = self._signature(args)
