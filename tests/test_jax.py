@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -505,3 +506,55 @@ def httpx_client(url: str, headers: dict):
     import httpx
 
     return httpx.Client(base_url=url, headers=headers, timeout=120)
+
+
+@pytest.mark.xla
+def test_a_jax_server_in_mode_multi_serves_one_program_over_every_device(tmp_path, cpu_run):
+    """`tpugen serve` on jax with execution.mode: multi over two JAX CPU devices: one engine whose program splits
+    each batch over both, fed from the one queue; concurrent requests answer with the images eager PyTorch makes,
+    nothing compiled after warmup, the device's time per step measured (one engine, its own counts)."""
+    import subprocess
+    import threading
+
+    import httpx
+    import yaml
+    from conftest import PROMPTS, forked_tpugen
+    from serve_support import BASE, decode, free_port, metric, pixels, serve_config, wait_ready
+
+    from tpugen.outputs.png import image_filename
+
+    path = serve_config(tmp_path, batch_window_ms=0)
+    config = yaml.safe_load(path.read_text())
+    config["execution"] = {"backend": "jax", "mode": "multi", "cores": 2}
+    write_config(path, config)
+    port, log = free_port(), tmp_path / "server.log"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    answers = {}
+    with open(log, "w") as out:
+        command = [forked_tpugen(), "serve", str(path), "--port", str(port)]
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(url, seconds=300, proc=proc)
+
+            def ask(i: int) -> None:
+                body = {**BASE, "prompt": PROMPTS[i], "seed": 7 + i}
+                answers[i] = httpx.post(f"{url}/sdapi/v1/txt2img", json=body, timeout=120)
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+            compiled = metric(url, "tpugen_compiles_after_warmup_total")
+            device_ms = metric(url, "tpugen_device_ms_per_step")
+        finally:
+            proc.terminate()
+            assert proc.wait(120) == 0
+    assert "ready, 1 device loop(s) on 2 device(s)" in log.read_text()
+    assert compiled == 0 and device_ms > 0
+    for i, answer in answers.items():
+        assert answer.status_code == 200, answer.text
+        reference = Image.open(cpu_run / image_filename(i, 7 + i, PROMPTS[i]))
+        assert int(np.abs(pixels(decode(answer.json()["images"][0])) - pixels(reference)).max()) <= COMPILED_VS_EAGER

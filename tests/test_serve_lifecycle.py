@@ -128,6 +128,8 @@ class _LostBackend:
     """A device whose loop thread finds it gone once `lost` is set (a device loop dies only where tpugen or the
     runtime has a bug, which no real engine can be made to have)."""
 
+    device_count = 1  # the Backend protocol's: one device
+
     def __init__(self) -> None:
         self.lost = threading.Event()
 

@@ -44,12 +44,12 @@ def check_start(run: ResolvedRun, host: str, api_key: str | None) -> None:
     execution = run.config.execution
     if execution.mode == "ray":
         raise InputError("execution.mode: ray spreads one run over a cluster; tpugen serve runs on this machine")
-    if execution.mode == "multi" and execution.backend != "xla":
+    if execution.mode == "multi" and execution.backend not in ("xla", "jax"):
         raise InputError(
-            f"execution.mode: multi under tpugen serve runs one engine per device on xla; backend {execution.backend} "
-            "serves with mode: single"
+            f"execution.mode: multi under tpugen serve runs one engine per device on xla, one program over every "
+            f"device on jax; backend {execution.backend} serves with mode: single"
         )
-    if execution.mode == "multi" and execution.strict_shapes:
+    if execution.mode == "multi" and execution.backend == "xla" and execution.strict_shapes:
         raise InputError(
             "execution.strict_shapes: under execution.mode: multi the server's engines share one process, whose "
             "compile count torch_xla keeps for the process: a compile for one device's request would stop a run on "
@@ -60,15 +60,16 @@ def check_start(run: ResolvedRun, host: str, api_key: str | None) -> None:
 
 
 def open_engines(run: ResolvedRun, display: Display) -> list[Engine]:
-    """One engine, or under execution.mode: multi one per local device, in this process; each loads the
-    embeddings of serve.embeddings_dir. The annotators model.annotators_dir has the weights of are loaded first."""
+    """One engine (on jax under execution.mode: multi, its program over every device), or under mode multi on xla
+    one per local device, in this process; each loads the embeddings of serve.embeddings_dir. The annotators
+    model.annotators_dir has the weights of are loaded first."""
     spec = replace(EngineSpec.of(run), embeddings_dir=run.config.serve.embeddings_dir)
     if run.config.model.annotators_dir is not None:  # a weights file that does not load fails the start, not a request
         from tpugen.engine.controls import load_annotators
 
         load_annotators(run.config.model.annotators_dir)
     execution = run.config.execution
-    if execution.mode != "multi":
+    if execution.mode != "multi" or execution.backend == "jax":  # jax: one engine, its program over every device
         return [Engine.open(spec, display=display)]
     from tpugen.backends.xla.devices import local_device_count, use_devices
 

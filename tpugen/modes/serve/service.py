@@ -132,7 +132,8 @@ class Service:
             return
         self.device_loops.start(self.engines)
         self._advance("ready")
-        log.info(f"ready, {len(self.engines)} device loop(s), warm: {self.warm_summary()}")
+        devices = sum(engine.backend.device_count for engine in self.engines)
+        log.info(f"ready, {len(self.engines)} device loop(s) on {devices} device(s), warm: {self.warm_summary()}")
 
     def _advance(self, state: str) -> None:
         """loading -> compiling -> ready; never over draining or failed."""
@@ -148,8 +149,9 @@ class Service:
         body: dict = {"status": self.state}
         engines = len(self.engines)
         if self.state == "loading":
-            multi = self.run.config.execution.mode == "multi"
-            body["detail"] = f"loading {self.run.config.model.id}" + (" (an engine per device)" if multi else "")
+            execution = self.run.config.execution
+            per_device = execution.mode == "multi" and execution.backend == "xla"
+            body["detail"] = f"loading {self.run.config.model.id}" + (" (an engine per device)" if per_device else "")
         elif self.state == "compiling":
             done, total = self.warm.progress()
             keys = f"{_count(len(self.sizes), 'size')} x {_count(len(self.schedulers), 'sampler')}"
