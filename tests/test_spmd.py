@@ -10,10 +10,9 @@ import textwrap
 import pytest
 from conftest import OTHER_DEVICE_COUNT, assert_same_images, forked_python, generate, run_cli, tiny_config, write_config
 
-from tpugen.backends.xla.spmd import mesh_shape
 from tpugen.errors import InputError
 from tpugen.families import family as family_code
-from tpugen.sharding import plan_sharding
+from tpugen.sharding import mesh_shape, plan_sharding
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +113,12 @@ def test_mesh_shape(data, model, devices, expected):
     [
         (
             {"backend": "cpu", "sharding": "spmd"},
-            ["execution.sharding: spmd needs execution.backend: xla, not cpu"],
+            ["execution.sharding: spmd needs execution.backend: xla or jax, not cpu"],
         ),
         (
             {"backend": "cuda", "sharding": "spmd", "offload": "model"},
             [
-                "execution.sharding: spmd needs execution.backend: xla, not cuda",
+                "execution.sharding: spmd needs execution.backend: xla or jax, not cuda",
                 "execution.offload: model and execution.sharding: spmd exclude each other: split the model over the "
                 "chips (spmd) or move it on and off one chip (offload), not both",
             ],

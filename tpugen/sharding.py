@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from tpugen.errors import InputError
+
 # A linear layer's weight is (out_features, in_features). Column-wise splits the outputs (and the bias with
 # them) over the model axis; row-wise splits the inputs. Attention projections and the first MLP layer go
 # column-wise, the layer after them row-wise, so each pair needs one reduction instead of a gather per layer.
@@ -179,3 +181,16 @@ def _linear_layers(module_name: str, module):
             "bias": f"{module_name}.stacked_{index[bias_name]}" if bias is not None else None,
         }
         yield names, f"{owner}.0.{layer}", weight, bias, 1
+
+
+def mesh_shape(data: int, model: int, devices: int) -> tuple[int, int]:
+    """(data, model) axes of a mesh over `devices`; model 0 means every device the data axis leaves."""
+    if devices % data:
+        raise InputError(f"execution.mesh.data: {data} does not divide the {devices} devices of this machine")
+    model = model or devices // data
+    if data * model != devices:
+        raise InputError(
+            f"execution.mesh: data {data} x model {model} = {data * model} devices, but this machine has {devices}; "
+            "the mesh must cover every device (model: 0 takes the rest)"
+        )
+    return data, model

@@ -23,6 +23,8 @@ def make_backend(execution, compile_config, cache, *, device_index: int | None =
     if name == "jax":
         from tpugen.backends.jax import JaxBackend
 
+        if execution.sharding == "spmd":
+            return JaxBackend(cache, devices=execution.cores, mesh=(execution.mesh.data, execution.mesh.model))
         return JaxBackend(cache, devices=execution.cores if execution.mode == "multi" else 1)
     spec = compile_spec(
         name,

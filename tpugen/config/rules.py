@@ -131,8 +131,8 @@ def _placement_problems(config: RunConfig) -> list[str]:
 
 def _spmd_problems(config: RunConfig) -> list[str]:
     execution, problems = config.execution, []
-    if execution.backend != "xla":
-        problems.append(f"execution.sharding: spmd needs execution.backend: xla, not {execution.backend}")
+    if execution.backend not in ("xla", "jax"):
+        problems.append(f"execution.sharding: spmd needs execution.backend: xla or jax, not {execution.backend}")
     if execution.offload != "none":
         problems.append(
             "execution.offload: model and execution.sharding: spmd exclude each other: split the model over the "

@@ -719,7 +719,7 @@ class ExecutionConfig(_Section):
     )
     sharding: Literal["none", "spmd"] = Field(
         default="none",
-        description="spmd (xla): one process drives every local device as a mesh; big weights are split over it.",
+        description="spmd (xla, jax): one process drives every local device as a mesh; big weights are split over it.",
         json_schema_extra=RESUME_ROUNDING,
     )
     mesh: MeshConfig = Field(

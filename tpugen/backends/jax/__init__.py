@@ -25,19 +25,22 @@ class JaxBackend(OneDeviceBackend):
     name = "jax"
     whole_loop = True  # the engine hands this backend whole denoising loops (run_loop)
 
-    def __init__(self, cache=None, devices: int = 1) -> None:
-        """`devices` above 1 (execution.mode: multi; 0: every device JAX has): one process over that many devices,
-        a data-parallel mesh: the weights copied on each, each call's rows split over them."""
+    def __init__(self, cache=None, devices: int = 1, mesh: tuple[int, int] | None = None) -> None:
+        """One device; or (`devices` above 1 or 0, execution.mode: multi; 0: every device JAX sees) a data-parallel
+        mesh over that many, the weights copied on each and each call's rows split over them; or (`mesh`, the
+        (data, model) axes of execution.sharding: spmd, model 0 the rest) a mesh whose model axis splits the big
+        weights by the families' rule tables (tpugen.sharding), so a model bigger than a chip runs on several."""
         import torch
 
         self.runtime = process_runtime()
-        self.mesh = self.runtime.mesh(devices) if devices != 1 else None
-        self.device_count = len(self.mesh.devices.flat) if self.mesh is not None else 1
-        self._replicated = None
-        if self.mesh is not None:
-            from jax.sharding import NamedSharding, PartitionSpec
-
-            self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.mesh = None
+        self.sharding: dict | None = None  # spmd's: what was split, for the report
+        if mesh is not None:
+            self.mesh = self.runtime.mesh(devices, mesh)
+        elif devices != 1:
+            self.mesh = self.runtime.mesh(devices)
+        self.device_count = self.mesh.devices.size if self.mesh is not None else 1
+        self.data = self.mesh.shape["data"] if self.mesh is not None else 1
         directory = jax_cache_dir(cache)
         self.runtime.use_cache(directory)
         whole = self.runtime.store.directory is not None
@@ -70,11 +73,18 @@ class JaxBackend(OneDeviceBackend):
         from tpugen.backends.jax.loop import LoopPrograms
         from tpugen.backends.jax.modules import JaxModule
 
+        layouts = self._layouts(pipe, family)
         for name, component in pipe.components.items():
             if isinstance(component, nn.Module):
                 self.placing = name
-                self.modules[name] = JaxModule(self.runtime, component, name, self._replicated)
+                self.modules[name] = JaxModule(self.runtime, component, name, layouts(name))
         self.placing = None
+        if self.sharding is not None:  # read back from the arrays, so the report shows what the devices hold
+            self.sharding["split_tensors_verified"] = sum(
+                "model" in str(getattr(array.sharding, "spec", ""))
+                for module in self.modules.values()
+                for array in module.weights.values()
+            )
         self._loops = LoopPrograms(self.runtime, self.modules[family.denoiser], self.mesh)
         self._family, self._pipe = family, pipe
 
@@ -91,6 +101,32 @@ class JaxBackend(OneDeviceBackend):
                 method = "forward"
             if callable(getattr(jax_module.module, method, None)):
                 jax_module.patch(method, hooks)
+
+    def _layouts(self, pipe, family):
+        """layout(component) -> (weight name -> its sharding): None on one device; on a mesh, copied on every
+        device, but under spmd the weights the rule tables split, split over the model axis (decided from names
+        and shapes while the weights are on the host, as backend xla's spmd decides)."""
+        if self.mesh is None:
+            return lambda component: None
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        copied = NamedSharding(self.mesh, PartitionSpec())
+        split: dict = {}
+        if "model" in self.mesh.shape:
+            from tpugen.sharding import plan_sharding
+
+            rules = {**family.text_encoder_rules, **family.denoiser_rules}
+            plan = plan_sharding(pipe, self.mesh.shape["model"], rules)
+            split = {
+                (p.component, p.parameter): NamedSharding(self.mesh, PartitionSpec(*p.spec)) for p in plan.parameters
+            }
+            self.sharding = {
+                "mesh": dict(self.mesh.shape),
+                "devices": self.device_count,
+                "split_tensors": len(plan.parameters),
+                "components": plan.components,
+            }
+        return lambda component: lambda name: split.get((component, name), copied)
 
     # ---------------------------------------------------------------- running
 
@@ -176,12 +212,12 @@ class JaxBackend(OneDeviceBackend):
         )
 
     def splits(self, rows: int) -> str | None:
-        """Why a call of `rows` rows cannot be split over this backend's devices, or None."""
-        if rows % self.device_count == 0:
+        """Why a call of `rows` rows cannot be split over this backend's data axis, or None."""
+        if rows % self.data == 0:
             return None
         return (
-            f"batch_size: {rows} rows a call cannot be split over {self.device_count} devices (execution.mode: multi "
-            f"on backend jax splits each call's rows over the devices); set it to a multiple of {self.device_count}"
+            f"batch_size: {rows} rows a call cannot be split over {self.data} devices (backend jax splits each "
+            f"call's rows over the mesh's data axis); set it to a multiple of {self.data}"
         )
 
     def memory(self) -> dict | None:
@@ -199,7 +235,8 @@ class JaxBackend(OneDeviceBackend):
             "device_kind": self.runtime.device_kind(),
             "world_size": 1,
             "devices": self.device_count,
-            **({"mesh": {"data": self.device_count}} if self.mesh is not None else {}),
+            **({"mesh": dict(self.mesh.shape)} if self.mesh is not None else {}),
+            **({"sharding": self.sharding} if self.sharding is not None else {}),
             "jax": jax.__version__,
             "torchax": getattr(self.runtime.torchax, "__version__", None),
             "compile_cache": {
@@ -213,8 +250,7 @@ class JaxBackend(OneDeviceBackend):
             "counters_scope": "JAX's own compile and persistent-cache events, the whole programs tpugen read from its "
             "store (counted as cache hits), tpugen's calls and reads of its JAX programs; process-wide"
             + (
-                f": one program over the {self.device_count} devices of a data-parallel mesh, each call's rows split "
-                "over them, counted once"
+                f": one program over the {self.device_count} devices of a mesh, counted once"
                 if self.mesh is not None
                 else ", one device in this process"
             ),

@@ -56,11 +56,13 @@ class JaxModule:
     `call` from host torch tensors (a jitted function per signature, outputs read back), `traced` inside another
     JAX function (the whole denoising loop)."""
 
-    def __init__(self, runtime, module, label: str, sharding=None) -> None:
+    def __init__(self, runtime, module, label: str, layout: Callable | None = None) -> None:
         self.runtime = runtime
         self.module = module
         self.label = label
-        self.sharding = sharding  # how the weights lie on the devices (None: on the default device)
+        # How each weight lies on the devices: layout(name) gives its jax.sharding.Sharding (None: all of them on
+        # the default device).
+        self.layout = layout or (lambda name: None)
         # Tied weights (one tensor under several names) are one device array.
         self._alias: dict[str, str] = {}
         first: dict[int, str] = {}
@@ -72,7 +74,7 @@ class JaxModule:
             canonical = first.setdefault(id(tensor), name)
             self._alias[name] = canonical
             if canonical == name:
-                self.weights[name] = to_jax(tensor, sharding)
+                self.weights[name] = to_jax(tensor, self.layout(name))
         self._jitted: dict = {}
         self._lock = threading.Lock()
         self._patched: dict[str, Callable | None] = {}  # method -> what the module had on itself before
@@ -129,7 +131,7 @@ class JaxModule:
         """New data for one weight (a LoRA fused on the host): a transfer, never a compile."""
         canonical = self._alias.get(name, name)
         old = self.weights[canonical]
-        new = to_jax(host.to(dtype=self._torch_dtype(old)), self.sharding)
+        new = to_jax(host.to(dtype=self._torch_dtype(old)), self.layout(canonical))
         if new.shape != old.shape:
             raise ValueError(f"{self.label}: {name} is {tuple(old.shape)}, the new data {tuple(new.shape)}")
         self.weights[canonical] = new

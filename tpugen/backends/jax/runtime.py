@@ -139,9 +139,12 @@ class Runtime:
         self.store.use(directory)
         self.cache_dir = directory
 
-    def mesh(self, devices: int):
-        """A data-parallel mesh (axis "data") over the first `devices` of JAX's devices (0: all of them)."""
+    def mesh(self, devices: int, axes: tuple[int, int] | None = None):
+        """A mesh over the first `devices` of JAX's devices (0: all of them): data-parallel (axis "data"), or with
+        `axes` (data, model; model 0: the rest) a "data" x "model" one."""
         import numpy as np
+
+        from tpugen.sharding import mesh_shape
 
         found = self.jax.devices()
         count = devices or len(found)
@@ -150,7 +153,11 @@ class Runtime:
                 f"execution.cores: {count} devices asked for, and JAX sees {len(found)} ({found[0].platform}; on the "
                 "CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
             )
-        return self.jax.sharding.Mesh(np.array(found[:count]), ("data",))
+        chosen = np.array(found[:count])
+        if axes is None:
+            return self.jax.sharding.Mesh(chosen, ("data",))
+        data, model = mesh_shape(*axes, count)
+        return self.jax.sharding.Mesh(chosen.reshape(data, model), ("data", "model"))
 
     def device_kind(self) -> str:
         device = self.jax.devices()[0]

@@ -5,20 +5,7 @@ from __future__ import annotations
 from tpugen.backends.xla.devices import import_torch_xla, use_devices
 from tpugen.backends.xla.single import XlaBackend
 from tpugen.errors import InputError
-from tpugen.sharding import plan_sharding
-
-
-def mesh_shape(data: int, model: int, devices: int) -> tuple[int, int]:
-    """(data, model) axes of a mesh over `devices`; model 0 means every device the data axis leaves."""
-    if devices % data:
-        raise InputError(f"execution.mesh.data: {data} does not divide the {devices} devices of this machine")
-    model = model or devices // data
-    if data * model != devices:
-        raise InputError(
-            f"execution.mesh: data {data} x model {model} = {data * model} devices, but this machine has {devices}; "
-            "the mesh must cover every device (model: 0 takes the rest)"
-        )
-    return data, model
+from tpugen.sharding import mesh_shape, plan_sharding
 
 
 class SpmdBackend(XlaBackend):
