@@ -432,7 +432,6 @@ def test_plan_of_a_jax_config_says_how_its_loops_and_attention_run(tmp_path):
             {"model": {"id": "tiny-qwen-image-edit-plus"}},
             "model.id: edits by reference (Qwen-Image-Edit Plus) is not built on execution.backend: jax yet",
         ),
-        ({"execution": {"pod": {"worker_index": 0, "num_workers": 2}}}, "execution.pod: tpugen pod-run is not built"),
     ],
 )
 def test_what_jax_does_not_run_yet_is_refused_in_one_line(tmp_path, overrides, message):
