@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    COMPILED_VS_EAGER,
     OTHER_DEVICE_COUNT,
     assert_same_images,
     forked_python,
@@ -262,6 +263,23 @@ def test_two_workers_make_the_images_of_one_chip(ray_cluster, single, tmp_path):
     workers = json.loads((run_dir / "workers.json").read_text())["workers"]
     assert all(w["pid"] and w["node"] for w in workers)
     assert "## Ray workers (2)" in (run_dir / "report.md").read_text()
+
+
+@pytest.mark.xla
+def test_two_workers_on_backend_jax_make_the_images_of_one_chip(ray_cluster, single, tmp_path):
+    """execution.backend: jax on Ray: each worker a JAX process with an engine of its own, its loop one call a
+    batch; the images one chip's on xla (within 2/255), each made once, nothing compiled after warmup."""
+    config = ray_config(tmp_path, ray_cluster["address"])
+    config["execution"]["backend"] = "jax"
+    proc, run_dir = start_driver(tmp_path, config)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert [r["index"] for r in read_manifest(run_dir / "manifest.jsonl")] == list(range(len(PROMPTS)))
+    assert_same_images(run_dir, single, COMPILED_VS_EAGER)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["complete"] and report["mode"] == "ray" and report["compiles_after_warmup"] == 0
+    assert report["device"]["backend"] == "jax"
+    assert sum(w["batches_done"] for w in report["ray"]["per_worker"]) == len(PROMPTS)
 
 
 @pytest.mark.xla

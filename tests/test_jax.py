@@ -416,7 +416,6 @@ def test_plan_of_a_jax_config_says_how_its_loops_and_attention_run(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"execution": {"mode": "ray"}}, "execution.mode: ray is not built on execution.backend: jax yet"),
         ({"execution": {"offload": "model"}}, "execution.offload: model is not built on execution.backend: jax yet"),
         ({"hires": {"scale": 2.0}}, "hires: hires fix is not built on execution.backend: jax yet"),
         ({"tiling": True}, "tiling: seamless tiling is not built on execution.backend: jax yet"),

@@ -9,8 +9,8 @@ from tpugen.families import FAMILIES, Family
 CLIP_SKIP_NEEDS_WEBUI = "a clip skip needs prompt_syntax webui (tpugen's reading of the prompt)"
 
 
-# What execution.backend: jax does not run yet (each refused in one line naming it): a Ray cluster, and the
-# features that change what a denoising step does.
+# What execution.backend: jax does not run yet (each refused in one line naming it): the features that change
+# what a denoising step does.
 JAX_NOT_YET = "is not built on execution.backend: jax yet; execution.backend: xla runs it"
 
 
@@ -20,8 +20,6 @@ def jax_problems(config: RunConfig, family: Family) -> list[str]:
     if execution.backend != "jax":
         return []
     problems = []
-    if execution.mode == "ray":
-        problems.append(f"execution.mode: ray {JAX_NOT_YET}; use mode: single or multi (every device of this VM)")
     if execution.offload != "none":
         problems.append(f"execution.offload: {execution.offload} {JAX_NOT_YET}")
     if config.hires is not None:
