@@ -126,15 +126,16 @@ def run_naive() -> dict:
     }
 
 
-def _generate_fresh(workdir: Path, run_id: str, config: dict) -> dict:
-    """`tpugen generate` of `config` in a fresh process (so no compile is reused); its report.json."""
+def _generate_fresh(workdir: Path, run_id: str, config: dict, env: dict | None = None) -> dict:
+    """`tpugen generate` of `config` in a fresh process (so no compile is reused), with `env` added to its
+    environment; its report.json."""
     path = workdir / f"{run_id}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "tpugen"), "generate", str(path), "--quiet"],
         capture_output=True,
         text=True,
-        env={**os.environ, "PJRT_DEVICE": "CPU"},
+        env={**os.environ, "PJRT_DEVICE": "CPU", **(env or {})},
     )
     if proc.returncode:
         sys.exit(f"tpugen failed:\n{proc.stderr}")

@@ -13,6 +13,9 @@
     of 7 calls and 3 loops after one untimed. Then the next process: the same programs again with the same cache
     folder, JAX's own seconds of tracing, lowering and compiling (or reading the cache) in each. xla's side of the
     host figures: `scripts/bench.py trace` (part (b) there).
+(d) Every device: tiny-sd on jax, execution.mode: multi over 4 JAX CPU devices (XLA_FLAGS) against mode single on
+    one, batch 4 (one row a device), the rest as (a): images per second of each, how far apart their pixels are.
+    On XLA:CPU the 4 devices share this machine's cores, so the ratio is the mesh's cost here, not a TPU's speed-up.
 
 Writes bench/jax.json.
 """
@@ -116,6 +119,29 @@ def end_to_end(models: list[str], again: list[str]) -> list[dict]:
             row["images_per_second_jax_over_xla"] = row["jax"]["images_per_second"] / row["xla"]["images_per_second"]
             rows.append(row)
     return rows
+
+
+# ---------------------------------------------------------------- (d) every device
+
+
+def every_device(model: str = "tiny-sd", count: int = 4) -> dict:
+    from bench import _generate_fresh
+    from bench_trace import _max_difference
+
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={count}", "JAX_PLATFORMS": "cpu"}
+    row = {"model": model, "devices": count}
+    with tempfile.TemporaryDirectory(prefix="tpugen-bench-jax-devices-") as tmp:
+        work = Path(tmp)
+        for mode in ("single", "multi"):
+            print(f"(d) {model} on jax, mode {mode} ...", flush=True)
+            config = _config(model, "jax", work, mode, work / f"cache-{mode}")
+            config["execution"] = {"backend": "jax", "mode": mode}
+            config["batch_size"] = count
+            report = _generate_fresh(work, mode, config, env=env)
+            row[mode] = {**_side(report), "devices": report["device"]["devices"]}
+        row["max_pixel_difference"] = _max_difference(work / "single", work / "multi")
+    row["images_per_second_multi_over_single"] = row["multi"]["images_per_second"] / row["single"]["images_per_second"]
+    return row
 
 
 # ---------------------------------------------------------------- (c) full size
@@ -276,7 +302,7 @@ def full_size(labels: list[str] | None) -> list[dict]:
     return rows
 
 
-def report(tiny: list[dict], full: list[dict]) -> None:
+def report(tiny: list[dict], full: list[dict], devices: dict | None = None) -> None:
     if tiny:
         print("\n(a) tiny built-ins, 64x64, batch 2, 20 steps, 8 prompts; jax against xla with trace once")
         print(
@@ -301,6 +327,14 @@ def report(tiny: list[dict], full: list[dict]) -> None:
                         f"compiles), the next process {nxt['warmup_seconds']:.2f} s ({nxt['warmup_compiles']} compiles, "
                         f"{nxt['persistent_cache_hits']} cache hits): ratio {side['next_over_first_warmup']:.2f}"
                     )
+    if devices:
+        single, multi = devices["single"], devices["multi"]
+        print(
+            f"(d) {devices['model']} on jax, batch {devices['devices']}: mode multi over {multi['devices']} devices "
+            f"{multi['images_per_second']:.2f} img/s, mode single on {single['devices']} {single['images_per_second']:.2f} "
+            f"img/s: ratio {devices['images_per_second_multi_over_single']:.2f} (the devices share this machine's "
+            f"cores); {devices['max_pixel_difference']}/255 apart; compiles after warmup {multi['compiles_after_warmup']}"
+        )
     for row in full:
         nxt = row["next_process"]
         print(
@@ -317,9 +351,10 @@ def run(models: list[str] | None, full_labels: list[str] | None, skip_tiny: bool
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     models = models or TINY
     tiny = [] if skip_tiny else end_to_end(models, again=["tiny-sd", "tiny-flux"])
+    devices = None if skip_tiny else every_device()
     full = [] if skip_full else full_size(full_labels)
-    report(tiny, full)
-    return {"measured": time.strftime("%Y-%m-%d"), "tiny": tiny, "full_size": full}
+    report(tiny, full, devices)
+    return {"measured": time.strftime("%Y-%m-%d"), "tiny": tiny, "every_device": devices, "full_size": full}
 
 
 if __name__ == "__main__":
