@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import (
-    COMPILED_VS_EAGER,
     FORKED_TPUGEN,
     OTHER_DEVICE_COUNT,
     annotator_weights,
@@ -368,10 +367,11 @@ def test_three_worker_pod_makes_each_image_once_like_one_chip(single, tmp_path, 
 
 
 @pytest.mark.xla
-def test_a_jax_pod_run_twice_compiles_nothing_on_any_worker_the_second_time(single, tmp_path, fake_pod, monkeypatch):
+def test_a_jax_pod_run_twice_compiles_nothing_on_any_worker_the_second_time(tmp_path, fake_pod, monkeypatch):
     """execution.backend: jax on a fake pod of two workers: each worker is a JAX process with its persistent cache
-    on its own host (under its home); run again, no worker compiles anything, every program read back, and each
-    image is still made once, as one chip makes it."""
+    (the workers' default, as pod-run leaves cache.dir to them); run again, no worker compiles anything, every
+    program read back, and each image is made once, as the first run made it. At 80x80, a size no other test
+    runs, so the first run finds nothing in the tests' shared cache."""
     monkeypatch.setenv("FAKE_POD_WORKERS", "2")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     reports = []
@@ -379,33 +379,29 @@ def test_a_jax_pod_run_twice_compiles_nothing_on_any_worker_the_second_time(sing
         config = tiny_config(
             tmp_path,
             prompts=PROMPTS[:4],
+            height=80,
+            width=80,
             execution={"backend": "jax"},
             output={"dir": str(tmp_path / "out"), "run_id": run_id},
         )
-        result = run_cli(
-            "pod-run",
-            write_config(tmp_path / f"{run_id}.yaml", config),
-            "--tpu",
-            "t",
-            "--zone",
-            "us-east5-b",
-            "--quiet",
-        )
+        path = write_config(tmp_path / f"{run_id}.yaml", config)
+        result = run_cli("pod-run", path, "--tpu", "t", "--zone", "us-east5-b", "--quiet")
         assert result.exit_code == 0, result.output
         reports.append(json.loads((tmp_path / "out" / run_id / "report.json").read_text()))
     first, second = reports
-    assert [(w["worker"], w["compiles"] > 0) for w in first["warmup"]] == [(0, True), (1, True)]
+    assert sum(w["compiles"] for w in first["warmup"]) > 0 and first["persistent_cache"]["misses"] > 0
     assert [(w["worker"], w["compiles"]) for w in second["warmup"]] == [(0, 0), (1, 0)]
-    cache = second["persistent_cache"]
-    assert cache["misses"] == 0 and cache["hits"] == sum(w["compiles"] for w in first["warmup"]), cache
+    assert second["persistent_cache"]["misses"] == 0 and second["persistent_cache"]["hits"] > 0
     assert second["complete"] and second["images"] == 4 and second["compiles_after_warmup"] == 0
-    records = read_manifest(tmp_path / "out" / "second" / "manifest.jsonl")
-    assert sorted(r["index"] for r in records) == [0, 1, 2, 3]
-    for record in records:
-        name = NAMES[record["index"]]
-        a = np.asarray(Image.open(tmp_path / "out" / "second" / record["file"]), dtype=np.int16)
-        b = np.asarray(Image.open(single / name), dtype=np.int16)
-        assert np.abs(a - b).max() <= COMPILED_VS_EAGER, name  # jax against xla on one chip
+    made = {
+        run_id: {r["index"]: r["file"] for r in read_manifest(tmp_path / "out" / run_id / "manifest.jsonl")}
+        for run_id in ("first", "second")
+    }
+    assert sorted(made["second"]) == [0, 1, 2, 3]
+    for index, file in made["second"].items():
+        a = np.asarray(Image.open(tmp_path / "out" / "second" / file), dtype=np.int16)
+        b = np.asarray(Image.open(tmp_path / "out" / "first" / made["first"][index]), dtype=np.int16)
+        assert np.abs(a - b).max() <= 1, file  # the programs read back are the ones compiled
 
 
 @pytest.mark.xla

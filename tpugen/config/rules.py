@@ -22,8 +22,6 @@ def jax_problems(config: RunConfig, family: Family) -> list[str]:
     problems = []
     if execution.offload != "none":
         problems.append(f"execution.offload: {execution.offload} {JAX_NOT_YET}")
-    if config.hires is not None:
-        problems.append(f"hires: hires fix {JAX_NOT_YET}")
     if config.compile.step_cache.method != "none":
         problems.append(f"compile.step_cache: a step cache {JAX_NOT_YET}")
     if config.model.controlnets:
@@ -36,10 +34,9 @@ def jax_problems(config: RunConfig, family: Family) -> list[str]:
     return problems
 
 
-def jax_image_problems(*, hires: bool, controls: bool, references: bool, tiling: bool) -> list[str]:
+def jax_image_problems(*, controls: bool, references: bool, tiling: bool) -> list[str]:
     """What one image of a request asks of backend jax that it does not run yet, one line each."""
     asked = {
-        "hires fix": hires,
         "ControlNet units": controls,
         "edits by reference": references,
         "seamless tiling": tiling,

@@ -446,17 +446,18 @@ class LoadedPipeline:
         self._mark("later denoising steps")
         return output
 
-    def _denoise(self, pipe, arguments: dict, batch: Batch):
-        """The pipeline's call up to its final latents: diffusers' own loop, a step at a time; or, on a backend
-        that runs whole loops, the pipeline stopped at its first denoiser call and the rest of the loop handed to
-        the device as one call (tpugen.engine.whole_loop)."""
+    def _denoise(self, pipe, arguments: dict, *, task: str, steps: int, phase: str = "denoising loop"):
+        """The pipeline's call (of `task`, `steps` denoising steps) up to its final latents: diffusers' own loop, a
+        step at a time; or, on a backend that runs whole loops, the pipeline stopped at its first denoiser call
+        and the rest of the loop handed to the device as one call (tpugen.engine.whole_loop), its phase counted
+        as `phase`."""
         if not getattr(self.backend, "whole_loop", False):
             return self._step_by_step(pipe, arguments)
         import time
 
         from tpugen.engine.whole_loop import FirstCall, NoWholeLoop, loop_work, no_whole_loop, stopped_at_first_call
 
-        self.step_by_step = no_whole_loop(self.family, batch)
+        self.step_by_step = no_whole_loop(self.family)
         if self.step_by_step is not None:
             self._count_loop(self.step_by_step)
             return self._step_by_step(pipe, arguments)
@@ -468,7 +469,7 @@ class LoadedPipeline:
             first = call
         start = time.perf_counter()  # the loop's host work from here: read the call, draw noise, hand it over
         try:
-            work = loop_work(self.family, first, batch.shape.task, self.backend.noise_bucket)
+            work = loop_work(self.family, first, task, self.backend.noise_bucket)
         except NoWholeLoop as exc:
             self.step_by_step = str(exc)
             self._count_loop(self.step_by_step)
@@ -483,10 +484,10 @@ class LoadedPipeline:
         latents = self.backend.run_loop(work)
         handed_off = time.perf_counter()
         self.backend.wait()
-        self._clock.whole_loop(batch.steps, handed_off - start, time.perf_counter() - handed_off)
-        self._mark("denoising loop")
+        self._clock.whole_loop(steps, handed_off - start, time.perf_counter() - handed_off)
+        self._mark(phase)
         if self.on_step is not None:
-            self.on_step(self._steps_before + batch.steps)
+            self.on_step(self._steps_before + steps)
         return latents
 
     def _hires_pass(self, batch: Batch, latents) -> tuple:
@@ -500,7 +501,10 @@ class LoadedPipeline:
 
         hires, shape = batch.hires, batch.shape
         height, width = hires.size(shape.height, shape.width, self.family.size_multiple)
+        whole_loop = getattr(self.backend, "whole_loop", False)
         if hires.upscaler == "latent":
+            if whole_loop:  # the first loop's latents are on its device: read back, as the pipeline returns them
+                latents = self.backend.read_latents(latents)
             image = self.family.upscale_latents(self.pipe, latents, shape.height, shape.width, height, width)
             if hires.strength == 0:
                 self.running = "vae"
@@ -521,6 +525,9 @@ class LoadedPipeline:
         arguments = self._img2img_arguments(pipe, batch, image, hires.strength, height, width, hires.schedule_steps)
         self._loop_started, self._pass, self._steps_before = False, "hires ", batch.steps
         self.running = "text encoders"
+        if whole_loop:  # the second pass's loop one call too
+            output = self._denoise(pipe, arguments, task="img2img", steps=hires.steps, phase="hires denoising loop")
+            return output, height, width, False
         output = pipe(**arguments).images
         self._clock.loop_ended()
         self._mark("hires later denoising steps")
@@ -561,7 +568,7 @@ class LoadedPipeline:
                 prepare_call(pipe, self.family, self.step_cache, batch.steps, task=batch.shape.task)
             height, width = batch.shape.height, batch.shape.width
             with torch.no_grad(), self._padding(batch):  # inference_mode tensors break torch_xla (version counters)
-                output = self._denoise(pipe, arguments, batch)
+                output = self._denoise(pipe, arguments, task=batch.shape.task, steps=batch.steps)
                 ready = False  # pixels already: a hires fix's upscale alone (denoising strength 0)
                 if batch.hires is not None:
                     output, height, width, ready = self._hires_pass(batch, output)

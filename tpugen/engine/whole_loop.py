@@ -163,8 +163,8 @@ class NoWholeLoop(Exception):
     """Why this batch's loop runs step by step (one line)."""
 
 
-def no_whole_loop(family, batch) -> str | None:
-    """Why a batch's loop cannot be one call, known before the pipeline runs (None: it may be, once its first
+def no_whole_loop(family) -> str | None:
+    """Why a family's loop cannot be one call, known before the pipeline runs (None: it may be, once its first
     call is seen)."""
     if family.loop_call is None:
         return f"tpugen has no whole loop for {family.title} yet"

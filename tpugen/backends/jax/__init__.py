@@ -187,6 +187,15 @@ class JaxBackend(OneDeviceBackend):
         self.runtime.read()
         return host
 
+    def read_latents(self, latents):
+        """A whole loop's final latents (a device array) read back to the host as torch: what a hires fix's latent
+        upscale starts from (one read)."""
+        from tpugen.backends.jax.modules import to_torch
+
+        (host,) = to_torch([latents])
+        self.runtime.read()
+        return host
+
     def put_weight(self, component: str, name: str, live, host):
         """A weight a LoRA changes: new device data for the JAX copy (a transfer), and the host value for the
         module's own (the host copy diffusers' loaders read)."""

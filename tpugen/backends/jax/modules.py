@@ -152,9 +152,13 @@ class JaxModule:
 
         env = self.runtime.env
         state = {name: env.j2t_iso(weights[canonical]) for name, canonical in self._alias.items()}
-        with self._own_methods(), stateless._reparametrize_module(self.module, state, tie_weights=False):
-            run = getattr(self.module, method) if isinstance(method, str) else method
-            return run(*args, **kwargs)
+        kept = _tensor_attributes(self.module)
+        try:
+            with self._own_methods(), stateless._reparametrize_module(self.module, state, tie_weights=False):
+                run = getattr(self.module, method) if isinstance(method, str) else method
+                return run(*args, **kwargs)
+        finally:
+            _put_back(kept)
 
     def call(self, method: str, *args, **kwargs):
         """`module.method(*args, **kwargs)` from host torch tensors, computed by JAX on the device, its tensors
@@ -221,6 +225,41 @@ class _Outputs:
         for i, tensor in zip(self.positions, tensors, strict=True):
             leaves[i] = tensor
         return pytree.tree_unflatten(leaves, self.spec)
+
+
+def _holds_tensors(value) -> bool:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)
+
+
+def _tensor_attributes(module) -> dict:
+    """Each submodule's plain attributes that hold tensors (not its parameters or buffers), and those of the
+    plain objects it holds (diffusers' Z-Image RopeEmbedder): what a module may set for itself as it runs (the
+    rotary tables move themselves to the input's device)."""
+    import torch
+
+    owners = []
+    for sub in module.modules():
+        owners.append(sub)
+        for value in vars(sub).values():
+            if hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type)):
+                owners.append(value)
+    return {id(owner): (owner, {k: v for k, v in vars(owner).items() if _holds_tensors(v)}) for owner in owners}
+
+
+def _put_back(kept: dict) -> None:
+    """The attributes `_tensor_attributes` saw, as they were: one a trace set holds that trace's values, which
+    the next trace would find (an escaped tracer, or a program compiled with more inputs than it is given)."""
+    for owner, before in kept.values():
+        for name, value in list(vars(owner).items()):
+            if name in before:
+                if value is not before[name]:
+                    setattr(owner, name, before[name])
+            elif _holds_tensors(value):
+                delattr(owner, name)
 
 
 def _hashable(values: tuple) -> tuple:

@@ -220,13 +220,13 @@ class QwenImage(TransformerFamily):
 
         super().install_hooks(pipe, device, hooks)
         self.pipeline_hooks(pipe, hooks)
-        hooks.wrap(pipe.transformer.pos_embed, "_compute_video_freqs", "RoPE table on the host", _rope_on_host)
+        _rope_hooks(pipe.transformer.pos_embed, hooks, "")
         hooks.add("VAE upsampling lowered", _nearest_upsampling(pipe.vae))
 
     def controlnet_hooks(self, controlnet, device, hooks, label: str) -> None:
         """Timesteps at its door, and its image RoPE table on the host, as the transformer's."""
         super().controlnet_hooks(controlnet, device, hooks, label)
-        hooks.wrap(controlnet.pos_embed, "_compute_video_freqs", f"RoPE table on the host ({label})", _rope_on_host)
+        _rope_hooks(controlnet.pos_embed, hooks, f" ({label})")
 
     def pipeline_hooks(self, pipe, hooks) -> None:
         """The text of a fixed length, with its mask kept (QwenImageImg2ImgPipeline and the inpaint pipeline
@@ -286,16 +286,53 @@ def _encode_prompt(
 
 
 def _rope_on_host(compute):
+    """diffusers' image RoPE table, computed once per shape where the host computes it. diffusers' own is behind
+    an lru_cache, which across JAX traces (backend jax, whose traced module holds its buffers as a trace's values)
+    would keep one trace's values for the next: the table is taken from the function under that cache."""
+    raw, owner = getattr(compute, "__wrapped__", None), getattr(compute, "__self__", None)
     tables: dict = {}
 
     def compute_video_freqs(frame, height, width, idx=0, device=None):
         key = (frame, height, width, idx, str(device))
-        if key not in tables:
-            table = compute(frame, height, width, idx, None)  # from the host's tables
-            tables[key] = table.to(device) if device is not None else table
-        return tables[key]
+        if key in tables:
+            return tables[key]
+        # From the host's tables (device None).
+        table = (
+            raw(owner, frame, height, width, idx, None)
+            if raw and owner is not None
+            else compute(frame, height, width, idx, None)
+        )
+        table = table.to(device) if device is not None else table
+        if "jax" not in (str(table.device), str(device)):  # inside a JAX trace it is that program's alone
+            tables[key] = table
+        return table
 
     return compute_video_freqs
+
+
+def _rope_hooks(pos_embed, hooks, label: str) -> None:
+    hooks.wrap(pos_embed, "_compute_video_freqs", f"RoPE table on the host{label}", _rope_on_host)
+    if callable(getattr(pos_embed, "_get_device_freqs", None)):
+        hooks.wrap(
+            pos_embed, "_get_device_freqs", f"RoPE frequencies kept outside JAX traces{label}", _frequencies_uncached
+        )
+
+
+def _frequencies_uncached(get_device_freqs):
+    """diffusers' RoPE frequencies moved to a device, kept per device as its lru_cache keeps them, except on
+    backend jax's: there the move inside a trace is that trace's value, which kept would reach the next."""
+    owner = get_device_freqs.__self__
+    moved: dict = {}
+
+    def device_freqs(device):
+        if str(device) in moved:
+            return moved[str(device)]
+        freqs = owner.pos_freqs.to(device), owner.neg_freqs.to(device)
+        if "jax" not in str(device):
+            moved[str(device)] = freqs
+        return freqs
+
+    return device_freqs
 
 
 def _nearest_upsampling(vae):

@@ -158,6 +158,8 @@ def _tables(self, x, cap_feats, lengths, patch_size, f_patch_size) -> tuple:
         tables = (torch.cat(image_ids), text_ids, image_padding.repeat(rows), text_padding, text_keys, keys)
         return tuple(table.to(device) for table in tables)
 
+    if "jax" in str(device):  # inside a JAX trace (backend jax) the moved tables are that trace's: never kept
+        return host_tables()
     cache = self.__dict__.setdefault("_tpugen_tables", {})
     table_key = (tuple(caption), tuple(lengths), text, grid, rows, str(device))
     if table_key not in cache:

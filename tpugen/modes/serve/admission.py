@@ -74,7 +74,6 @@ class Admission:
             image = images[0]
             problems.extend(
                 jax_image_problems(
-                    hires=image.hires is not None,
                     controls=bool(image.controls),
                     references=bool(image.references),
                     tiling=image.tiling,
