@@ -130,6 +130,9 @@ def test_the_controlnet_routes(controlnet_server):
     url, service = controlnet_server
     with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
         assert http.get("/controlnet/model_list").json() == {"model_list": ["tiny-sd-controlnet"]}
+        # As many units as a request may carry; a query the route does not take changes nothing.
+        assert http.get("/controlnet/settings").json() == {"control_net_unit_count": 4}
+        assert http.get("/controlnet/settings", params={"x" * 2000: "y" * 4000}).json() == {"control_net_unit_count": 4}
         modules = http.get("/controlnet/module_list").json()
         assert modules["module_list"][:5] == ["none", "canny", "invert", "scribble", "tile"]
         # model.annotators_dir holds all their weights but MiDaS's and OpenPose's

@@ -173,6 +173,13 @@ def version() -> dict:
     return {"version": 2}
 
 
+@router.get("/settings")
+def settings() -> dict:
+    """The extension's settings clients read: how many units a request may carry (a client sends that many tabs'
+    units, the ones not enabled among them)."""
+    return {"control_net_unit_count": MAX_UNITS}
+
+
 @router.get("/model_list")
 def model_list(request: Request) -> dict:
     """The ControlNets this server has loaded (model.controlnets), by the names units give."""
