@@ -298,25 +298,18 @@ def test_a_valid_web_ui_request_makes_the_images_it_made_before(tmp_path):
     from tpugen.plan import ImageWork
 
     service = _service(tmp_path)
+    # The LoRA tag reader joins lines, as before; image i of the request gets seed + i.
     assert _web_ui_request(service, batch_size=2, cfg_scale=30, steps=1000, prompt="a cat\non a mat") == [
         ImageWork(
             prompt="a cat on a mat",
             negative_prompt="blurry",
-            seed=3,
+            seed=seed,
             steps=1000,
             guidance_scale=30.0,
             height=64,
             width=64,
-        ),  # the LoRA tag reader joins lines, as before
-        ImageWork(
-            prompt="a cat on a mat",
-            negative_prompt="blurry",
-            seed=4,
-            steps=1000,
-            guidance_scale=30.0,
-            height=64,
-            width=64,
-        ),
+        )
+        for seed in (3, 4)
     ]
     (image,) = _web_ui_request(service, seed=-1)  # the server's own size, steps and guidance
     assert (image.height, image.width, image.steps, image.guidance_scale) == (64, 64, 3, 7.5)

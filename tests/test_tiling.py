@@ -4,6 +4,8 @@ refused and written down. The served images and their graphs: tests/test_serve_t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from conftest import tiny_config, write_config
 
@@ -151,25 +153,11 @@ def test_tiling_is_refused_for_transformer_families_in_configs_and_requests(tmp_
     del server["prompts"]
     run = load_config(write_config(tmp_path / "serve.yaml", server), prompts_required=False)
     service = Service(run, [], output_root=tmp_path / "runs", display=Display())
+    floor = ImageWork(prompt="a floor", negative_prompt="", seed=1, steps=4, guidance_scale=0.0, height=64, width=64)
     with pytest.raises(InputError) as request:
-        service.check(
-            [
-                ImageWork(
-                    prompt="a floor",
-                    negative_prompt="",
-                    seed=1,
-                    steps=4,
-                    guidance_scale=0.0,
-                    height=64,
-                    width=64,
-                    tiling=True,
-                )
-            ]
-        )
+        service.check([replace(floor, tiling=True)])
     assert request.value.lines == [f"tiling: {TRANSFORMER_REFUSAL}"]
-    service.check(
-        [ImageWork(prompt="a floor", negative_prompt="", seed=1, steps=4, guidance_scale=0.0, height=64, width=64)]
-    )  # untiled: fine
+    service.check([floor])  # untiled: fine
 
 
 def test_a_tiled_image_says_so_in_its_parameters_as_the_web_ui_writes_it():
