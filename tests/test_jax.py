@@ -24,18 +24,20 @@ from PIL import Image
 
 from tpugen.schedulers import SCHEDULER_NAMES
 
-# Every family's tiny built-in but the edit families' (refused on jax: the next issue), with the tasks its
-# pipelines have: img2img and inpainting prompts join the txt2img one where the family runs them.
+# Every family's tiny built-in (tiny-sd: the tests after), with the tasks its pipelines have: img2img and
+# inpainting prompts join the txt2img one where the family runs them, and an edit by reference where it edits
+# (FLUX.2 [klein] KV's are refused on jax: test_what_jax_does_not_run_yet_is_refused_in_one_line).
 FAMILY_TASKS = {
     "tiny-sdxl": ("txt2img", "img2img", "inpaint"),
     "tiny-sd3": ("txt2img", "img2img"),
     "tiny-flux": ("txt2img", "img2img", "inpaint"),
-    "tiny-flux2": ("txt2img",),
+    "tiny-flux2": ("txt2img", "edit"),
     "tiny-flux2-klein": ("txt2img",),
-    "tiny-flux2-klein-distilled": ("txt2img",),
+    "tiny-flux2-klein-distilled": ("txt2img", "edit"),
     "tiny-flux2-klein-kv": ("txt2img",),
     "tiny-z-image": ("txt2img",),
     "tiny-qwen-image": ("txt2img",),
+    "tiny-qwen-image-edit-plus": ("edit",),
 }
 PHASES = {"text encoding", "denoising loop", "decoding"}
 # Importing torchax names torch's privateuse1 device "jax" for the whole process (and torch then reports it as an
@@ -60,6 +62,7 @@ def _prompts(tmp: Path, tasks) -> list:
         "txt2img": "a lighthouse at dawn",
         "img2img": {"prompt": "a red square", "init_image": str(init), "strength": 0.6},
         "inpaint": {"prompt": "repaint", "init_image": str(init), "mask_image": str(mask), "strength": 0.8},
+        "edit": {"prompt": "the square in the style of the mask", "reference_images": [str(init), str(mask)]},
     }
     return [made[task] for task in tasks]
 
@@ -456,8 +459,9 @@ def test_plan_of_a_jax_config_says_how_its_loops_and_attention_run(tmp_path):
             "model.controlnets: ControlNet is not built on execution.backend: jax yet",
         ),
         (
-            {"model": {"id": "tiny-qwen-image-edit-plus"}},
-            "model.id: edits by reference (Qwen-Image-Edit Plus) is not built on execution.backend: jax yet",
+            {"model": {"id": "tiny-flux2-klein-kv"}, "serve": {"tasks": ["txt2img", "edit"]}},
+            "serve.tasks: edits by reference on execution.backend: jax: FLUX.2 [klein] KV models: "
+            "Flux2KleinKVPipeline runs the references through the transformer at the first step alone",
         ),
     ],
 )
@@ -470,20 +474,45 @@ def test_what_jax_does_not_run_yet_is_refused_in_one_line(tmp_path, overrides, m
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
 
 
-def test_a_flux2_edit_by_reference_is_refused_on_jax(tmp_path):
+def test_a_flux2_klein_kv_edit_by_reference_is_refused_on_jax(tmp_path):
     _images(tmp_path)
     config = tiny_config(
         tmp_path,
-        model={"id": "tiny-flux2-klein"},
+        model={"id": "tiny-flux2-klein-kv"},
         execution={"backend": "jax"},
         prompts=[{"prompt": "edit it", "reference_images": [str(tmp_path / "init.png")]}],
     )
     result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
     assert result.exit_code == 2
     assert result.stderr == (
-        "error: prompts[0].reference_images: edits by reference is not built on execution.backend: jax yet; "
-        "execution.backend: xla runs it\n"
+        "error: prompts[0].reference_images: edits by reference on execution.backend: jax: FLUX.2 [klein] KV "
+        "models: Flux2KleinKVPipeline runs the references through the transformer at the first step alone and "
+        "keeps their attention keys and values in its processors for the later steps, which a whole loop does "
+        "not carry yet; execution.backend: xla runs them\n"
     )
+
+
+@pytest.mark.xla
+@JAX_PROCESS
+def test_a_flux2_klein_edit_by_two_references_on_jax_makes_xlas_images(tmp_path):
+    """FLUX.2 [klein] base (CFG on) edits by one reference and by two: each loop one call, the references' tokens
+    joined to the latents' at every step; within 2/255 of backend xla, nothing compiled after warmup."""
+    init, mask = _images(tmp_path)
+    common = {
+        "model": {"id": "tiny-flux2-klein"},
+        "prompts": [
+            {"prompt": "the square", "reference_images": [str(init)]},
+            {"prompt": "the square in the style of the mask", "reference_images": [str(init), str(mask)]},
+        ],
+        "steps": 3,
+        "guidance_scale": 4.0,
+        "batch_size": 1,
+    }
+    jax_dir, report = _run(tmp_path / "jax", "jax", **common)
+    _assert_whole_loops(report)
+    assert [w["shape_key"] for w in report["warmup"]] == ["64x64 b1 cfg edit 1 ref", "64x64 b1 cfg edit 2 refs"]
+    xla_dir, _ = _run(tmp_path / "xla", "xla", **common)
+    assert_same_images(jax_dir, xla_dir, COMPILED_VS_EAGER)
 
 
 @pytest.mark.xla

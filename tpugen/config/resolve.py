@@ -26,7 +26,7 @@ from tpugen.config.messages import format_error
 from tpugen.config.overrides import apply_overrides
 from tpugen.config.prompts import PromptSpec, planned_images, resolve_prompts, run_sizes
 from tpugen.config.request import cannot_edit_by_reference, references_too_small, too_many_references
-from tpugen.config.rules import JAX_NOT_YET, run_problems
+from tpugen.config.rules import jax_edit_refusal, run_problems
 from tpugen.config.schema import RunConfig
 from tpugen.config.yamlio import dump_yaml, read_yaml
 from tpugen.errors import InputError
@@ -236,8 +236,8 @@ def _reference_problems(
     server warming edits (serve.tasks, serve.reference_counts)."""
     problems = _serve_edit_problems(config, family, serving)
     for number, spec in enumerate(prompts):
-        if spec.references is not None and config.execution.backend == "jax":
-            return [*problems, f"prompts[{number}].reference_images: edits by reference {JAX_NOT_YET}"]
+        if spec.references is not None and config.execution.backend == "jax" and (why := jax_edit_refusal(family)):
+            return [*problems, f"prompts[{number}].reference_images: {why}"]
         if spec.references is None:
             refused = family.refusals()  # a prompt without references, init image or not, as a txt2img's
             if "txt2img" in refused:  # an edit-only family: every prompt edits by reference

@@ -29,19 +29,32 @@ def jax_problems(config: RunConfig, family: Family) -> list[str]:
     for key, tiled in (("tiling", config.tiling), ("serve.tiling", config.serve.tiling)):
         if tiled:
             problems.append(f"{key}: seamless tiling {JAX_NOT_YET}")
-    if family.txt2img_refusal or "edit" in config.serve.tasks:
-        problems.append(f"model.id: edits by reference ({family.title}) {JAX_NOT_YET}")
+    if "edit" in config.serve.tasks and (why := jax_edit_refusal(family)):
+        problems.append(f"serve.tasks: {why}")
     return problems
 
 
-def jax_image_problems(*, controls: bool, references: bool, tiling: bool) -> list[str]:
+def jax_edit_refusal(family: Family) -> str | None:
+    """Why this family's edits by reference cannot run on backend jax (None: they can, each loop one call, the
+    references' tokens joined to the latents' as on xla)."""
+    if not family.loop_edit_refusal:
+        return None
+    return (
+        f"edits by reference on execution.backend: jax: {family.title} models: {family.loop_edit_refusal}; "
+        "execution.backend: xla runs them"
+    )
+
+
+def jax_image_problems(family: Family, *, controls: bool, references: bool, tiling: bool) -> list[str]:
     """What one image of a request asks of backend jax that it does not run yet, one line each."""
     asked = {
         "ControlNet units": controls,
-        "edits by reference": references,
         "seamless tiling": tiling,
     }
-    return [f"{what} {JAX_NOT_YET}" for what, on in asked.items() if on]
+    problems = [f"{what} {JAX_NOT_YET}" for what, on in asked.items() if on]
+    if references and (why := jax_edit_refusal(family)):
+        problems.append(why)
+    return problems
 
 
 def run_problems(config: RunConfig, family: Family) -> list[str]:

@@ -189,6 +189,9 @@ class Family:
     # Reference images a prompt may give to edit by reference (a prompt's reference_images, the edit task: the
     # pipeline's `image` list, encoded once before the loop and joined to the latent's tokens): 0, none.
     max_references = 0
+    # Why an edit by reference cannot run as a whole loop as one call (backend jax; None: it can, the references'
+    # tokens joined to the latents' at every step, as the loop joins an inpainting UNet's mask).
+    loop_edit_refusal: str | None = None
     # Why a prompt without reference images cannot run (None: it can): an edit-only pipeline's.
     txt2img_refusal: str | None = None
     # Why a batch of more than one prompt cannot run (None: it can): a pipeline that takes one prompt a call.

@@ -312,6 +312,10 @@ class Flux2KleinKV(Flux2KleinDistilled):
     # compile.scan_blocks would run the blocks without the keys and values each keeps (the transformer's own loop
     # hands every block its layer's cache): not built.
     scan_attributes = {}
+    loop_edit_refusal = (
+        "Flux2KleinKVPipeline runs the references through the transformer at the first step alone and keeps their "
+        "attention keys and values in its processors for the later steps, which a whole loop does not carry yet"
+    )
     step_cache_refusal = (
         "diffusers 0.42's Flux2KleinKVPipeline calls its transformer outside a cache_context, which diffusers' step "
         "caches need"

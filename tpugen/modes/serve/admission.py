@@ -74,6 +74,7 @@ class Admission:
             image = images[0]
             problems.extend(
                 jax_image_problems(
+                    family,
                     controls=bool(image.controls),
                     references=bool(image.references),
                     tiling=image.tiling,
