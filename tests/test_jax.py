@@ -436,6 +436,63 @@ def test_a_hires_fix_on_jax_runs_both_loops_as_one_call_and_makes_xlas_images(mo
     assert_same_images(jax_dir, xla_dir, COMPILED_VS_EAGER)
 
 
+CONTROLS = Path(__file__).resolve().parent.parent / "configs" / "controls"
+
+
+def _controlled(model: str) -> dict:
+    """A config's ControlNet part for `model` on either backend: tiny-sd with two ControlNets (each unit with its
+    own scale and window; a txt2img, an img2img and an inpainting prompt, each with both units), tiny-flux with
+    one (a unit that sits out the last steps, and a prompt without one), tiny-qwen-image with one under true CFG
+    (a negative prompt: the conditional call's residuals go to both calls)."""
+    circle, square, triangle = (
+        str(CONTROLS / f"{n}.png") for n in ("circle-top-left", "square-centre", "triangle-left")
+    )
+    if model == "tiny-sd":
+        both = {"control_image": [circle, square], "control_scale": [1.0, 0.3]}
+        prompts = [
+            {
+                "prompt": "two units",
+                **both,
+                "control_scale": [0.8, 0.5],
+                "control_start": [0.0, 0.3],
+                "control_end": [0.5, 1.0],
+            },
+            {"prompt": "img2img", "init_image": triangle, "strength": 0.7, **both},
+            {"prompt": "inpaint", "init_image": triangle, "mask_image": square, "strength": 1.0, **both},
+        ]
+        return {
+            "model": {"id": model, "controlnets": [{"id": "tiny-sd-controlnet"}] * 2},
+            "prompts": prompts,
+            "steps": 4,
+        }
+    unit = {"prompt": "a circle", "control_image": circle, "control_scale": 0.8}
+    if model == "tiny-flux":
+        prompts = [{**unit, "control_end": 0.6}, "no unit"]
+        return {"model": {"id": model, "controlnets": [{"id": "tiny-flux-controlnet"}]}, "prompts": prompts, "steps": 3}
+    return {
+        "model": {"id": model, "controlnets": [{"id": "tiny-qwen-image-controlnet"}]},
+        "prompts": [unit],
+        "steps": 3,
+        "negative_prompt": "blurry",
+    }
+
+
+@pytest.mark.xla
+@JAX_PROCESS
+@pytest.mark.parametrize("model", ["tiny-sd", "tiny-flux", "tiny-qwen-image"])
+def test_controlnets_run_inside_the_whole_loop_and_make_xlas_images(model, tmp_path):
+    """ControlNets on jax: each called beside the denoiser inside the one loop call, its conditioning scale per
+    call from the units' scales and windows; the pipeline's own first ControlNet call (made before the loop is
+    handed over) computes nothing (one execution a batch beyond its reads). Within 2/255 of backend xla, nothing
+    compiled after warmup."""
+    common = {"batch_size": 1, "guidance_scale": 4.0, "negative_prompt": "", **_controlled(model)}
+    jax_dir, report = _run(tmp_path / "jax", "jax", **common)
+    _assert_whole_loops(report)
+    assert report["device"]["denoising_loop"]["one_call"] == 2 * len(common["prompts"])
+    xla_dir, _ = _run(tmp_path / "xla", "xla", **common)
+    assert_same_images(jax_dir, xla_dir, COMPILED_VS_EAGER)
+
+
 def test_plan_of_a_jax_config_says_how_its_loops_and_attention_run(tmp_path):
     config = write_config(tmp_path / "p.yaml", tiny_config(tmp_path, execution={"backend": "jax"}))
     result = run_cli("plan", config)
@@ -455,8 +512,9 @@ def test_plan_of_a_jax_config_says_how_its_loops_and_attention_run(tmp_path):
             "compile.step_cache: a step cache is not built on execution.backend: jax yet",
         ),
         (
-            {"model": {"controlnets": [{"id": "tiny-sd-controlnet"}]}},
-            "model.controlnets: ControlNet is not built on execution.backend: jax yet",
+            {"model": {"id": "tiny-z-image", "controlnets": [{"id": "tiny-z-image-controlnet"}]}},
+            "model.controlnets: ControlNet on execution.backend: jax: Z-Image models: ZImageControlNetPipeline lends "
+            "its ControlNet the transformer's embedders and refiners as it is made",
         ),
         (
             {"model": {"id": "tiny-flux2-klein-kv"}, "serve": {"tasks": ["txt2img", "edit"]}},
@@ -518,9 +576,10 @@ def test_a_flux2_klein_edit_by_two_references_on_jax_makes_xlas_images(tmp_path)
 @pytest.mark.xla
 @JAX_PROCESS
 def test_a_jax_server_answers_webuiapi_and_openai_warm_and_refuses_what_jax_lacks_with_a_422(tmp_path, cpu_run):
-    """A warm tiny-sd server on jax: webuiapi's txt2img and img2img and openai's images.generate answer with the
-    images eager PyTorch makes, 0 compiles after warmup; tiling and a ControlNet unit are each a 422
-    naming them, and the server goes on serving."""
+    """A warm tiny-sd server on jax with a ControlNet: webuiapi's txt2img and img2img and openai's images.generate
+    answer with the images eager PyTorch makes, webuiapi's ControlNet unit steers its image inside the whole loop,
+    0 compiles after warmup; tiling and a unit naming a ControlNet not loaded are each a 422 naming them, and the
+    server goes on serving."""
     import openai
     import webuiapi
     import yaml
@@ -529,6 +588,7 @@ def test_a_jax_server_answers_webuiapi_and_openai_warm_and_refuses_what_jax_lack
     path = serve_config(tmp_path, tasks=["txt2img", "img2img"], schedulers=["Euler a"], batch_window_ms=0)
     config = yaml.safe_load(path.read_text())
     config["execution"] = {"backend": "jax"}
+    config["model"]["controlnets"] = [{"id": "tiny-sd-controlnet"}]
     write_config(path, config)
     init, _ = _images(tmp_path)
     record = json.loads((cpu_run / "manifest.jsonl").read_text().splitlines()[0])
@@ -543,6 +603,14 @@ def test_a_jax_server_answers_webuiapi_and_openai_warm_and_refuses_what_jax_lack
         assert ancestral.info["sampler_name"] == "Euler a"
         edited = api.img2img(images=[Image.open(init)], prompt="a red square", denoising_strength=0.6, **_webui(BASE))
         assert edited.image.size == (64, 64)
+        unit = webuiapi.ControlNetUnit(image=Image.open(CONTROLS / "circle-top-left.png"), model="tiny-sd-controlnet")
+        # A fresh alwayson_scripts each call: webuiapi's txt2img keeps the units in its default mapping otherwise.
+        steered = api.txt2img(
+            prompt=record["prompt"], seed=record["seed"], controlnet_units=[unit], alwayson_scripts={}, **_webui(BASE)
+        )
+        plain = api.txt2img(prompt=record["prompt"], seed=record["seed"], alwayson_scripts={}, **_webui(BASE))
+        apart = np.abs(np.asarray(steered.image, dtype=int) - np.asarray(plain.image, dtype=int))
+        assert steered.image.size == (64, 64) and apart.mean() > 1, apart.mean()
         ai = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         assert len(ai.images.generate(prompt="a dog", n=2, size="64x64", response_format="b64_json").data) == 2
         with httpx_client(url, AUTH) as client:
@@ -551,8 +619,7 @@ def test_a_jax_server_answers_webuiapi_and_openai_warm_and_refuses_what_jax_lack
                 refused = client.post("/sdapi/v1/txt2img", json={**BASE, "prompt": "a cat", **extra})
                 assert refused.status_code == 422, (what, refused.text)
                 assert f"{what} is not built on execution.backend: jax yet" in " ".join(refused.json()["detail"])
-            # A ControlNet unit: a jax config loads no ControlNet (model.controlnets is refused), so the unit names one
-            # the server lacks.
+            # A ControlNet unit naming one the server has not loaded (this config loads none).
             unit = {"alwayson_scripts": {"controlnet": {"args": [{"image": _b64(init), "model": "anything"}]}}}
             refused = client.post("/sdapi/v1/txt2img", json={**BASE, "prompt": "a cat", **unit})
             assert refused.status_code == 422 and "is not loaded on this server" in refused.text

@@ -24,8 +24,11 @@ def jax_problems(config: RunConfig, family: Family) -> list[str]:
         problems.append(f"execution.offload: {execution.offload} {JAX_NOT_YET}")
     if config.compile.step_cache.method != "none":
         problems.append(f"compile.step_cache: a step cache {JAX_NOT_YET}")
-    if config.model.controlnets:
-        problems.append(f"model.controlnets: ControlNet {JAX_NOT_YET}")
+    if config.model.controlnets and family.controlnet is not None and family.controlnet.loop_refusal:
+        problems.append(
+            f"model.controlnets: ControlNet on execution.backend: jax: {family.title} models: "
+            f"{family.controlnet.loop_refusal}; execution.backend: xla runs them"
+        )
     for key, tiled in (("tiling", config.tiling), ("serve.tiling", config.serve.tiling)):
         if tiled:
             problems.append(f"{key}: seamless tiling {JAX_NOT_YET}")
@@ -45,13 +48,9 @@ def jax_edit_refusal(family: Family) -> str | None:
     )
 
 
-def jax_image_problems(family: Family, *, controls: bool, references: bool, tiling: bool) -> list[str]:
+def jax_image_problems(family: Family, *, references: bool, tiling: bool) -> list[str]:
     """What one image of a request asks of backend jax that it does not run yet, one line each."""
-    asked = {
-        "ControlNet units": controls,
-        "seamless tiling": tiling,
-    }
-    problems = [f"{what} {JAX_NOT_YET}" for what, on in asked.items() if on]
+    problems = [f"seamless tiling {JAX_NOT_YET}"] if tiling else []
     if references and (why := jax_edit_refusal(family)):
         problems.append(why)
     return problems

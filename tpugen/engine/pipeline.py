@@ -462,7 +462,7 @@ class LoadedPipeline:
             self._count_loop(self.step_by_step)
             return self._step_by_step(pipe, arguments)
         try:
-            with stopped_at_first_call(pipe, getattr(self.pipe, self.family.denoiser)):
+            with stopped_at_first_call(pipe, getattr(self.pipe, self.family.denoiser)), self.backend.shapes_beside():
                 pipe(**arguments)
             raise RunError(f"{type(pipe).__name__} returned without calling its {self.family.denoiser}")
         except FirstCall as call:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tpugen.engine.linear_schedule import DRAW_SLOTS, LinearSchedule, NotLinear, derive, noise_like
@@ -26,25 +27,38 @@ NOISING = ("add_noise", "scale_noise")  # how a scheduler noises an image: DDPM-
 
 
 class FirstCall(Exception):
-    """The pipeline reached its denoiser: the call's arguments and the pipeline's own variables at that point."""
+    """The pipeline reached its denoiser: the call's arguments and the pipeline's own variables at that point, and
+    the call it made of its ControlNet before (`control`: (args, kwargs, output), or None)."""
 
-    def __init__(self, args: tuple, kwargs: dict, variables: dict) -> None:
+    def __init__(self, args: tuple, kwargs: dict, variables: dict, control: tuple | None = None) -> None:
         super().__init__("the denoising loop was reached")
-        self.args, self.kwargs, self.variables = args, kwargs, variables
+        self.args, self.kwargs, self.variables, self.control = args, kwargs, variables, control
 
 
 @contextmanager
 def stopped_at_first_call(pipe, denoiser):
-    """Calling `pipe` raises FirstCall where it first calls `denoiser`."""
+    """Calling `pipe` raises FirstCall where it first calls `denoiser`, with the first call it made of its
+    `controlnet` (a ControlNet pipeline's, one or several) before that."""
+    import torch
+
+    control: list = []
 
     def hook(module, args, kwargs):
-        raise FirstCall(args, kwargs, _pipeline_variables(pipe))
+        raise FirstCall(args, kwargs, _pipeline_variables(pipe), control[0] if control else None)
 
-    handle = denoiser.register_forward_pre_hook(hook, with_kwargs=True)
+    def control_seen(module, args, kwargs, output):
+        if not control:
+            control.append((args, kwargs, output))
+
+    handles = [denoiser.register_forward_pre_hook(hook, with_kwargs=True)]
+    controlnet = getattr(pipe, "controlnet", None)
+    if isinstance(controlnet, torch.nn.Module):
+        handles.append(controlnet.register_forward_hook(control_seen, with_kwargs=True))
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def _pipeline_variables(pipe) -> dict:
@@ -55,6 +69,31 @@ def _pipeline_variables(pipe) -> dict:
             return dict(frame.f_locals)
         frame = frame.f_back
     return {}
+
+
+@dataclass(frozen=True)
+class ControlCall:
+    """How the pipeline calls its ControlNet (one, or several as diffusers' multi-ControlNet) before the denoiser at
+    each step, read off its first step: the latents the loop forms and the denoiser's timestep (where the
+    ControlNet takes them), each ControlNet's conditioning scale for the call (the unit's scale, or 0 outside its
+    start and end: numbers per call), and which of the denoiser's arguments take which of its outputs."""
+
+    sample: int | str
+    timestep: int | str
+    scales: int  # how many ControlNets (conditioning_scale a list of that many where the pipeline gave a list)
+    listed: bool
+    # (the denoiser's keyword, the index of the ControlNet's output it takes; None: the whole output)
+    outputs: tuple[tuple[str, int | None], ...]
+
+    def residuals(self, control, rows, timestep, per_call: dict, inputs: dict) -> dict:
+        """The denoiser's keyword arguments the ControlNet gives at this call."""
+        args, kwargs = list(inputs["control_args"]), dict(inputs["control_kwargs"])
+        _put(args, kwargs, self.sample, rows)
+        _put(args, kwargs, self.timestep, timestep)
+        scales = [per_call[f"control_scale_{n}"].to(rows.dtype) for n in range(self.scales)]
+        kwargs["conditioning_scale"] = scales if self.listed else scales[0]
+        out = control(*args, **kwargs)
+        return {name: out if index is None else out[index] for name, index in self.outputs}
 
 
 @dataclass(frozen=True)
@@ -76,22 +115,27 @@ class DenoiserLoop:
     appendix_dim: int | None
     blends: bool
     method: str = "forward"  # the denoiser's method each step calls
+    control: ControlCall | None = None  # the ControlNet's call before the denoiser's (None: no ControlNet)
 
     @property
     def key(self) -> tuple:
         return ("denoiser", *(getattr(self, name) for name in self.__dataclass_fields__))
 
-    def model_output(self, denoise, x, t, scale, guidance, inputs: dict):
+    def model_output(self, denoise, x, t, scale, guidance, inputs: dict, per_call: dict, control=None):
+        """The step's model output at the latents `x` and timestep `t`; `control` calls the pipeline's ControlNet
+        (traced beside the denoiser) where the body has one."""
         import torch
 
         rows = torch.cat([x, x]) if self.cfg == "batch" else x
         if self.scales_input:
             rows = rows * scale.to(rows.dtype)
         rows = rows.to(inputs["sample_dtype"])
-        if self.appendix_dim is not None:
-            rows = torch.cat([rows, inputs["appendix"]], dim=self.appendix_dim)
         timestep = self.timestep_of(t, rows.shape[0], inputs["timestep_dtype"])
         args, kwargs = list(inputs["args"]), dict(inputs["kwargs"])
+        if self.control is not None:  # the ControlNet takes the latents before an inpainting UNet's appendix
+            kwargs.update(self.control.residuals(control, rows, timestep, per_call, inputs))
+        if self.appendix_dim is not None:
+            rows = torch.cat([rows, inputs["appendix"]], dim=self.appendix_dim)
         _put(args, kwargs, self.sample, rows)
         _put(args, kwargs, self.timestep, timestep)
         out = self._trimmed(denoise(*args, **kwargs), x)
@@ -157,6 +201,7 @@ class LoopWork:
     inputs: dict
     per_call: dict = field(default_factory=dict)
     guidance: float = 1.0
+    control: Any | None = None  # the pipeline's ControlNet module (one, or diffusers' multi-ControlNet) the body calls
 
 
 class NoWholeLoop(Exception):
@@ -193,6 +238,8 @@ def loop_work(family, call: FirstCall, task: str, buckets) -> LoopWork:
     if custom is not None:
         if task == "inpaint":
             raise NoWholeLoop(f"{family.title}'s inpainting is not built into the whole loop")
+        if call.control is not None:
+            raise NoWholeLoop(f"a ControlNet is not built into {family.title}'s whole loop")
         body, inputs = custom
         schedule = schedule_of(pipe.scheduler, timesteps)
         noise = _drawn_noise(schedule, variables.get("generator"), latents, buckets)
@@ -225,8 +272,16 @@ def loop_work(family, call: FirstCall, task: str, buckets) -> LoopWork:
         blends=blends,
     )
     _check_first_call(body, sample, timestep, rows, schedule, appendix_dim)
+    control = None
+    if call.control is not None:
+        # CFG as a second call (Qwen-Image's true CFG): its pipeline hands the conditional call's residuals to both.
+        expected = rows.double() * schedule.input_scales[0] if spec.scales_input else rows.double()
+        formed = body.timestep_of(torch.tensor(schedule.timesteps[0]), rows.shape[0], timestep.dtype)
+        control, control_inputs, control_numbers = _control_call(family, call, variables, expected, formed, schedule)
+        body = replace(body, control=control)
     args = tuple(None if i == spec.sample or i == spec.timestep else a for i, a in enumerate(call.args))
-    kwargs = {k: v for k, v in call.kwargs.items() if k not in (spec.sample, spec.timestep)}
+    outputs = {name for name, _ in control.outputs} if control is not None else set()
+    kwargs = {k: v for k, v in call.kwargs.items() if k not in (spec.sample, spec.timestep, *outputs)}
     inputs = {
         "args": args,
         "kwargs": kwargs,
@@ -236,6 +291,9 @@ def loop_work(family, call: FirstCall, task: str, buckets) -> LoopWork:
         "appendix": appendix,
     }
     per_call = {}
+    if control is not None:
+        inputs.update(control_inputs)
+        per_call.update(control_numbers)
     if blends:
         mask = variables.get("mask")
         if cfg and isinstance(mask, torch.Tensor) and mask.shape[0] == 2 * latents.shape[0]:
@@ -244,7 +302,7 @@ def loop_work(family, call: FirstCall, task: str, buckets) -> LoopWork:
         if not all(isinstance(v, torch.Tensor) for v in (mask, image_latents, noise)):
             raise NoWholeLoop("the inpainting pipeline's loop did not show its mask, image latents and noise")
         inputs.update(mask=mask, image_latents=image_latents, noise=noise)
-        per_call = {"image_level": schedule.image_levels, "noise_level": schedule.noise_levels}
+        per_call.update(image_level=schedule.image_levels, noise_level=schedule.noise_levels)
     noise = _drawn_noise(schedule, variables.get("generator"), latents, buckets)
     return LoopWork(
         latents=latents,
@@ -254,7 +312,72 @@ def loop_work(family, call: FirstCall, task: str, buckets) -> LoopWork:
         inputs=inputs,
         per_call=per_call,
         guidance=guidance,
+        control=variables["self"].controlnet if control is not None else None,
     )
+
+
+def _control_call(family, call: FirstCall, variables: dict, expected, formed, schedule: LinearSchedule):
+    """The ControlCall, its inputs and its per-call scales from the ControlNet's first call (`call.control`),
+    checked against what the loop forms: its latents (`expected`, before any inpainting appendix), its timestep
+    (the denoiser's, `formed`), its conditioning scale (the pipeline's scale times controlnet_keep, per call),
+    and its outputs handed to the denoiser as they are. Raises NoWholeLoop naming what differs."""
+    import torch
+
+    args, kwargs, output = call.control
+    parts = family.controlnet
+    where_sample, where_timestep = parts.loop_sample, parts.loop_timestep
+    sample, timestep = _take(args, kwargs, where_sample), _take(args, kwargs, where_timestep)
+    if not isinstance(sample, torch.Tensor) or not isinstance(timestep, torch.Tensor):
+        raise NoWholeLoop(f"{family.title}'s ControlNet was not called as tpugen's loop for it expects")
+    scale = max(1.0, float(expected.abs().max()))
+    if sample.shape != expected.shape or float((sample.double() - expected).abs().max()) > 1e-4 * scale:
+        raise NoWholeLoop("the ControlNet's first input is not the latents as tpugen's loop forms them")
+    if formed.shape != timestep.shape or not torch.allclose(formed.double(), timestep.double(), rtol=1e-5, atol=1e-6):
+        raise NoWholeLoop("the ControlNet's first timestep is not the denoiser's")
+    keep, scales = variables.get("controlnet_keep"), variables.get("controlnet_conditioning_scale")
+    if not isinstance(keep, list) or len(keep) < schedule.calls or scales is None:
+        raise NoWholeLoop("the ControlNet pipeline's loop did not show its controlnet_keep for every call")
+    per_call = [_scales_at(keep[j], scales) for j in range(schedule.calls)]
+    given = kwargs.get("conditioning_scale")
+    listed = isinstance(given, (list, tuple))
+    first = [float(s) for s in (given if listed else [given])]
+    if len(first) != len(per_call[0]) or not all(
+        math.isclose(a, b, abs_tol=1e-7) for a, b in zip(first, per_call[0], strict=True)
+    ):
+        raise NoWholeLoop("the ControlNet's first conditioning scale is not the pipeline's scale times its keep")
+    found = {}
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    for name, value in call.kwargs.items():
+        if value is output:  # the whole answer (Qwen-Image's ControlNet answers its blocks' samples as a tuple)
+            found[name] = None
+        for index, out in enumerate(outputs):
+            if out is not None and value is out:
+                found[name] = index
+    if None not in found.values() and len(found) != sum(out is not None for out in outputs):
+        raise NoWholeLoop("the ControlNet's outputs do not reach the denoiser as they are (guess mode)")
+    control = ControlCall(
+        sample=where_sample,
+        timestep=where_timestep,
+        scales=len(per_call[0]),
+        listed=listed,
+        outputs=tuple(sorted(found.items(), key=lambda item: item[0])),
+    )
+    taken = (where_sample, where_timestep, "conditioning_scale")
+    inputs = {
+        "control_args": tuple(None if i in taken else a for i, a in enumerate(args)),
+        "control_kwargs": {k: v for k, v in kwargs.items() if k not in taken},
+    }
+    numbers = {f"control_scale_{n}": tuple(call_scales[n] for call_scales in per_call) for n in range(control.scales)}
+    return control, inputs, numbers
+
+
+def _scales_at(keep, scales) -> list[float]:
+    """Each ControlNet's conditioning scale at one call, as diffusers' ControlNet pipelines form it: the scale times
+    the step's keep (0 outside a unit's start and end); one ControlNet's scale given as a list is its first."""
+    if isinstance(keep, list):
+        return [float(c) * float(s) for c, s in zip(scales, keep, strict=False)]
+    scale = scales[0] if isinstance(scales, (list, tuple)) else scales
+    return [float(scale) * float(keep)]
 
 
 def _variable(variables: dict, pipe, name: str, default):

@@ -26,6 +26,12 @@ class ControlNets:
     samples_control_first: bool = False
     # The method of this family's ControlNets that compile.trace_once traces (one that takes only tensors).
     traced_method: str = "forward"
+    # Where the family's ControlNet pipelines hand the ControlNet the latents and the timestep at each step (a
+    # position or a keyword), for a whole loop as one call (backend jax; checked at its first step).
+    loop_sample: int | str = 0
+    loop_timestep: int | str = 1
+    # Why the family's ControlNets cannot run inside a whole loop as one call (backend jax; None: they can).
+    loop_refusal: str | None = None
     # Why a controlled prompt cannot start from an image without a mask, and why it cannot inpaint (None: it can,
     # through the family's ControlNet img2img and inpainting pipelines).
     img2img_refusal: str | None = None
@@ -86,6 +92,8 @@ class TransformerControlNets(ControlNets):
     """A DiT family's ControlNets (Flux.1's and Qwen-Image's): transformer blocks beside the denoiser's."""
 
     patch: int = 2  # latent pixels per token side of the ControlNet's patches
+    loop_sample: int | str = "hidden_states"
+    loop_timestep: int | str = "timestep"
 
     def residuals(self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int) -> int | None:
         """A transformer ControlNet's hints: one per block of it, over the image's patches at its inner width."""

@@ -4,6 +4,8 @@ which a later process reads back (on a TPU too, where torch_xla 2.9 cannot)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from tpugen.backends.base import JAX_PLAIN, Counters, OneDeviceBackend, flash_attention_off
 from tpugen.backends.jax.runtime import process_runtime
 
@@ -56,6 +58,7 @@ class JaxBackend(OneDeviceBackend):
         self.cache = {"enabled": directory is not None, "dir": directory, "whole_programs": whole, "note": note}
         self.device = torch.device("cpu")  # where the pipeline's own (glue) tensors live
         self.modules: dict = {}  # component -> JaxModule
+        self.beside: dict = {}  # id of a module run beside the denoiser (a ControlNet) -> its JaxModule
         self._loops = None
         self._decoders: dict = {}
         self._pending = None  # the last array handed to the device, for wait()
@@ -85,7 +88,7 @@ class JaxBackend(OneDeviceBackend):
                 for module in self.modules.values()
                 for array in module.weights.values()
             )
-        self._loops = LoopPrograms(self.runtime, self.modules[family.denoiser], self.mesh)
+        self._loops = LoopPrograms(self.runtime, self.modules[family.denoiser], self.mesh, self.beside)
         self._family, self._pipe = family, pipe
 
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
@@ -101,6 +104,37 @@ class JaxBackend(OneDeviceBackend):
                 method = "forward"
             if callable(getattr(jax_module.module, method, None)):
                 jax_module.patch(method, hooks)
+
+    def trace_beside(self, module, name: str, hooks, method: str = "forward") -> None:
+        """A ControlNet: its weights on the device (copied on every device of a mesh), called inside each whole
+        loop beside the denoiser; a call from diffusers' glue (a loop run a step at a time) goes to JAX too."""
+        from tpugen.backends.jax.modules import JaxModule
+
+        layout = None
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            copied = NamedSharding(self.mesh, PartitionSpec())
+            layout = lambda weight: copied  # noqa: E731
+        self.placing = name
+        beside = JaxModule(self.runtime, module, name, layout)
+        self.placing = None
+        beside.patch("forward", hooks)
+        self.beside[id(module)] = beside
+        hooks.add(f"{name} weights on JAX", lambda: self.beside.pop(id(module), None))
+
+    @contextmanager
+    def shapes_beside(self):
+        """Inside: the modules beside the denoiser (ControlNets) answer diffusers' glue with zeros of their outputs'
+        shapes and compute nothing: the pipeline's call up to its denoiser's first call, after which the whole loop
+        calls them itself at every step (the first's answer is only read for which argument takes what)."""
+        for module in self.beside.values():
+            module.shapes_only = True
+        try:
+            yield
+        finally:
+            for module in self.beside.values():
+                module.shapes_only = False
 
     def _layouts(self, pipe, family):
         """layout(component) -> (weight name -> its sharding): None on one device; on a mesh, copied on every
@@ -255,7 +289,7 @@ class JaxBackend(OneDeviceBackend):
                 "whole_programs_read_back": tally.stored_loads if self.cache["whole_programs"] else None,
                 "whole_programs_unreadable": tally.load_failures if self.cache["whole_programs"] else None,
             },
-            "weights_on_device_bytes": sum(m.bytes for m in self.modules.values()),
+            "weights_on_device_bytes": sum(m.bytes for m in [*self.modules.values(), *self.beside.values()]),
             "counters_scope": "JAX's own compile and persistent-cache events, the whole programs tpugen read from its "
             "store (counted as cache hits), tpugen's calls and reads of its JAX programs; process-wide"
             + (

@@ -23,9 +23,11 @@ def noise_bucket(calls: int) -> int:
 class LoopPrograms:
     """The loop programs of one denoiser, one per body, input layout and noise bucket (JAX adds one per shape)."""
 
-    def __init__(self, runtime, denoiser, mesh=None) -> None:
+    def __init__(self, runtime, denoiser, mesh=None, beside: dict | None = None) -> None:
         self.runtime = runtime
         self.denoiser = denoiser  # tpugen.backends.jax.modules.JaxModule
+        # The modules that run beside the denoiser (ControlNets), by the torch module's id: their JaxModules.
+        self.beside = beside if beside is not None else {}
         # A data-parallel mesh (execution.mode: multi): each call's rows split over its devices, the latents and
         # the noise by their batch axis (the rest of the inputs follow: XLA's partitioner splits the program).
         self.rows = self.noise_rows = None
@@ -57,10 +59,14 @@ class LoopPrograms:
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         fixed = tuple(None if i in positions else leaf for i, leaf in enumerate(leaves))
         numbers = sorted(work.per_call)
-        key = (work.body.key, spec, _hashable(fixed), tuple(numbers), draws)
+        beside = self._beside(work.control)
+        control_key = (type(work.control).__name__, tuple(m.label for m in beside)) if beside else None
+        key = (work.body.key, spec, _hashable(fixed), tuple(numbers), draws, control_key)
         with self._lock:
             if key not in self._programs:
-                self._programs[key] = self._program(work.body, spec, fixed, positions, numbers, draws)
+                self._programs[key] = self._program(
+                    work.body, spec, fixed, positions, numbers, draws, work.control, beside
+                )
         program = self._programs[key]
 
         table = self._table(schedule, draws, tuple((name, tuple(work.per_call[name])) for name in numbers))
@@ -75,9 +81,20 @@ class LoopPrograms:
             noise,
             calls,
             np.float32(work.guidance),
+            [module.weights for module in beside],
         )
         self.runtime.executed()
         return latents
+
+    def _beside(self, control) -> list:
+        """The JaxModules of the ControlNets `control` (one, or diffusers' multi-ControlNet of several) calls."""
+        if control is None:
+            return []
+        nets = list(getattr(control, "nets", [control]))
+        missing = [net for net in nets if id(net) not in self.beside]
+        if missing:
+            raise ValueError(f"a ControlNet of the loop ({type(missing[0]).__name__}) is not on the device")
+        return [self.beside[id(net)] for net in nets]
 
     def _table(self, schedule, draws: int, numbers: tuple):
         """The schedule as one device array, a row per call (kept for the schedules used lately: a batch of a
@@ -103,14 +120,18 @@ class LoopPrograms:
             self._tables[key] = on_device
         return on_device
 
-    def _program(self, body, spec, fixed: tuple, positions: list[int], numbers: list[str], draws: int):
+    def _program(
+        self, body, spec, fixed: tuple, positions: list[int], numbers: list[str], draws: int, control, beside: list
+    ):
+        import contextlib
+
         jax = self.runtime.jax
         jnp = jax.numpy
         env = self.runtime.env
         denoiser, method = self.denoiser, body.method
         extra = 2 + 2 * WINDOW + draws
 
-        def program(weights, latents, arrays, table, noise, calls, guidance):
+        def program(weights, latents, arrays, table, noise, calls, guidance, beside_weights):
             from torch.utils import _pytree as pytree
 
             leaves = list(fixed)
@@ -121,13 +142,27 @@ class LoopPrograms:
             def denoise(*args, **kwargs):
                 return denoiser.traced(weights, method, *args, **kwargs)
 
+            def controlled(*args, **kwargs):
+                with contextlib.ExitStack() as stack:
+                    for module, module_weights in zip(beside, beside_weights, strict=True):
+                        stack.enter_context(module.as_traced(module_weights))
+                    return control(*args, **kwargs)
+
             def step(j, state):
                 samples, outputs = state
                 row = table[j]
                 x = samples[0]
+                per_call = {name: row[extra + n] for n, name in enumerate(numbers)}
                 with env:
                     out = body.model_output(
-                        denoise, env.j2t_iso(x), env.j2t_iso(row[0]), env.j2t_iso(row[1]), env.j2t_iso(guidance), inputs
+                        denoise,
+                        env.j2t_iso(x),
+                        env.j2t_iso(row[0]),
+                        env.j2t_iso(row[1]),
+                        env.j2t_iso(guidance),
+                        inputs,
+                        env.j2t_iso(per_call),
+                        controlled if beside else None,
                     )
                 m = env.t2j_iso(out).astype(jnp.float32)
                 new = jnp.zeros(x.shape, jnp.float32)
@@ -139,8 +174,7 @@ class LoopPrograms:
                 for d in range(draws):
                     new = new + row[2 + 2 * WINDOW + d] * noise[j, d].astype(jnp.float32)
                 new = new.astype(x.dtype)
-                if numbers:
-                    per_call = {name: row[extra + n] for n, name in enumerate(numbers)}
+                if body.blends:
                     with env:
                         new = env.t2j_iso(body.after_update(env.j2t_iso(new), env.j2t_iso(per_call), inputs))
                 samples = jnp.concatenate([new[None], samples[:-1]])
@@ -165,6 +199,8 @@ class LoopPrograms:
                 WINDOW,
                 denoiser.label,
                 denoiser.description(),
+                type(control).__name__ if beside else None,
+                tuple((module.label, module.description()) for module in beside),
             )
 
         return self.runtime.store.program(program, identity)

@@ -26,6 +26,18 @@ def host_array(tensor):
     return array
 
 
+def _host_dtype(tensor):
+    """The dtype `host_array` gives a host torch tensor (without converting it)."""
+    import ml_dtypes
+    import numpy as np
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        return ml_dtypes.bfloat16
+    dtype = torch.empty((), dtype=tensor.dtype).numpy().dtype
+    return {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.float32)}.get(dtype, dtype)
+
+
 def to_jax(tensor, sharding=None):
     """A host torch tensor as a JAX array: a transfer, never a compile. On the default device, or laid out by
     `sharding` (a jax.sharding.Sharding: copies on every device of a mesh, or split over them)."""
@@ -78,6 +90,8 @@ class JaxModule:
         self._jitted: dict = {}
         self._lock = threading.Lock()
         self._patched: dict[str, Callable | None] = {}  # method -> what the module had on itself before
+        # While set, `call` computes nothing: it answers with zeros of its outputs' shapes (found by tracing).
+        self.shapes_only = False
 
     def patch(self, method: str, hooks) -> None:
         """Calls of `module.method` from host code (diffusers' glue) go to JAX (`call`), as the named hook
@@ -103,18 +117,29 @@ class JaxModule:
 
     @contextmanager
     def _own_methods(self):
-        """The module's own methods while it is traced (a patched one would call back to the host)."""
+        """The module's own methods while it is traced (a patched one would call back to the host), without the
+        hooks on its own calls (which tend to diffusers' glue on the host: a family's timesteps moved to the
+        device at the door, where a trace's are there already)."""
+        from collections import OrderedDict
+
+        module = self.module
         taken = {}
         for name, previous in self._patched.items():
-            taken[name] = self.module.__dict__.pop(name, None)
+            taken[name] = module.__dict__.pop(name, None)
             if previous is not None:
-                self.module.__dict__[name] = previous
+                module.__dict__[name] = previous
+        hooks = ("_forward_pre_hooks", "_forward_hooks")
+        held = {name: getattr(module, name) for name in hooks}
+        for name in hooks:
+            setattr(module, name, OrderedDict())
         try:
             yield
         finally:
+            for name, value in held.items():
+                setattr(module, name, value)
             for name, patched in taken.items():
                 if patched is not None:
-                    self.module.__dict__[name] = patched
+                    module.__dict__[name] = patched
 
     def description(self) -> tuple:
         """What a trace of the module reads besides its weights (tpugen.backends.jax.store), as it is now."""
@@ -148,6 +173,14 @@ class JaxModule:
         """`module.method(*args, **kwargs)` (`method` a name, or a function of the module's own code that reads the
         module) with `weights` (JAX arrays, tracers inside a jitted function) as the module's parameters; the
         arguments are torchax tensors. Call it inside the torchax environment."""
+        with self.as_traced(weights):
+            run = getattr(self.module, method) if isinstance(method, str) else method
+            return run(*args, **kwargs)
+
+    @contextmanager
+    def as_traced(self, weights: dict):
+        """Inside: the module's own methods, with `weights` as its parameters (what `traced` calls in; also for a
+        module another calls, as diffusers' multi-ControlNet calls each of its ControlNets)."""
         from torch.nn.utils import stateless
 
         env = self.runtime.env
@@ -155,8 +188,7 @@ class JaxModule:
         kept = _tensor_attributes(self.module)
         try:
             with self._own_methods(), stateless._reparametrize_module(self.module, state, tie_weights=False):
-                run = getattr(self.module, method) if isinstance(method, str) else method
-                return run(*args, **kwargs)
+                yield
         finally:
             _put_back(kept)
 
@@ -164,6 +196,7 @@ class JaxModule:
         """`module.method(*args, **kwargs)` from host torch tensors, computed by JAX on the device, its tensors
         read back to the host: a jitted program per signature (which arguments are tensors, and every other
         argument's value), JAX's own cache per shape."""
+        import numpy as np
         import torch
         from torch.utils import _pytree as pytree
 
@@ -175,6 +208,12 @@ class JaxModule:
             if key not in self._jitted:
                 self._jitted[key] = self._program(method, spec, fixed, positions)
         program, output = self._jitted[key]
+        if self.shapes_only:
+            import jax
+
+            structs = [jax.ShapeDtypeStruct(tuple(leaves[i].shape), _host_dtype(leaves[i])) for i in positions]
+            shapes = program.eval_shape(self.weights, structs)
+            return output.rebuild(to_torch([np.zeros(x.shape, x.dtype) for x in shapes]))
         arrays = program(self.weights, [to_jax(leaves[i]) for i in positions])
         self.runtime.executed()
         host = to_torch(arrays)

@@ -303,7 +303,7 @@ def _rope_on_host(compute):
             else compute(frame, height, width, idx, None)
         )
         table = table.to(device) if device is not None else table
-        if "jax" not in (str(table.device), str(device)):  # inside a JAX trace it is that program's alone
+        if not any("jax" in str(where) for where in (table.device, device)):  # inside a JAX trace: that program's
             tables[key] = table
         return table
 

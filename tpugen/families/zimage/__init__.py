@@ -116,6 +116,10 @@ class ZImage(TransformerFamily):
         image_argument="control_image",
         # Its ControlNet's traced part takes only tensors, as the transformer's does (static.DEVICE_FORWARD).
         traced_method="tpugen_device_forward",
+        loop_refusal=(
+            "ZImageControlNetPipeline lends its ControlNet the transformer's embedders and refiners as it is made, "
+            "and Z-Image's whole loop (its fixed-length device part) does not call a ControlNet yet"
+        ),
         img2img_refusal=(
             "diffusers 0.42 has no ControlNet img2img pipeline for Z-Image; a controlled prompt starts from noise, or "
             "inpaints with a mask_image"

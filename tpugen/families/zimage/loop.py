@@ -25,7 +25,7 @@ class ZImageLoop:
     def key(self) -> tuple:
         return ("zimage", self.cfg, self.patch_size, self.frame_patch_size)
 
-    def model_output(self, denoise, x, t, scale, guidance, inputs: dict):
+    def model_output(self, denoise, x, t, scale, guidance, inputs: dict, per_call: dict, control=None):
         import torch
 
         rows = x.shape[0]

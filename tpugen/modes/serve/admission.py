@@ -75,7 +75,6 @@ class Admission:
             problems.extend(
                 jax_image_problems(
                     family,
-                    controls=bool(image.controls),
                     references=bool(image.references),
                     tiling=image.tiling,
                 )
