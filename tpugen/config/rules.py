@@ -22,8 +22,12 @@ def jax_problems(config: RunConfig, family: Family) -> list[str]:
     problems = []
     if execution.offload != "none":
         problems.append(f"execution.offload: {execution.offload} {JAX_NOT_YET}")
-    if config.compile.step_cache.method != "none":
-        problems.append(f"compile.step_cache: a step cache {JAX_NOT_YET}")
+    if config.compile.step_cache.method == "pyramid_attention_broadcast":
+        problems.append(
+            "compile.step_cache.method: pyramid_attention_broadcast on execution.backend: jax: its hooks read the "
+            "pipeline's current timestep at every call, which the whole loop (one call) does not set; taylorseer and "
+            "magcache run there, or execution.backend: xla runs it"
+        )
     if config.model.controlnets and family.controlnet is not None and family.controlnet.loop_refusal:
         problems.append(
             f"model.controlnets: ControlNet on execution.backend: jax: {family.title} models: "

@@ -128,6 +128,9 @@ class Engine:
         # (shape key, scheduler) -> the most steps it was warmed at: under a step cache, which kinds of step
         # (graphs of their own) are compiled; without one, steps compile nothing and this is not read.
         self._warm_steps: dict[tuple[str, str], int] = {}
+        # (shape key, scheduler) -> every step count it was warmed at: what a backend that runs whole loops compiled
+        # under a step cache, where each count is a loop program of its own (`per_step_count`).
+        self._warm_counts: dict[tuple[str, str], set[int]] = {}
         # One batch at a time on the device: a server's device loop and a run on the same engine take turns.
         self.lock = threading.RLock()
         self._weights = weights  # tpugen.engine.loras.LoraWeights; None for a pipeline without a LoRA loader
@@ -451,16 +454,25 @@ class Engine:
         trace = self.backend.trace_once
         return trace is not None and trace.on
 
+    @property
+    def per_step_count(self) -> bool:
+        """Whether each step count is a program of its own: a step cache on a backend that runs whole loops, which
+        traces the loop call by call (its hooks decide at each call which blocks run)."""
+        return self.spec.compile.step_cache.method != "none" and getattr(self.backend, "whole_loop", False)
+
     def _warm_keys(self, plan: RunPlan, display: Display, checkpoint: Checkpoint, scheduler: str | None) -> list[dict]:
         first_batch: dict = {}
         cache = self.spec.compile.step_cache
         counts: dict = {}
         for batch in plan.batches:
+            if self.per_step_count:  # a warmup call for each shape key and step count
+                first_batch.setdefault((batch.shape, batch.steps), batch)
+                continue
             known = first_batch.setdefault(batch.shape, batch)
             counts.setdefault(batch.shape, set()).add(batch.steps)
             if cache.method != "none" and batch.steps > known.steps:
                 first_batch[batch.shape] = batch
-        if cache.method != "none":
+        if cache.method != "none" and not self.per_step_count:
             # A step cache's kinds of step are graphs of their own: each shape key's warmup call runs the steps
             # that compile every kind its batches use (under TaylorSeer, those of its batch with the most steps).
             for shape, batch in first_batch.items():
@@ -469,7 +481,8 @@ class Engine:
                     first_batch[shape] = replace(batch, items=tuple(replace(i, steps=steps) for i in batch.items))
         choice = find_scheduler(scheduler).name if scheduler else self.loaded.default_scheduler
         results = []
-        for shape, batch in first_batch.items():
+        for batch in first_batch.values():
+            shape = batch.shape
             key = (str(shape), choice)
             if self.is_warm(shape, scheduler, batch.steps) and key not in self._warmed_stale:
                 results.append(WarmupEntry.warm_already(shape).as_dict())
@@ -493,6 +506,7 @@ class Engine:
             self.warm[key] = entry
             self._warmed_stale.discard(key)
             self._warm_steps[key] = max(warmed_steps, batch.steps)
+            self._warm_counts.setdefault(key, set()).add(batch.steps)
             results.append(entry)
         return results
 
@@ -633,7 +647,11 @@ class Engine:
         if key not in self.warm:
             return False
         cache = self.spec.compile.step_cache
-        return steps is None or cache.method == "none" or covers(cache, self._warm_steps.get(key, 0), steps)
+        if steps is None or cache.method == "none":
+            return True
+        if self.per_step_count:
+            return steps in self._warm_counts.get(key, ())
+        return covers(cache, self._warm_steps.get(key, 0), steps)
 
     def warm_steps(self, shape, scheduler: str | None = None) -> int | None:
         """The most steps this shape key and scheduler were warmed at (None: not warm)."""

@@ -186,10 +186,13 @@ def covers(config: StepCacheConfig, warmed_steps: int, steps: int) -> bool:
     return set(step_graphs(config, steps)) <= set(step_graphs(config, warmed_steps))
 
 
-def warm_steps(config: StepCacheConfig, steps: int, most: int = MAX_STEPS) -> int:
+def warm_steps(config: StepCacheConfig, steps: int, most: int = MAX_STEPS, *, per_count: bool = False) -> int:
     """The steps a server's warmup call runs so that a request of any step count up to `most` compiles nothing:
     `steps`, or more where a cache's step graphs appear only later (TaylorSeer at interval 3 from step 2: all 5
-    by 6 steps; MagCache, whose two kinds of step any count with a skipped step compiles: the first such)."""
+    by 6 steps; MagCache, whose two kinds of step any count with a skipped step compiles: the first such).
+    `per_count`: each step count is a program of its own (a whole loop traced call by call): `steps`."""
+    if per_count:
+        return steps
     if config.method == "taylorseer":
         graphs = step_graphs(config, most)  # the schedule of fewer steps is a prefix of that of more
         first_seen = {graph: index for index, graph in reversed(list(enumerate(graphs)))}

@@ -202,6 +202,9 @@ class LoopWork:
     per_call: dict = field(default_factory=dict)
     guidance: float = 1.0
     control: Any | None = None  # the pipeline's ControlNet module (one, or diffusers' multi-ControlNet) the body calls
+    # Whether diffusers' step-cache hooks are on the denoiser (compile.step_cache): which of its blocks run at a
+    # call depends on the call's index, so the loop is traced call by call (its calls fixed in the program).
+    step_cache: bool = False
 
 
 class NoWholeLoop(Exception):
@@ -236,6 +239,8 @@ def loop_work(family, call: FirstCall, task: str, buckets) -> LoopWork:
     except ValueError as exc:
         raise NoWholeLoop(str(exc)) from None
     if custom is not None:
+        if getattr(getattr(pipe, family.denoiser, None), "is_cache_enabled", False):
+            raise NoWholeLoop(f"a step cache is not built into {family.title}'s whole loop")
         if task == "inpaint":
             raise NoWholeLoop(f"{family.title}'s inpainting is not built into the whole loop")
         if call.control is not None:
@@ -313,6 +318,7 @@ def loop_work(family, call: FirstCall, task: str, buckets) -> LoopWork:
         per_call=per_call,
         guidance=guidance,
         control=variables["self"].controlnet if control is not None else None,
+        step_cache=bool(getattr(getattr(pipe, family.denoiser, None), "is_cache_enabled", False)),
     )
 
 

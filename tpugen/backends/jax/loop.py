@@ -9,6 +9,9 @@ import threading
 # Calls one loop program holds: MAX_STEPS (1000) steps of a sampler that calls the model twice a step (Heun).
 CAPACITY = 2048
 WINDOW = 4  # the latents and model outputs an update may read (the schedule's windows are at most this)
+# The names diffusers' pipelines give their denoiser's calls of a step (the conditional one, then CFG's second),
+# under which its step-cache hooks keep their state.
+CACHE_CONTEXTS = ("cond", "uncond")
 
 
 def noise_bucket(calls: int) -> int:
@@ -61,11 +64,13 @@ class LoopPrograms:
         numbers = sorted(work.per_call)
         beside = self._beside(work.control)
         control_key = (type(work.control).__name__, tuple(m.label for m in beside)) if beside else None
-        key = (work.body.key, spec, _hashable(fixed), tuple(numbers), draws, control_key)
+        # Under a step cache the loop is traced call by call, its calls fixed in the program (a program per count).
+        unrolled = schedule.calls if work.step_cache else None
+        key = (work.body.key, spec, _hashable(fixed), tuple(numbers), draws, control_key, unrolled)
         with self._lock:
             if key not in self._programs:
                 self._programs[key] = self._program(
-                    work.body, spec, fixed, positions, numbers, draws, work.control, beside
+                    work.body, spec, fixed, positions, numbers, draws, work.control, beside, unrolled
                 )
         program = self._programs[key]
 
@@ -121,7 +126,16 @@ class LoopPrograms:
         return on_device
 
     def _program(
-        self, body, spec, fixed: tuple, positions: list[int], numbers: list[str], draws: int, control, beside: list
+        self,
+        body,
+        spec,
+        fixed: tuple,
+        positions: list[int],
+        numbers: list[str],
+        draws: int,
+        control,
+        beside: list,
+        unrolled: int | None = None,
     ):
         import contextlib
 
@@ -129,7 +143,9 @@ class LoopPrograms:
         jnp = jax.numpy
         env = self.runtime.env
         denoiser, method = self.denoiser, body.method
+        own = denoiser.module  # the torch module, whose step-cache hooks run as it is traced
         extra = 2 + 2 * WINDOW + draws
+        step_calls = [0]  # the denoiser's calls in the step being traced (a step cache's context: cond, uncond)
 
         def program(weights, latents, arrays, table, noise, calls, guidance, beside_weights):
             from torch.utils import _pytree as pytree
@@ -140,7 +156,13 @@ class LoopPrograms:
             inputs = pytree.tree_unflatten(leaves, spec)
 
             def denoise(*args, **kwargs):
-                return denoiser.traced(weights, method, *args, **kwargs)
+                if unrolled is None:
+                    return denoiser.traced(weights, method, *args, **kwargs)
+                # The step cache's hooks keep a state per context, as the pipeline names its calls of a step.
+                context = CACHE_CONTEXTS[min(step_calls[0], len(CACHE_CONTEXTS) - 1)]
+                step_calls[0] += 1
+                with own.cache_context(context):
+                    return denoiser.traced(weights, method, *args, **kwargs)
 
             def controlled(*args, **kwargs):
                 with contextlib.ExitStack() as stack:
@@ -149,6 +171,7 @@ class LoopPrograms:
                     return control(*args, **kwargs)
 
             def step(j, state):
+                step_calls[0] = 0
                 samples, outputs = state
                 row = table[j]
                 x = samples[0]
@@ -183,8 +206,20 @@ class LoopPrograms:
 
             samples = jnp.zeros((WINDOW, *latents.shape), latents.dtype).at[0].set(latents)
             outputs = jnp.zeros((WINDOW - 1, *latents.shape), jnp.float32)
-            samples, _ = jax.lax.fori_loop(0, calls, step, (samples, outputs))
-            return samples[0]
+            if unrolled is None:
+                samples, _ = jax.lax.fori_loop(0, calls, step, (samples, outputs))
+                return samples[0]
+            # The step cache's hooks decide at each call, on the host, from the call's index, which blocks run and
+            # which are predicted: traced call by call from a fresh state, which is forgotten again after (it holds
+            # this trace's values).
+            own._reset_stateful_cache()
+            try:
+                state = (samples, outputs)
+                for j in range(unrolled):
+                    state = step(j, state)
+                return state[0][0]
+            finally:
+                own._reset_stateful_cache()
 
         program.__name__ = f"{body.key[0]}_loop".replace(" ", "_")
 
@@ -201,6 +236,8 @@ class LoopPrograms:
                 denoiser.description(),
                 type(control).__name__ if beside else None,
                 tuple((module.label, module.description()) for module in beside),
+                unrolled,
+                repr(getattr(own, "_cache_config", None)) if unrolled is not None else None,
             )
 
         return self.runtime.store.program(program, identity)

@@ -151,6 +151,11 @@ class Admission:
             what = "tiling is not warm (serve.tiling: false)"
         elif work.clip_skip != warm.run.config.clip_skip:
             what = f"clip skip {work.clip_skip} is not warm (clip_skip: {warm.run.config.clip_skip})"
+        elif engine.is_warm(shape, work.scheduler) and engine.per_step_count:
+            what = (
+                f"{work.steps} steps are not warm (under compile.step_cache each step count is a loop program of its "
+                f"own on backend jax; warm at {warm.run.config.steps})"
+            )
         elif engine.is_warm(shape, work.scheduler):
             warmed = engine.warm_steps(shape, work.scheduler)
             what = f"{work.steps} steps need step graphs (compile.step_cache) not compiled at {warmed} steps"

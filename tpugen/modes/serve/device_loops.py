@@ -136,7 +136,7 @@ class DeviceLoops:
                 compile_start = time.perf_counter()
                 # Under a step cache, at the steps that compile its every kind of step: compiled once for
                 # requests of any steps, not again for each step count that brings a new kind.
-                steps = warm_steps(self.step_cache, work.steps)
+                steps = warm_steps(self.step_cache, work.steps, per_count=engine.per_step_count)
                 warm_items = tuple(replace(item, steps=steps) for item in items)
                 engine.warmup(RunPlan(warm_items, (replace(batch, items=warm_items),)), scheduler=work.scheduler)
                 log.info(f"compiled {batch.shape} in {time.perf_counter() - compile_start:.1f} s")

@@ -97,7 +97,8 @@ class WarmEngines:
         the config's guidance and steps, or under a step cache at the steps that compile every kind of step a
         request of any step count runs (`warm_steps`)."""
         config = self.run.config
-        steps = warm_steps(config.compile.step_cache, config.steps)
+        # backend jax traces a cached loop call by call: a program per step count, warmed at the config's.
+        steps = warm_steps(config.compile.step_cache, config.steps, per_count=config.execution.backend == "jax")
         batches = []
         kinds = [(task, None, 0, False) for task in self.serve.tasks if task != "edit"]
         kinds += [("edit", None, count, False) for count in self.reference_counts]
