@@ -530,7 +530,32 @@ def test_plan_of_a_jax_config_says_how_its_loops_and_attention_run(tmp_path):
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "denoising loop: the whole loop as one compiled call per batch (lax.fori_loop on JAX)" in text
-    assert "flash attention: off -- backend jax runs plain attention" in text
+    assert "flash attention: off -- backend jax runs JAX's Pallas flash-attention kernel on a TPU only" in text
+
+
+@pytest.mark.xla
+@JAX_PROCESS
+def test_pallas_flash_attention_in_interpret_mode_makes_plain_attentions_images(tmp_path):
+    """TPUGEN_PALLAS_INTERPRET=1 runs JAX's Pallas TPU flash-attention kernel in Pallas's interpret mode on the CPU:
+    at 256x256 the tiny UNet's self-attentions (256 tokens) and the VAE's take it, the rest (77 text tokens, 64
+    image tokens) run plain; the report says so; the images within 2/255 of plain attention's (measured 1/255)."""
+    common = {"prompts": ["a lighthouse"], "height": 256, "width": 256, "steps": 2, "batch_size": 1}
+    proc, kernel_dir = generate_in_new_process(
+        tmp_path / "kernel",
+        env={"JAX_PLATFORMS": "cpu", "TPUGEN_PALLAS_INTERPRET": "1"},
+        execution={"backend": "jax"},
+        **common,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    device = json.loads((kernel_dir / "report.json").read_text())["device"]
+    assert device["flash_attention"]["state"] == "on"
+    attention = device["attention"]
+    assert attention["kernel"] == "pallas flash_attention (interpret mode)", attention
+    assert attention["calls_traced_with_kernel"] > 0 and attention["calls_traced_plain"] > 0, attention
+    plain_dir, plain = _run(tmp_path / "plain", "jax", **common)
+    assert plain["device"]["attention"] == {"kernel": None}
+    assert plain["device"]["flash_attention"]["state"] == "off"
+    assert_same_images(kernel_dir, plain_dir, COMPILED_VS_EAGER)
 
 
 @pytest.mark.parametrize(

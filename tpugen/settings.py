@@ -30,6 +30,12 @@ VARIABLES = (
         "unset",
         "XLA's flags, read by torch_xla and JAX alike; part of the key of a program `backend: jax` keeps whole",
     ),
+    Variable(
+        "TPUGEN_PALLAS_INTERPRET",
+        "unset",
+        "1: off a TPU, `backend: jax` runs JAX's Pallas flash-attention kernel in Pallas's TPU interpret mode (slow; "
+        "how the kernel is checked on the CPU)",
+    ),
     Variable("RAY_ADDRESS", "unset", "the cluster `execution.ray.address: auto` joins, as Ray reads it"),
     Variable("HF_HOME", "~/.cache/huggingface", "the Hugging Face cache, as diffusers reads it"),
     Variable("HF_TOKEN", "the token `hf auth login` saved", "the token for gated models, as diffusers reads it"),
@@ -45,6 +51,11 @@ def cache_root() -> Path:
 def debug() -> bool:
     """TPUGEN_DEBUG=1: errors are shown with their tracebacks."""
     return os.environ.get("TPUGEN_DEBUG") == "1"
+
+
+def pallas_interpret() -> bool:
+    """TPUGEN_PALLAS_INTERPRET=1: backend jax's Pallas kernels in interpret mode off a TPU."""
+    return os.environ.get("TPUGEN_PALLAS_INTERPRET") == "1"
 
 
 def hub_offline() -> bool:

@@ -53,7 +53,10 @@ FLASH_ATTENTION_FALSE = "compile.flash_attention: false"
 NOT_A_TPU = "not a TPU"
 XLA_ONLY = "torch_xla's Pallas kernel runs on backend xla only"
 # backend jax's attention: torch's own, computed by JAX (its Pallas kernels are the next step).
-JAX_PLAIN = "backend jax runs plain attention; its Pallas kernels are not built yet"
+JAX_PLAIN = (
+    "backend jax runs JAX's Pallas flash-attention kernel on a TPU only (TPUGEN_PALLAS_INTERPRET=1 runs it in "
+    "Pallas's interpret mode elsewhere); plain attention here"
+)
 
 
 @dataclass(frozen=True)

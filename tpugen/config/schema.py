@@ -556,7 +556,8 @@ class CompileConfig(_Section):
         description=(
             "xla: the denoiser's attention through torch_xla's Pallas flash-attention kernel (diffusers' XLA "
             "path). auto: on a TPU only; true: try it anywhere. If it cannot run (no jax, not a TPU, a "
-            "compile error), the run goes on without."
+            "compile error), the run goes on without. jax: JAX's Pallas kernel for every attention call it takes "
+            "(no mask, tokens a multiple of 128), on a TPU (auto or true); plain attention elsewhere."
         ),
         json_schema_extra=RESUME_ROUNDING,
     )

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from tpugen.backends.base import JAX_PLAIN, Counters, OneDeviceBackend, flash_attention_off
+from tpugen.backends.base import JAX_PLAIN, Counters, FlashAttention, OneDeviceBackend, flash_attention_off
 from tpugen.backends.jax.runtime import process_runtime
+
+# Measured here (jax 0.10.2, 4 CPU devices): the kernel under shard_map in interpret mode crashed the process.
+JAX_INTERPRET_ONE_DEVICE = (
+    "Pallas's interpret mode runs the kernel on one device only off a TPU (on a mesh of CPU devices it crashed "
+    "the process); plain attention here"
+)
 
 
 def jax_cache_dir(cache) -> str | None:
@@ -94,7 +100,7 @@ class JaxBackend(OneDeviceBackend):
     def prepare_on_device(self, pipe, family, compile_config, hooks) -> None:
         """The modules' calls from diffusers' glue go to JAX: the text encoders' forward, the denoiser's (for a
         loop that runs a step at a time), and the VAE's encoder (img2img and inpainting), each a named hook."""
-        self.flash_attention = flash_attention_off(compile_config.flash_attention, family.flash_attention, JAX_PLAIN)
+        self.flash_attention = self._attention(compile_config.flash_attention, family.flash_attention)
         for name, jax_module in self.modules.items():
             if name == family.denoiser:
                 method = family.traced_method
@@ -104,6 +110,24 @@ class JaxBackend(OneDeviceBackend):
                 method = "forward"
             if callable(getattr(jax_module.module, method, None)):
                 jax_module.patch(method, hooks)
+
+    def _attention(self, setting, route) -> FlashAttention:
+        """compile.flash_attention on jax: JAX's Pallas flash-attention kernel (attention.FlashKernel) for the
+        attention calls it takes, on a TPU (auto or true), or off one in Pallas's interpret mode
+        (TPUGEN_PALLAS_INTERPRET=1); else plain attention, and why."""
+        from tpugen.backends.jax.attention import FlashKernel
+        from tpugen.settings import pallas_interpret
+
+        self.runtime.kernel = None
+        on_tpu = self.runtime.jax.default_backend() == "tpu"
+        # Every call of torch's scaled_dot_product_attention is the kernel's to take, whatever processors the
+        # family's modules run (route.unsupported names diffusers' XLA processors, which backend jax does not use).
+        if setting is False or not (on_tpu or pallas_interpret()):
+            return flash_attention_off(setting, route, JAX_PLAIN)
+        if not on_tpu and self.mesh is not None:
+            return flash_attention_off(setting, route, JAX_INTERPRET_ONE_DEVICE)
+        self.runtime.kernel = FlashKernel(self.mesh, interpret=not on_tpu)
+        return FlashAttention(setting, route.components)
 
     def trace_beside(self, module, name: str, hooks, method: str = "forward") -> None:
         """A ControlNet: its weights on the device (copied on every device of a mesh), called inside each whole
@@ -280,6 +304,7 @@ class JaxBackend(OneDeviceBackend):
             "devices": self.device_count,
             **({"mesh": dict(self.mesh.shape)} if self.mesh is not None else {}),
             **({"sharding": self.sharding} if self.sharding is not None else {}),
+            "attention": self._attention_summary(),
             "jax": jax.__version__,
             "torchax": getattr(self.runtime.torchax, "__version__", None),
             "compile_cache": {
@@ -297,6 +322,18 @@ class JaxBackend(OneDeviceBackend):
                 if self.mesh is not None
                 else ", one device in this process"
             ),
+        }
+
+    def _attention_summary(self) -> dict:
+        """Which attention the programs traced: JAX's Pallas flash-attention kernel (how many attention calls took
+        it, how many ran plain), or plain attention alone."""
+        kernel = self.runtime.kernel
+        if kernel is None:
+            return {"kernel": None}
+        return {
+            "kernel": "pallas flash_attention" + (" (interpret mode)" if kernel.interpret else ""),
+            "calls_traced_with_kernel": kernel.traced_kernel,
+            "calls_traced_plain": kernel.traced_plain,
         }
 
     def bind_thread(self) -> None:

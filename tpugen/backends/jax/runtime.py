@@ -50,7 +50,9 @@ class Runtime:
         self.env = torchax.default_env()
         from tpugen.backends.jax import attention, convolution
 
-        attention.install(self.env)
+        # JAX's Pallas flash-attention kernel where the backend turns it on (attention.FlashKernel; None: plain).
+        self.kernel = None
+        attention.install(self.env, self)
         if jax.default_backend() == "cpu":
             convolution.install(self.env)
         self.lock = threading.Lock()
@@ -61,6 +63,8 @@ class Runtime:
         self.store = ProgramStore(self)
         # Without 64-bit types, JAX casts torch's int64 (token ids, timesteps) to int32: said once per cast.
         warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
+        # And float64 as float32 (Flux.1's rotary tables: their images stay within 2/255 of eager PyTorch's).
+        warnings.filterwarnings("ignore", message="Explicitly requested dtype float64")
         from jax import monitoring
 
         monitoring.register_event_listener(self._event)

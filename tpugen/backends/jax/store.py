@@ -248,7 +248,8 @@ class _StoredProgram:
         from jax.experimental import serialize_executable
 
         store, runtime = self.store, self.store.runtime
-        digest = hashlib.sha256(repr((store.process(), self.identity(), signature)).encode()).hexdigest()
+        kernel = runtime.kernel.identity() if runtime.kernel is not None else None  # the attention it traces
+        digest = hashlib.sha256(repr((store.process(), kernel, self.identity(), signature)).encode()).hexdigest()
         path = store.directory / f"{self.__name__}-{digest[:40]}.bin"
         started = time.perf_counter()
         try:

@@ -62,9 +62,16 @@ def jax_installed() -> bool:
 def planned_flash_attention(setting: bool | str, route, *, backend: str, spmd: bool) -> FlashAttention:
     """What a run here would start with, for `tpugen plan` (starts no device; a failure at warmup can still
     turn it off)."""
-    if backend != "xla":
-        return flash_attention_off(setting, route, JAX_PLAIN if backend == "jax" else XLA_ONLY)
     from tpugen.backends.xla.devices import pjrt_device
+
+    if backend == "jax":  # JAX's Pallas kernel where a TPU is found (or interpret mode is asked for)
+        from tpugen.settings import pallas_interpret
+
+        if setting is not False and (pjrt_device() == "TPU" or pallas_interpret()):
+            return FlashAttention(setting, route.components)
+        return flash_attention_off(setting, route, JAX_PLAIN)
+    if backend != "xla":
+        return flash_attention_off(setting, route, XLA_ONLY)
 
     reason = flash_reason(setting, route, tpu=pjrt_device() == "TPU", jax=jax_installed(), spmd=spmd)
     return FlashAttention(setting, route.components, reason)
