@@ -707,6 +707,7 @@ def main() -> None:
     parser.add_argument("--denoisers", nargs="*", help="trace, jax: the full-size denoisers, by label")
     parser.add_argument("--skip-tiny", action="store_true", help="trace, jax: the full-size part only")
     parser.add_argument("--skip-full", action="store_true", help="trace, jax: part (a) only")
+    parser.add_argument("--step-caching", action="store_true", help="jax: part (e) alone (deep Flux, TaylorSeer)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each side (medians are reported)")
     parser.add_argument("--compile", action="store_true", help="scan_blocks vs unrolled compile seconds instead")
     parser.add_argument("--step-cache", action="store_true", help="each step cache vs none on a deep Flux instead")
@@ -748,7 +749,7 @@ def main() -> None:
 
         out = ROOT / "bench"
         out.mkdir(exist_ok=True)
-        results = bench_jax.run(args.models, args.denoisers, args.skip_tiny, args.skip_full)
+        results = bench_jax.run(args.models, args.denoisers, args.skip_tiny, args.skip_full, args.step_caching)
         (out / "jax.json").write_text(json.dumps(results, indent=2) + "\n")
         print(f"\nwrote {out / 'jax.json'}")
         return

@@ -16,6 +16,11 @@
 (d) Every device: tiny-sd on jax, execution.mode: multi over 4 JAX CPU devices (XLA_FLAGS) against mode single on
     one, batch 4 (one row a device), the rest as (a): images per second of each, how far apart their pixels are.
     On XLA:CPU the 4 devices share this machine's cores, so the ratio is the mesh's cost here, not a TPU's speed-up.
+(e) Step caching: the deep Flux.1 built-in (tiny-flux-deep: 57 blocks, 128x128, 12 steps, 8 prompts, batch 1) with
+    and without TaylorSeer (configs/flux-step-cache.yaml's options), on jax and on xla with trace once (which a step
+    cache keeps on xla where it is TaylorSeer), each in a fresh process: images per second, warmup seconds (on jax
+    a cached loop is traced call by call, a program per step count; on xla dynamo traces once per step index), how
+    far the cached images are from the uncached ones.
 
 Writes bench/jax.json.
 """
@@ -141,6 +146,47 @@ def every_device(model: str = "tiny-sd", count: int = 4) -> dict:
             row[mode] = {**_side(report), "devices": report["device"]["devices"]}
         row["max_pixel_difference"] = _max_difference(work / "single", work / "multi")
     row["images_per_second_multi_over_single"] = row["multi"]["images_per_second"] / row["single"]["images_per_second"]
+    return row
+
+
+# ---------------------------------------------------------------- (e) step caching
+
+DEEP_PROMPTS = PROMPTS
+TAYLORSEER = {
+    "method": "taylorseer",
+    "cache_interval": 3,
+    "disable_cache_before_step": 2,
+    "taylor_factors_dtype": "float32",
+}
+
+
+def step_caching(model: str = "tiny-flux-deep") -> dict:
+    from bench import _generate_fresh
+    from bench_trace import _max_difference
+
+    row: dict = {"model": model, "height": 128, "steps": 12, "images": len(DEEP_PROMPTS)}
+    with tempfile.TemporaryDirectory(prefix="tpugen-bench-jax-cache-") as tmp:
+        work = Path(tmp)
+        for backend in ("jax", "xla"):
+            for cached in (False, True):
+                run_id = f"{backend}-{'taylorseer' if cached else 'none'}"
+                print(f"(e) {model} on {backend}, {'TaylorSeer' if cached else 'no step cache'} ...", flush=True)
+                config = _config(model, backend, work, run_id, work / f"cache-{run_id}")
+                config.update(prompts=DEEP_PROMPTS, height=128, width=128, steps=12, batch_size=1)
+                if cached:
+                    config["compile"] = {"trace_once": True, "step_cache": TAYLORSEER}
+                report = _generate_fresh(work, run_id, config)
+                row[run_id] = {**_side(report), "trace_once": report["device"].get("trace_once", {}).get("state")}
+            row[f"{backend}_cached_apart_from_uncached"] = _max_difference(
+                work / f"{backend}-none", work / f"{backend}-taylorseer"
+            )
+            row[f"{backend}_cached_over_uncached"] = (
+                row[f"{backend}-taylorseer"]["images_per_second"] / row[f"{backend}-none"]["images_per_second"]
+            )
+        row["jax_over_xla_cached"] = (
+            row["jax-taylorseer"]["images_per_second"] / row["xla-taylorseer"]["images_per_second"]
+        )
+        row["cached_jax_apart_from_xla"] = _max_difference(work / "jax-taylorseer", work / "xla-taylorseer")
     return row
 
 
@@ -302,7 +348,7 @@ def full_size(labels: list[str] | None) -> list[dict]:
     return rows
 
 
-def report(tiny: list[dict], full: list[dict], devices: dict | None = None) -> None:
+def report(tiny: list[dict], full: list[dict], devices: dict | None = None, caching: dict | None = None) -> None:
     if tiny:
         print("\n(a) tiny built-ins, 64x64, batch 2, 20 steps, 8 prompts; jax against xla with trace once")
         print(
@@ -335,6 +381,24 @@ def report(tiny: list[dict], full: list[dict], devices: dict | None = None) -> N
             f"img/s: ratio {devices['images_per_second_multi_over_single']:.2f} (the devices share this machine's "
             f"cores); {devices['max_pixel_difference']}/255 apart; compiles after warmup {multi['compiles_after_warmup']}"
         )
+    if caching:
+        print(
+            f"(e) {caching['model']}, {caching['height']}x{caching['height']}, {caching['steps']} steps, "
+            f"{caching['images']} images; TaylorSeer against none"
+        )
+        for backend in ("jax", "xla"):
+            none, cached = caching[f"{backend}-none"], caching[f"{backend}-taylorseer"]
+            print(
+                f"    {backend}: {cached['images_per_second']:.2f} against {none['images_per_second']:.2f} img/s, ratio "
+                f"{caching[f'{backend}_cached_over_uncached']:.2f}; warmup {cached['warmup_seconds']:.1f} against "
+                f"{none['warmup_seconds']:.1f} s; trace once {none['trace_once']} without the cache, "
+                f"{cached['trace_once']} with it; cached {caching[f'{backend}_cached_apart_from_uncached']}/255 from "
+                f"uncached; compiles after warmup {cached['compiles_after_warmup']}"
+            )
+        print(
+            f"    cached, jax against xla: ratio {caching['jax_over_xla_cached']:.2f}, "
+            f"{caching['cached_jax_apart_from_xla']}/255 apart"
+        )
     for row in full:
         nxt = row["next_process"]
         print(
@@ -347,14 +411,24 @@ def report(tiny: list[dict], full: list[dict], devices: dict | None = None) -> N
         )
 
 
-def run(models: list[str] | None, full_labels: list[str] | None, skip_tiny: bool, skip_full: bool) -> dict:
+def run(
+    models: list[str] | None, full_labels: list[str] | None, skip_tiny: bool, skip_full: bool, only_caching: bool
+) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     models = models or TINY
+    skip_tiny, skip_full = skip_tiny or only_caching, skip_full or only_caching
     tiny = [] if skip_tiny else end_to_end(models, again=["tiny-sd", "tiny-flux"])
     devices = None if skip_tiny else every_device()
+    caching = step_caching() if not skip_tiny or only_caching else None
     full = [] if skip_full else full_size(full_labels)
-    report(tiny, full, devices)
-    return {"measured": time.strftime("%Y-%m-%d"), "tiny": tiny, "every_device": devices, "full_size": full}
+    report(tiny, full, devices, caching)
+    return {
+        "measured": time.strftime("%Y-%m-%d"),
+        "tiny": tiny,
+        "every_device": devices,
+        "step_caching": caching,
+        "full_size": full,
+    }
 
 
 if __name__ == "__main__":

@@ -240,6 +240,36 @@ def test_taylorseer_on_xla_is_diffusers_own_with_no_compile_after_warmup(model, 
     assert uncached[1] > 0.01 and uncached[1] > 10 * cached[1], (cached, uncached)
 
 
+@pytest.mark.xla
+def test_taylorseer_with_trace_once_is_traced_by_dynamo_and_is_diffusers_own(tmp_path):
+    """compile.trace_once with TaylorSeer on xla: the denoiser's step, hooks and all, traced by dynamo (the hooks'
+    two torch.compiler.disable methods run undecorated), a trace per step index made by warmup (at the most
+    steps) and read from dynamo's cache after; nothing compiled after warmup, one host read a batch, the images
+    diffusers' own TaylorSeer's."""
+    prompts = ["a lighthouse at dawn", "a red fox in snow", "an astronaut on a horse"]
+    steps = STEPS_OF["tiny-flux"]
+    lines = [json.dumps({"prompt": p, "steps": n}) for p, n in zip(prompts, steps, strict=True)]
+    base = tiny_config(
+        tmp_path,
+        model={"id": "tiny-flux"},
+        steps=6,
+        batch_size=2,
+        compile={"step_cache": TAYLORSEER, "trace_once": True},
+    )
+    config = with_prompts_file(tmp_path, base, lines, "p.jsonl")
+    run_dir = _generate_in_a_process_of_its_own(write_config(tmp_path / "c.yaml", config))
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["device"]["trace_once"]["state"] == "on", report["device"]["trace_once"]
+    assert report["compiles_after_warmup"] == 0
+    batches = report["timed_phase"]["batches"]
+    assert [(b["steps"], b["steps_full"], b["steps_cached"]) for b in batches] == [(6, 3, 3), (8, 4, 4)]
+    assert [b["transfers_to_host"] for b in batches] == [1] * len(batches)
+    cached = _differences(run_dir, diffusers_images(run_dir, TAYLORSEER, "tiny-flux"))
+    uncached = _differences(run_dir, diffusers_images(run_dir, None, "tiny-flux"))
+    assert cached[0] <= CACHED_VS_DIFFUSERS, cached
+    assert uncached[1] > 0.01 and uncached[1] > 10 * cached[1], (cached, uncached)
+
+
 @pytest.mark.xla  # diffusers' own ratio stretching (diffusers imports torch_xla); no device work
 def test_the_magcache_schedule_is_its_head_hooks_rule_on_the_ratios():
     from tpugen.engine.step_cache import warm_call_steps, warm_steps

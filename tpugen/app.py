@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tpugen.backends import FlashAttention, backend_environment
 from tpugen.backends.xla.flash import planned_flash_attention
-from tpugen.backends.xla.trace import trace_once_reason
+from tpugen.backends.xla.trace import TRACEABLE_STEP_CACHES, trace_once_reason
 from tpugen.config import ResolvedRun
 from tpugen.engine import Display
 from tpugen.errors import InputError
@@ -131,7 +131,7 @@ def planned_trace(config, family_) -> str | None:
         return None
     reason = trace_once_reason(
         compile_config.trace_once,
-        step_cache=compile_config.step_cache.method != "none",
+        step_cache=compile_config.step_cache.method not in TRACEABLE_STEP_CACHES,
         offload=execution.offload == "model",
         placed=execution.placement != "none",
         spmd=execution.sharding == "spmd",

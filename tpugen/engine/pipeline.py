@@ -15,7 +15,7 @@ from tpugen.backends.base import Counters
 from tpugen.config.request import MAX_STEPS, strength_to_run
 from tpugen.engine.controls import combined, install_scale_as_data
 from tpugen.engine.hooks import Hooks
-from tpugen.engine.step_cache import install_step_cache, prepare_call, reset_step_cache
+from tpugen.engine.step_cache import install_step_cache, prepare_call, reset_step_cache, traceable_step_cache
 from tpugen.engine.step_clock import StepClock, StepTiming
 from tpugen.engine.tiling import circular_padding
 from tpugen.errors import RunError
@@ -221,6 +221,9 @@ class LoadedPipeline:
     def use_step_cache(self, config) -> None:
         """compile.step_cache's hooks on the denoiser (tpugen.engine.step_cache); each call sets its steps."""
         install_step_cache(self.pipe, self.family, config, self.hooks)
+        trace = self.backend.trace_once
+        if trace is not None and trace.on:  # the denoiser traced by dynamo: its cache's hooks with it
+            traceable_step_cache(self.pipe, self.family, config, self.hooks)
         self.step_cache = config
 
     def use_scheduler(self, name: str | None) -> None:

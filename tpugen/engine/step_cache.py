@@ -266,6 +266,46 @@ def install_step_cache(pipe, family, config: StepCacheConfig, hooks, steps: int 
     hooks.add(STEP_CACHE_HOOK, denoiser.disable_cache)
 
 
+TRACED_STEP_CACHE_HOOK = "step cache traced by dynamo"
+
+
+def traceable_step_cache(pipe, family, config: StepCacheConfig, hooks) -> None:
+    """TaylorSeer's hooks as dynamo traces them (compile.trace_once on xla): diffusers marks the two methods that
+    decide and predict torch.compiler.disable (a graph break, and trace once would fall back); here each hook runs
+    their own undecorated code, so the denoiser's step, hooks and all, is one dynamo graph. Its decisions are
+    Python numbers of the step's index, which dynamo guards on: a trace per step index, made by warmup and read
+    from dynamo's cache after; each kind of step one XLA graph. As the named hook TRACED_STEP_CACHE_HOOK (a no-op
+    for another method)."""
+    if config.method != "taylorseer":
+        return
+    import types
+
+    from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook, TaylorSeerState
+
+    class TracedState(TaylorSeerState):
+        predict = TaylorSeerState.predict.__wrapped__
+
+    decide = TaylorSeerCacheHook._measure_should_compute.__wrapped__
+    changed = []
+    for module in getattr(pipe, family.denoiser).modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        hook = registry.get_hook("taylorseer_cache") if registry is not None else None
+        if hook is None:
+            continue
+        changed.append((hook, hook.state_manager._state_cls))
+        hook._measure_should_compute = types.MethodType(decide, hook)
+        hook.state_manager._state_cls = TracedState
+        hook.state_manager.reset()
+
+    def restore() -> None:
+        for hook, state_cls in changed:
+            vars(hook).pop("_measure_should_compute", None)
+            hook.state_manager._state_cls = state_cls
+            hook.state_manager.reset()
+
+    hooks.add(TRACED_STEP_CACHE_HOOK, restore)
+
+
 class CurrentTimestep:
     """PAB's current_timestep_callback: `pipe.current_timestep`, as diffusers' own example passes it (a CPU
     tensor in these families' loops, so every hook's range test is host arithmetic, no read from the device).

@@ -10,7 +10,7 @@ from tpugen.backends.xla.cache import start_cache
 from tpugen.backends.xla.devices import import_torch_xla
 from tpugen.backends.xla.flash import flash_reason, install_flash_attention, jax_installed
 from tpugen.backends.xla.patches import let_diffusers_offload_to_xla, solve_small_systems_on_xla
-from tpugen.backends.xla.trace import TracedDenoiser, install_trace_once, trace_once_reason
+from tpugen.backends.xla.trace import TRACEABLE_STEP_CACHES, TracedDenoiser, install_trace_once, trace_once_reason
 from tpugen.errors import one_line
 
 
@@ -80,7 +80,7 @@ class XlaBackend(OneDeviceBackend):
         self._trace_setting = compile_config.trace_once
         reason = trace_once_reason(
             compile_config.trace_once,
-            step_cache=compile_config.step_cache.method != "none",
+            step_cache=compile_config.step_cache.method not in TRACEABLE_STEP_CACHES,
             offload=self.offloaded,
             placed=self.placed,
             spmd=self.spmd,

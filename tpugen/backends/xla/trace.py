@@ -8,9 +8,12 @@ from tpugen.errors import one_line
 
 # Why a run records the denoiser lazily every step instead, by what the config asks for.
 STEP_CACHE = (
-    "compile.step_cache: the cache's hooks decide on the host, step by step, which blocks run (Python state that "
-    "dynamo would guard on and trace again)"
+    "compile.step_cache: MagCache's and PAB's hooks decide on the host, step by step, from tensors and the pipeline's "
+    "timestep, which blocks run (dynamo would break its graph there); TaylorSeer's is traced once per step"
 )
+# The step caches whose hooks dynamo traces (tpugen.engine.step_cache.traceable_step_cache): their decisions are
+# Python numbers of the step's index, guarded per step.
+TRACEABLE_STEP_CACHES = ("none", "taylorseer")
 OFFLOAD = "execution.offload: the denoiser's weights leave the device between calls; dynamo traced them on it"
 PLACEMENT = (
     "execution.placement: components on several devices; torch_xla's dynamo bridge clears pending work on the "
