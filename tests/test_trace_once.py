@@ -80,11 +80,17 @@ def test_plan_says_whether_the_denoiser_is_traced_once(tmp_path):
         )
         is None
     )
-    cached = {**config, "model": {"id": "tiny-flux"}, "compile": {"step_cache": {"method": "taylorseer"}}}
+    cached = {**config, "model": {"id": "tiny-flux"}, "compile": {"step_cache": {"method": "magcache"}}}
+    cached["compile"]["step_cache"]["mag_ratios"] = "flux"
     result = run_cli("plan", write_config(tmp_path / "cache.yaml", cached))
     assert result.exit_code == 0, result.output
     said = " ".join(result.output.split())
     assert f"trace once: off, the transformer is recorded every step -- {' '.join(STEP_CACHE.split())}" in said
+    # TaylorSeer's hooks are traced with the step (tests/test_step_cache.py runs it).
+    cached["compile"]["step_cache"] = {"method": "taylorseer"}
+    result = run_cli("plan", write_config(tmp_path / "taylorseer.yaml", cached))
+    assert result.exit_code == 0, result.output
+    assert "trace once: off" not in " ".join(result.output.split())
 
 
 def test_the_report_says_when_the_host_sets_the_pace():
@@ -209,12 +215,14 @@ def test_every_report_has_the_host_and_device_time_per_step(both_ways):
 
 @pytest.mark.xla
 def test_a_step_cache_falls_back_to_recording_every_step_and_says_why_at_load(tmp_path):
+    """MagCache's hooks decide from tensors (a graph break for dynamo): the denoiser is recorded every step, said at
+    load. (TaylorSeer's are traced with the step: tests/test_step_cache.py.)"""
     from tpugen.engine import Engine, EngineSpec
 
     config = tiny_config(
         tmp_path,
         model={"id": "tiny-flux"},
-        compile={"trace_once": True, "step_cache": {"method": "taylorseer"}},
+        compile={"trace_once": True, "step_cache": {"method": "magcache", "mag_ratios": "flux"}},
         guidance_scale=0.0,
     )
     run = load_config(write_config(tmp_path / "cache.yaml", config))
