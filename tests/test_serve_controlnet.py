@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,7 +16,7 @@ from conftest import annotator_weights, run_cli, tiny_config, write_config
 from PIL import Image, ImageDraw
 from serve_support import AUTH, KEY, decode, metric, pixels, running_server, wait_ready
 
-from tpugen.config.controls import ANNOTATORS
+from tpugen.config.controls import ANNOTATORS, CONTROL_MODULES
 from tpugen.engine.controls import preprocess
 
 pytestmark = pytest.mark.xla
@@ -134,12 +135,27 @@ def test_the_controlnet_routes(controlnet_server):
         assert http.get("/controlnet/settings").json() == {"control_net_unit_count": 4}
         assert http.get("/controlnet/settings", params={"x" * 2000: "y" * 4000}).json() == {"control_net_unit_count": 4}
         modules = http.get("/controlnet/module_list").json()
+        built_in = len(CONTROL_MODULES)
+        assert modules["module_list"][:built_in] == list(CONTROL_MODULES)
         assert modules["module_list"][:5] == ["none", "canny", "invert", "scribble", "tile"]
         # model.annotators_dir holds all their weights but MiDaS's and OpenPose's
         heavy = ("MidasDetector", "OpenposeDetector")
-        assert modules["module_list"][5:] == [name for name, a in ANNOTATORS.items() if a.detector not in heavy]
+        assert modules["module_list"][built_in:] == [name for name, a in ANNOTATORS.items() if a.detector not in heavy]
         aliases = http.get("/controlnet/module_list", params={"alias_names": "true"}).json()["module_list"]
         assert "tile_resample" in aliases and "invert (from white bg & black line)" in aliases
+        assert "t2ia_color_grid" in aliases and "lineart_standard (from white bg & black line)" in aliases
+        # One of the extension's weight-free modules, by its label: what the extension's own code made of the picture
+        # (tests/test_control_modules.py has them all).
+        with np.load(Path(__file__).parent / "data" / "controlnet_extension_modules.npz") as made:
+            drawing, expected = made["image/drawing"], made["scribble_xdog|10.0|drawing"]
+        body = {
+            "controlnet_module": "scribble_xdog",
+            "controlnet_input_images": [_b64(Image.fromarray(drawing))],
+            "controlnet_threshold_a": 10,
+        }
+        answer = http.post("/controlnet/detect", json=body)
+        assert answer.status_code == 200, answer.text
+        assert (np.asarray(decode(answer.json()["images"][0]).convert("RGB")) == expected).all()
         rng = np.random.default_rng(1)
         picture = (rng.random((48, 80, 3)) * 255).astype(np.uint8)
         answer = http.post(

@@ -24,13 +24,42 @@ CONTROL_MODULES: dict[str, tuple[str, float | None, float | None]] = {
     "invert": ("the image's colours inverted: black lines on white become white on black", None, None),
     "scribble": ("a drawing's dark strokes, thickened, white on black (threshold_a: darkness 0-255)", 127.0, None),
     "tile": ("a downscaled copy, scaled back up: layout and colours without detail (threshold_a: factor)", 4.0, None),
+    # The ControlNet extension's own (sd-webui-controlnet 1.1.455), computed as it computes them.
+    "threshold": ("white where every channel is above threshold_a (0-255), black elsewhere", 127.0, None),
+    "blur_gaussian": ("a Gaussian blur (threshold_a: sigma, 0.01-64)", 9.0, None),
+    "color": ("a grid of the image's colours: 64 times smaller, scaled back up by nearest neighbours", None, None),
+    "recolor_luminance": ("the image's lightness (LAB's L) as grey (threshold_a: gamma, 0.1-2)", 1.0, None),
+    "recolor_intensity": ("the image's intensity (HSV's V) as grey (threshold_a: gamma, 0.1-2)", 1.0, None),
+    "scribble_xdog": ("XDoG edges as scribbles, white on black (threshold_a: threshold, 1-64)", 32.0, None),
+    "lineart_standard": ("dark lines on a light ground as white line art on black (a difference of blurs)", None, None),
+}
+# Where a module's threshold_a must lie (the extension's slider), for those that bound it.
+THRESHOLD_A_RANGES: dict[str, tuple[float, float, str]] = {
+    "tile": (1, 64, "factor"),
+    "threshold": (0, 255, "threshold"),
+    "blur_gaussian": (0.01, 64, "sigma"),
+    "recolor_luminance": (0.1, 2, "gamma"),
+    "recolor_intensity": (0.1, 2, "gamma"),
+    "scribble_xdog": (1, 64, "threshold"),
 }
 # The web UI extension's own module names that are these (its requests send them).
 MODULE_ALIASES = {
     "invert (from white bg & black line)": "invert",
     "scribble_thr": "scribble",
     "tile_resample": "tile",
+    "t2ia_color_grid": "color",
+    "lineart_standard (from white bg & black line)": "lineart_standard",
 }
+
+
+def threshold_a_problem(named: str, value: float | None) -> str | None:
+    """Why `value` is not a threshold_a module `named` takes (its range), or None."""
+    if named not in THRESHOLD_A_RANGES or value is None:
+        return None
+    low, high, what = THRESHOLD_A_RANGES[named]
+    if low <= value <= high:
+        return None
+    return f"{named}'s {what} must be from {low:g} to {high:g}, got {value:g}"
 
 
 @dataclass(frozen=True)
@@ -395,8 +424,8 @@ def read_controls(entry: dict, run: RunConfig, base_dir: Path, where: str, probl
             elif value is not None and not number_in(value, 0, 10_000):
                 bad.append(f"{key} must be a number from 0 to 10000, got {value!r}")
             thresholds.append(None if value is None else float(value))
-        if named == "tile" and thresholds[0] is not None and not 1 <= thresholds[0] <= 64:
-            bad.append(f"control_threshold_a: tile's factor must be from 1 to 64, got {thresholds[0]:g}")
+        if why := threshold_a_problem(named, thresholds[0]):
+            bad.append(f"control_threshold_a: {why}")
         if bad:
             problems.extend(f"{where}: {problem}" for problem in bad)
             continue

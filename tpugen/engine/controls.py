@@ -154,9 +154,102 @@ def preprocess(
             (max(1, round(image.width / factor)), max(1, round(image.height / factor))), Image.Resampling.BOX
         )
         return small.resize(image.size, Image.Resampling.BICUBIC)
+    elif module in EXTENSION_MODULES:
+        out = EXTENSION_MODULES[module](rgb, threshold_a)
     else:
         raise ValueError(f"unknown ControlNet module {module!r}")
     return Image.fromarray(np.ascontiguousarray(out))
+
+
+# ---------------------------------------------------------------- the ControlNet extension's weight-free modules
+# As sd-webui-controlnet 1.1.455 computes them, at the image's own size (the extension's resolution: the image's
+# shorter side), on the image padded at its right and bottom edges to whole 64 pixels where the extension pads it.
+
+
+def _padded(rgb):
+    """The image with its last rows and columns repeated up to multiples of 64, and how to cut it back."""
+    import numpy as np
+
+    height, width = rgb.shape[:2]
+    padded = np.pad(rgb, [[0, -height % 64], [0, -width % 64], [0, 0]], mode="edge")
+    return padded, lambda x: np.ascontiguousarray(x[:height, :width])
+
+
+def _threshold(rgb, a):
+    import numpy as np
+
+    padded, cut = _padded(rgb)
+    out = np.zeros_like(padded)
+    out[np.min(padded, axis=2) > (127.0 if a is None else a)] = 255
+    return cut(out)
+
+
+def _blur_gaussian(rgb, a):
+    import cv2
+
+    return cv2.GaussianBlur(rgb, (0, 0), 9.0 if a is None else float(a))
+
+
+def _color(rgb, a):
+    import cv2
+
+    height, width = rgb.shape[:2]
+    small = cv2.resize(rgb, (max(1, width // 64), max(1, height // 64)), interpolation=cv2.INTER_CUBIC)
+    return cv2.resize(small, (width, height), interpolation=cv2.INTER_NEAREST)
+
+
+def _recolor(channel):
+    def recolor(rgb, a):
+        import cv2
+        import numpy as np
+
+        # The extension hands OpenCV RGB as BGR: its luminance weighs red and blue the other way round.
+        code, index = (cv2.COLOR_BGR2LAB, 0) if channel == "luminance" else (cv2.COLOR_BGR2HSV, 2)
+        grey = cv2.cvtColor(rgb, code)[:, :, index].astype(np.float32) / 255.0
+        grey = ((grey ** (1.0 if a is None else a)) * 255.0).clip(0, 255).astype(np.uint8)
+        return cv2.cvtColor(grey, cv2.COLOR_GRAY2RGB)
+
+    return recolor
+
+
+def _scribble_xdog(rgb, a):
+    import cv2
+    import numpy as np
+
+    padded, cut = _padded(rgb)
+    near = cv2.GaussianBlur(padded.astype(np.float32), (0, 0), 0.5)
+    far = cv2.GaussianBlur(padded.astype(np.float32), (0, 0), 5.0)
+    dog = (255 - np.min(far - near, axis=2)).clip(0, 255).astype(np.uint8)
+    out = np.zeros_like(padded)
+    # The extension's 2 * (255 - dog) is uint8 arithmetic: it wraps at 256, and so does this.
+    out[(2 * (255 - dog.astype(np.int32))) % 256 > (32.0 if a is None else a)] = 255
+    return cut(out)
+
+
+def _lineart_standard(rgb, a):
+    import cv2
+    import numpy as np
+
+    padded, cut = _padded(rgb)
+    x = padded.astype(np.float32)
+    strength = np.min(cv2.GaussianBlur(x, (0, 0), 6.0) - x, axis=2).clip(0, 255)
+    bright = strength[strength > 8]
+    median = np.median(bright) if bright.size else np.float32("nan")
+    strength /= max(16, median)  # the extension's max(16, m): 16 unless the median is above it (nan: 16)
+    strength *= 127
+    grey = cut(strength.clip(0, 255).astype(np.uint8))
+    return np.repeat(grey[:, :, None], 3, axis=2)
+
+
+EXTENSION_MODULES = {
+    "threshold": _threshold,
+    "blur_gaussian": _blur_gaussian,
+    "color": _color,
+    "recolor_luminance": _recolor("luminance"),
+    "recolor_intensity": _recolor("intensity"),
+    "scribble_xdog": _scribble_xdog,
+    "lineart_standard": _lineart_standard,
+}
 
 
 # The sides an annotator runs at: at most ANNOTATOR_MAX_SIDE (an 8192-pixel image sent to /controlnet/detect would

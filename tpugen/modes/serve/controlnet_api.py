@@ -19,6 +19,7 @@ from tpugen.config.controls import (
     module_name,
     module_thresholds,
     number_in,
+    threshold_a_problem,
 )
 from tpugen.config.controls import module_problem as why_not_module
 from tpugen.config.images import InputImage
@@ -134,8 +135,8 @@ def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
             _number(unit, key, default, 0, 10_000, where, problems, unset=True) if default is not None else None
             for key, default in (("threshold_a", default_a), ("threshold_b", default_b))
         ]
-        if named == "tile" and not 1 <= thresholds[0] <= 64:
-            problems.append(f"{where}.threshold_a: tile's factor must be from 1 to 64, got {thresholds[0]:g}")
+        if why := threshold_a_problem(named, thresholds[0]):
+            problems.append(f"{where}.threshold_a: {why}")
         image = unit.get("image") or unit.get("input_image")
         if isinstance(image, dict):  # the extension also takes {"image": ..., "mask": ...}
             image = image.get("image")
@@ -239,8 +240,8 @@ def detect_reply(service: Service, body: Detect):
     for key, value in (("controlnet_threshold_a", a), ("controlnet_threshold_b", b)):
         if value is not None and not number_in(value, 0, 10_000):
             problems.append(f"{key}: must be from 0 to 10000, got {value:g}")
-    if named == "tile" and not 1 <= a <= 64:
-        problems.append(f"controlnet_threshold_a: tile's factor must be from 1 to 64, got {a:g}")
+    if why := threshold_a_problem(named, a):
+        problems.append(f"controlnet_threshold_a: {why}")
     if problems:
         raise InputError(*problems)
     # One image at a time, decoded, run and encoded, so a request holds one decoded image (up to 8192 x 8192).

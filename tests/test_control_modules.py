@@ -1,0 +1,76 @@
+"""The ControlNet extension's weight-free preprocessors (sd-webui-controlnet 1.1.455) as tpugen runs them: each equal,
+byte for byte, to what the extension's own code made of the same pictures. tests/data/controlnet_extension_modules.npz
+holds three pictures (a drawing, a noisy gradient, flat shapes; sides not multiples of 64) and each module's output
+on each, made by running the extension's preprocessor classes (its scripts/preprocessor and annotator code at commit
+56cec5b, A1111 stubbed out) at the picture's own size, as /controlnet/detect returns them. Device-free."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_cli, tiny_config, write_config
+from PIL import Image
+
+from tpugen.config.controls import CONTROL_MODULES, module_name
+from tpugen.engine.controls import preprocess
+
+MADE = Path(__file__).parent / "data" / "controlnet_extension_modules.npz"
+
+
+def _cases() -> list[tuple[str, float | None, str]]:
+    with np.load(MADE) as made:
+        keys = [key for key in made.files if not key.startswith("image/")]
+    cases = []
+    for key in keys:
+        module, threshold, picture = key.split("|")
+        cases.append((module, float(threshold) if threshold else None, picture))
+    return sorted(cases, key=lambda case: (case[0], case[1] or 0.0, case[2]))
+
+
+@pytest.mark.parametrize(("module", "threshold_a", "picture"), _cases())
+def test_a_weight_free_module_makes_what_the_extension_makes(module, threshold_a, picture):
+    with np.load(MADE) as made:
+        image, expected = (
+            made[f"image/{picture}"],
+            made[f"{module}|{'' if threshold_a is None else threshold_a}|{picture}"],
+        )
+    named = module_name(module)  # the extension's name (its label where it has one), as a request sends it
+    assert named in CONTROL_MODULES, module
+    ours = np.asarray(preprocess(Image.fromarray(image), named, threshold_a))
+    assert ours.shape == expected.shape, (ours.shape, expected.shape)
+    apart = np.abs(ours.astype(np.int16) - expected.astype(np.int16))
+    assert int(apart.max()) == 0, (module, threshold_a, picture, int(apart.max()), float((apart > 0).mean()))
+    if module not in ("blur_gaussian", "color"):  # these keep the picture's colours; the rest are drawn anew
+        assert not np.array_equal(ours, image)
+
+
+@pytest.mark.parametrize(
+    ("module", "threshold", "expected"),
+    [
+        ("threshold", 300, "control_threshold_a: threshold's threshold must be from 0 to 255, got 300"),
+        ("blur_gaussian", 0, "control_threshold_a: blur_gaussian's sigma must be from 0.01 to 64, got 0"),
+        ("recolor_luminance", 5, "control_threshold_a: recolor_luminance's gamma must be from 0.1 to 2, got 5"),
+        ("scribble_xdog", 0.5, "control_threshold_a: scribble_xdog's threshold must be from 1 to 64, got 0.5"),
+        ("t2ia_color_grid", 3, "control_threshold_a: module color takes no threshold_a"),
+    ],
+)
+def test_a_threshold_outside_the_modules_range_is_refused_naming_it(tmp_path, module, threshold, expected):
+    Image.new("RGB", (64, 64), (200, 200, 200)).save(tmp_path / "c.png")
+    config = tiny_config(
+        tmp_path,
+        model={"id": "tiny-sd", "controlnets": [{"id": "tiny-sd-controlnet"}]},
+        prompts=[
+            {
+                "prompt": "a cat",
+                "control_image": str(tmp_path / "c.png"),
+                "control_module": module,
+                "control_threshold_a": threshold,
+            }
+        ],
+    )
+    result = run_cli("validate", write_config(tmp_path / "c.yaml", config))
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
