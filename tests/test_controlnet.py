@@ -94,7 +94,9 @@ def test_the_other_preprocessors():
     checker = Image.fromarray((np.indices((32, 32)).sum(0) % 2 * 255).astype(np.uint8)).convert("RGB")
     tiled = np.asarray(preprocess(checker, "tile", 4.0)).astype(int)
     assert tiled.shape == (32, 32, 3) and abs(tiled.mean() - 127.5) < 3 and tiled.std() < 10  # detail gone
-    assert set(CONTROL_MODULES) == {"none", "canny", "invert", "scribble", "tile"}
+    # And the extension's own weight-free ones (tests/test_control_modules.py checks each against its code).
+    extension = {"threshold", "blur_gaussian", "color", "recolor_luminance", "recolor_intensity", "scribble_xdog"}
+    assert set(CONTROL_MODULES) == {"none", "canny", "invert", "scribble", "tile", "lineart_standard", *extension}
 
 
 def test_annotators_are_controlnet_auxs_own_detectors_run_from_the_weights_folder(tmp_path):
