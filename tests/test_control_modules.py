@@ -13,7 +13,7 @@ import pytest
 from conftest import run_cli, tiny_config, write_config
 from PIL import Image
 
-from tpugen.config.controls import CONTROL_MODULES, module_name
+from tpugen.config.controls import CONTROL_MODULES, control_types, module_name
 from tpugen.engine.controls import preprocess
 
 MADE = Path(__file__).parent / "data" / "controlnet_extension_modules.npz"
@@ -74,3 +74,32 @@ def test_a_threshold_outside_the_modules_range_is_refused_naming_it(tmp_path, mo
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_control_types_pick_controlnets_by_the_words_their_names_hold():
+    """The extension's select_control_type on names: the type's own name or its filters (T2I-Adapter's t2ia,
+    Tile's blur, a Union ControlNet for the types it covers), "None" first, the default the first with "11" in its
+    name (before any hash), else the first."""
+    names = [
+        "control_sd15_canny [aa11bb22]",
+        "control_v11p_sd15_canny [d14c016b]",
+        "t2iadapter_color_sd14v1",
+        "controlnet-union-sdxl-1.0",
+        "blur_tile_xl",
+    ]
+    types = control_types(["none", "canny", "tile", "color"], names)["control_types"]
+    canny = types["Canny"]
+    assert canny["model_list"] == ["None", names[0], names[1], names[3]]
+    assert canny["default_model"] == names[1]  # "11" in the name before its hash; the first's is in its hash
+    assert (
+        types["T2I-Adapter"]["model_list"] == ["None", names[2]] and types["T2I-Adapter"]["default_model"] == names[2]
+    )
+    assert types["T2I-Adapter"]["module_list"] == ["none", "t2ia_color_grid"]
+    assert types["Tile"]["model_list"] == ["None", names[3], names[4]]
+    assert types["Shuffle"] == {
+        "module_list": ["none"],
+        "model_list": ["None"],
+        "default_option": "none",
+        "default_model": "None",
+    }
+    assert types["All"]["model_list"] == ["None", *names]

@@ -16,7 +16,7 @@ from conftest import annotator_weights, run_cli, tiny_config, write_config
 from PIL import Image, ImageDraw
 from serve_support import AUTH, KEY, decode, metric, pixels, running_server, wait_ready
 
-from tpugen.config.controls import ANNOTATORS, CONTROL_MODULES
+from tpugen.config.controls import ANNOTATORS, CONTROL_MODULES, CONTROL_TYPES
 from tpugen.engine.controls import preprocess
 
 pytestmark = pytest.mark.xla
@@ -144,6 +144,22 @@ def test_the_controlnet_routes(controlnet_server):
         aliases = http.get("/controlnet/module_list", params={"alias_names": "true"}).json()["module_list"]
         assert "tile_resample" in aliases and "invert (from white bg & black line)" in aliases
         assert "t2ia_color_grid" in aliases and "lineart_standard (from white bg & black line)" in aliases
+        detail = http.get("/controlnet/module_list", params={"alias_names": "true"}).json()["module_detail"]
+        assert list(detail) == aliases  # the details under the names the list gives
+        # The extension's control types: each type's preprocessors here ("none" first), its ControlNets by name.
+        types = http.get("/controlnet/control_types").json()["control_types"]
+        assert list(types) == ["All", *CONTROL_TYPES]
+        assert types["All"]["model_list"] == ["None", "tiny-sd-controlnet"] and types["All"]["module_list"] == aliases
+        assert types["Canny"] == {
+            "module_list": ["none", "canny", "invert (from white bg & black line)"],
+            "model_list": ["None"],  # its name says no type
+            "default_option": "canny",
+            "default_model": "None",
+        }
+        assert types["Tile"]["module_list"] == ["none", "tile_resample", "blur_gaussian"]
+        assert types["Tile"]["default_option"] == "tile_resample"
+        assert types["Recolor"]["default_option"] == "recolor_luminance"
+        assert types["Depth"]["module_list"] == ["none"] and types["Depth"]["default_option"] == "none"  # no MiDaS
         # One of the extension's weight-free modules, by its label: what the extension's own code made of the picture
         # (tests/test_control_modules.py has them all).
         with np.load(Path(__file__).parent / "data" / "controlnet_extension_modules.npz") as made:

@@ -52,6 +52,132 @@ MODULE_ALIASES = {
 }
 
 
+# The extension's control types (its preprocessors' tags, sd-webui-controlnet 1.1.455), and each of tpugen's
+# preprocessors' tags among them: /controlnet/control_types groups the preprocessors by these.
+CONTROL_TYPES = (
+    "Canny",
+    "Depth",
+    "IP-Adapter",
+    "Inpaint",
+    "Instant-ID",
+    "InstructP2P",
+    "Lineart",
+    "MLSD",
+    "NormalMap",
+    "OpenPose",
+    "Recolor",
+    "Reference",
+    "Revision",
+    "Scribble",
+    "Segmentation",
+    "Shuffle",
+    "SoftEdge",
+    "SparseCtrl",
+    "T2I-Adapter",
+    "Tile",
+)
+MODULE_TAGS: dict[str, tuple[str, ...]] = {
+    "none": ("InstructP2P",),
+    "canny": ("Canny",),
+    "invert": ("Canny", "Lineart", "Scribble", "MLSD"),
+    "scribble": ("Scribble",),
+    "tile": ("Tile",),
+    "threshold": (),
+    "blur_gaussian": ("Tile",),
+    "color": ("T2I-Adapter",),
+    "recolor_luminance": ("Recolor",),
+    "recolor_intensity": ("Recolor",),
+    "scribble_xdog": ("Scribble", "SparseCtrl"),
+    "lineart_standard": ("Lineart",),
+    "softedge_hed": ("SoftEdge",),
+    "softedge_hedsafe": ("SoftEdge",),
+    "scribble_hed": ("Scribble", "SparseCtrl"),
+    "softedge_pidinet": ("SoftEdge",),
+    "softedge_pidisafe": ("SoftEdge",),
+    "scribble_pidinet": ("Scribble", "SparseCtrl"),
+    "lineart_realistic": ("Lineart",),
+    "lineart_coarse": ("Lineart",),
+    "depth_midas": ("Depth",),
+    "openpose": ("OpenPose",),
+    "openpose_hand": ("OpenPose",),
+    "openpose_face": ("OpenPose",),
+    "openpose_faceonly": ("OpenPose",),
+    "openpose_full": ("OpenPose",),
+    "mlsd": ("MLSD",),
+}
+# The extension's preprocessor each control type defaults to (its highest sorting priority), where tpugen runs it.
+TYPE_DEFAULTS = {
+    "Canny": "canny",
+    "Depth": "depth_midas",
+    "Lineart": "lineart_standard",
+    "MLSD": "mlsd",
+    "OpenPose": "openpose_full",
+    "Recolor": "recolor_luminance",
+    "Scribble": "scribble_pidinet",
+    "SoftEdge": "softedge_pidinet",
+    "SparseCtrl": "scribble_pidinet",
+    "T2I-Adapter": "color",
+    "Tile": "tile",
+}
+# The words a ControlNet's name holds for each type (the extension's filters: the type's own name, its aliases,
+# and "union" for the types a ControlNet-Union covers).
+TYPE_FILTERS = {
+    "InstructP2P": ("ip2p",),
+    "Segmentation": ("seg",),
+    "NormalMap": ("normal",),
+    "T2I-Adapter": ("t2i_adapter", "t2iadapter", "t2ia"),
+    "IP-Adapter": ("ip_adapter", "ipadapter"),
+    "OpenPose": ("openpose", "densepose"),
+    "Instant-ID": ("instant_id", "instantid"),
+    "Scribble": ("sketch",),
+    "Tile": ("blur",),
+}
+UNION_TYPES = (
+    "OpenPose",
+    "Depth",
+    "SoftEdge",
+    "Scribble",
+    "Canny",
+    "Lineart",
+    "MLSD",
+    "NormalMap",
+    "Segmentation",
+    "Inpaint",
+    "Tile",
+)
+
+
+def module_label(name: str) -> str:
+    """The extension's label of one of tpugen's preprocessors (the name its requests and lists give)."""
+    labels = {module: label for label, module in MODULE_ALIASES.items() if label != "scribble_thr"}
+    return labels.get(name, name)
+
+
+def control_types(modules: list[str], controlnets: list[str]) -> dict:
+    """The extension's /controlnet/control_types for these preprocessors (tpugen's names, in order) and loaded
+    ControlNets (by name): for "All" and each of its types, the preprocessors of that type ("none" first), the
+    ControlNets whose names hold the type's words ("None" first), and the defaults its web UI selects."""
+    labels = [module_label(name) for name in modules]
+    models = ["None", *controlnets]
+    found = {"All": {"module_list": labels, "model_list": models, "default_option": "none", "default_model": "None"}}
+    for kind in CONTROL_TYPES:
+        words = {kind.lower(), *TYPE_FILTERS.get(kind, ()), *(("union",) if kind in UNION_TYPES else ())}
+        fitting = ["None", *(m for m in controlnets if any(word in m.lower() for word in words))]
+        default_model = "None"
+        if len(fitting) > 1:
+            default_model = next((m for m in fitting[1:] if "11" in m.split("[")[0]), fitting[1])
+        typed = ["none", *(name for name in modules if name != "none" and kind in MODULE_TAGS.get(name, ()))]
+        default = TYPE_DEFAULTS.get(kind)
+        option = default if default in typed else (typed[1] if len(typed) > 1 else "none")
+        found[kind] = {
+            "module_list": [module_label(name) for name in typed],
+            "model_list": fitting,
+            "default_option": module_label(option),
+            "default_model": default_model,
+        }
+    return {"control_types": found}
+
+
 def threshold_a_problem(named: str, value: float | None) -> str | None:
     """Why `value` is not a threshold_a module `named` takes (its range), or None."""
     if named not in THRESHOLD_A_RANGES or value is None:

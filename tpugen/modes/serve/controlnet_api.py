@@ -11,11 +11,12 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from tpugen.config.controls import (
-    MODULE_ALIASES,
     Controls,
     ControlUnit,
     control_name,
+    control_types,
     module_descriptions,
+    module_label,
     module_name,
     module_thresholds,
     number_in,
@@ -191,12 +192,24 @@ def model_list(request: Request) -> dict:
 @router.get("/module_list")
 def module_list(request: Request, alias_names: bool = False) -> dict:
     """The preprocessors this server runs (the built-ins, and the annotators model.annotators_dir has the weights
-    of), by tpugen's names or (alias_names) the extension's."""
+    of), by tpugen's names or (alias_names) the extension's labels; module_detail under the same names."""
     service: Service = request.app.state.service
     modules = module_descriptions(service.run.config.model.annotators_dir)
-    aliases = {name: alias for alias, name in MODULE_ALIASES.items()}
-    names = [aliases.get(name, name) if alias_names else name for name in modules]
-    return {"module_list": names, "module_detail": {name: {"description": text} for name, text in modules.items()}}
+    names = {name: module_label(name) if alias_names else name for name in modules}
+    return {
+        "module_list": list(names.values()),
+        "module_detail": {names[name]: {"description": text} for name, text in modules.items()},
+    }
+
+
+@router.get("/control_types")
+def control_types_route(request: Request) -> dict:
+    """The extension's control types: for each, the preprocessors of that type this server runs, the ControlNets
+    it has loaded whose names say that type, and the defaults the web UI selects (tpugen.config.controls)."""
+    service: Service = request.app.state.service
+    config = service.run.config
+    modules = list(module_descriptions(config.model.annotators_dir))
+    return control_types(modules, [control_name(c.id) for c in config.model.controlnets])
 
 
 class Detect(BaseModel):
