@@ -22,6 +22,7 @@ from conftest import (
 )
 from PIL import Image
 
+from tpugen.config import load_config
 from tpugen.schedulers import SCHEDULER_NAMES
 
 # Every family's tiny built-in (tiny-sd: the tests after), with the tasks its pipelines have: img2img and
@@ -554,6 +555,23 @@ def test_pallas_flash_attention_in_interpret_mode_makes_plain_attentions_images(
     assert attention["calls_traced_with_kernel"] > 0 and attention["calls_traced_plain"] > 0, attention
     plain_dir, plain = _run(tmp_path / "plain", "jax", **common)
     assert plain["device"]["attention"] == {"kernel": None}
+    # The kernel is the named hook a call that fails with it takes off (Engine._call_with_flash): plain attention,
+    # and nothing traced with the kernel kept.
+    from tpugen.backends.jax.runtime import process_runtime
+    from tpugen.engine import Engine, EngineSpec
+
+    os.environ["TPUGEN_PALLAS_INTERPRET"] = "1"
+    try:
+        config = tiny_config(tmp_path / "hook", execution={"backend": "jax"}, **common)
+        engine = Engine.open(EngineSpec.of(load_config(write_config(tmp_path / "hook.yaml", config))))
+    finally:
+        del os.environ["TPUGEN_PALLAS_INTERPRET"]
+    try:
+        assert process_runtime().kernel is not None and "flash attention" in engine.loaded.hooks.names()
+        engine.loaded.hooks.remove("flash attention")
+        assert process_runtime().kernel is None and engine.backend._loops._programs == {}
+    finally:
+        engine.close()
     assert plain["device"]["flash_attention"]["state"] == "off"
     assert_same_images(kernel_dir, plain_dir, COMPILED_VS_EAGER)
 

@@ -143,6 +143,12 @@ def test_under_new_shapes_compile_the_warm_shapes_are_capped(tmp_path):
         loaded = SimpleNamespace(max_steps=lambda scheduler: 999, default_scheduler="DDIM")
         embeddings = ()  # the textual-inversion embeddings its text encoders hold
 
+        def warm_programs(self) -> set[str]:  # each program warm: a shape key (no step cache on jax here)
+            return {shape for shape, _ in self.warm}
+
+        def program_key(self, shape, steps: int) -> str:
+            return str(shape)
+
     service.engines = [Warm()]
     service.check([_fox(height=96)])  # warm (height x width): compiles no new shape
     with pytest.raises(NotWarm) as refused:

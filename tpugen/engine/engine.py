@@ -460,6 +460,22 @@ class Engine:
         traces the loop call by call (its hooks decide at each call which blocks run)."""
         return self.spec.compile.step_cache.method != "none" and getattr(self.backend, "whole_loop", False)
 
+    def program_key(self, shape, steps: int) -> str:
+        """What a call of this shape key and step count compiles as: its shape key, or under `per_step_count` the
+        shape key at that many steps (a server's cap on warm shapes counts these)."""
+        return f"{shape} at {steps} steps" if self.per_step_count else str(shape)
+
+    def warm_counts(self, shape, scheduler: str | None = None) -> list[int]:
+        """The step counts this shape key and scheduler were warmed at, under `per_step_count` (else [])."""
+        choice = find_scheduler(scheduler).name if scheduler else self.loaded.default_scheduler
+        return sorted(self._warm_counts.get((str(shape), choice), ()))
+
+    def warm_programs(self) -> set[str]:
+        """The program_key of everything warm."""
+        if self.per_step_count:
+            return {f"{shape} at {n} steps" for (shape, _), counts in self._warm_counts.items() for n in counts}
+        return {shape for shape, _ in self.warm}
+
     def _warm_keys(self, plan: RunPlan, display: Display, checkpoint: Checkpoint, scheduler: str | None) -> list[dict]:
         first_batch: dict = {}
         cache = self.spec.compile.step_cache
@@ -504,9 +520,14 @@ class Engine:
                     self.loaded.use_scheduler(None)  # at rest, an engine has the scheduler it was loaded with
             entry = WarmupEntry.measured(shape, seconds, delta, census, dict(self.loaded.phase_memory)).as_dict()
             self.warm[key] = entry
+            stale = key in self._warmed_stale
             self._warmed_stale.discard(key)
             self._warm_steps[key] = max(warmed_steps, batch.steps)
-            self._warm_counts.setdefault(key, set()).add(batch.steps)
+            # A stale key's other counts were compiled with what is gone (flash attention's kernel): not warm now.
+            counts = self._warm_counts.setdefault(key, set())
+            if stale:
+                counts.clear()
+            counts.add(batch.steps)
             results.append(entry)
         return results
 

@@ -462,6 +462,7 @@ class LoadedPipeline:
 
         self.step_by_step = no_whole_loop(self.family)
         if self.step_by_step is not None:
+            self._no_step_cache_step_by_step(self.step_by_step)
             self._count_loop(self.step_by_step)
             return self._step_by_step(pipe, arguments)
         try:
@@ -474,6 +475,7 @@ class LoadedPipeline:
         try:
             work = loop_work(self.family, first, task, self.backend.noise_bucket)
         except NoWholeLoop as exc:
+            self._no_step_cache_step_by_step(str(exc))
             self.step_by_step = str(exc)
             self._count_loop(self.step_by_step)
             # The pipeline encodes its prompts again, then runs its own loop: its phases are counted from the start.
@@ -492,6 +494,16 @@ class LoadedPipeline:
         if self.on_step is not None:
             self.on_step(self._steps_before + steps)
         return latents
+
+    def _no_step_cache_step_by_step(self, why: str) -> None:
+        """A step cache runs inside the whole loop only (its hooks decide as the loop is traced call by call): a
+        loop that must run a step at a time, where a jitted denoiser would keep its first trace's decision for
+        every step, is refused naming why."""
+        if self.step_cache is not None and self.step_cache.method != "none":
+            raise RunError(
+                f"compile.step_cache: {self.step_cache.method} on a backend that runs whole loops needs the loop as "
+                f"one call, and this batch's runs a step at a time: {why}"
+            )
 
     def _hires_pass(self, batch: Batch, latents) -> tuple:
         """Hires fix's second pass on the first pass's `latents`: scaled up (latent: bilinearly, on the device;

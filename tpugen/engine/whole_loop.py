@@ -277,6 +277,8 @@ def loop_work(family, call: FirstCall, task: str, buckets) -> LoopWork:
         blends=blends,
     )
     _check_first_call(body, sample, timestep, rows, schedule, appendix_dim)
+    if call.control is None and isinstance(getattr(pipe, "controlnet", None), torch.nn.Module):
+        raise NoWholeLoop("the ControlNet pipeline did not call its ControlNet before its denoiser")
     control = None
     if call.control is not None:
         # CFG as a second call (Qwen-Image's true CFG): its pipeline hands the conditional call's residuals to both.

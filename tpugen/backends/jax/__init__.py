@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from tpugen.backends.base import JAX_PLAIN, Counters, FlashAttention, OneDeviceBackend, flash_attention_off
+from tpugen.backends.base import (
+    FLASH_ATTENTION_HOOK,
+    JAX_PLAIN,
+    Counters,
+    FlashAttention,
+    OneDeviceBackend,
+    flash_attention_off,
+)
 from tpugen.backends.jax.runtime import process_runtime
 
 # Measured here (jax 0.10.2, 4 CPU devices): the kernel under shard_map in interpret mode crashed the process.
@@ -101,6 +108,8 @@ class JaxBackend(OneDeviceBackend):
         """The modules' calls from diffusers' glue go to JAX: the text encoders' forward, the denoiser's (for a
         loop that runs a step at a time), and the VAE's encoder (img2img and inpainting), each a named hook."""
         self.flash_attention = self._attention(compile_config.flash_attention, family.flash_attention)
+        if self.runtime.kernel is not None:  # what a failed call with the kernel takes off (Engine._call_with_flash)
+            hooks.add(FLASH_ATTENTION_HOOK, self._kernel_off)
         for name, jax_module in self.modules.items():
             if name == family.denoiser:
                 method = family.traced_method
@@ -323,6 +332,14 @@ class JaxBackend(OneDeviceBackend):
                 else ", one device in this process"
             ),
         }
+
+    def _kernel_off(self) -> None:
+        """Plain attention from now on: the kernel gone, and every program traced with it forgotten."""
+        self.runtime.kernel = None
+        self._loops._programs.clear()
+        self._decoders.clear()
+        for module in [*self.modules.values(), *self.beside.values()]:
+            module._jitted.clear()
 
     def _attention_summary(self) -> dict:
         """Which attention the programs traced: JAX's Pallas flash-attention kernel (how many attention calls took

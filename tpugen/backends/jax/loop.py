@@ -237,10 +237,22 @@ class LoopPrograms:
                 type(control).__name__ if beside else None,
                 tuple((module.label, module.description()) for module in beside),
                 unrolled,
-                repr(getattr(own, "_cache_config", None)) if unrolled is not None else None,
+                _cache_identity(getattr(own, "_cache_config", None)) if unrolled is not None else None,
             )
 
         return self.runtime.store.program(program, identity)
+
+
+def _cache_identity(config) -> tuple:
+    """A step cache's config as its hooks read it, every value whole (a tensor of ratios as its list: its repr
+    rounds them)."""
+    if config is None:
+        return ()
+    values = []
+    for name, value in sorted(vars(config).items()):
+        value = value.tolist() if hasattr(value, "tolist") else value
+        values.append((name, value if isinstance(value, (int, float, str, bool, list, type(None))) else repr(value)))
+    return (type(config).__name__, tuple(values))
 
 
 def _padded(values, width: int) -> list[float]:

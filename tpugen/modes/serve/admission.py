@@ -110,8 +110,9 @@ class Admission:
                 raise NotWarm(*(problem for problem in cold if problem))
         elif warm.engines:
             cap = serve.max_warm_shapes
-            warmed = {shape for shape, _ in warm.engines[0].warm}
-            new = {str(work.shape(warm.batch_size)) for work in works} - warmed
+            engine = warm.engines[0]
+            warmed = engine.warm_programs()  # under a step cache on jax, each shape key at each step count
+            new = {engine.program_key(work.shape(warm.batch_size), work.steps) for work in works} - warmed
             if new and len(warmed) + len(new) > cap:
                 raise NotWarm(
                     f"{', '.join(sorted(new))} would be compiled, and this server keeps at most {cap} shapes warm "
@@ -152,9 +153,10 @@ class Admission:
         elif work.clip_skip != warm.run.config.clip_skip:
             what = f"clip skip {work.clip_skip} is not warm (clip_skip: {warm.run.config.clip_skip})"
         elif engine.is_warm(shape, work.scheduler) and engine.per_step_count:
+            counts = engine.warm_counts(shape, work.scheduler)
             what = (
                 f"{work.steps} steps are not warm (under compile.step_cache each step count is a loop program of its "
-                f"own on backend jax; warm at {warm.run.config.steps})"
+                f"own on backend jax; warm at {', '.join(map(str, counts))} steps)"
             )
         elif engine.is_warm(shape, work.scheduler):
             warmed = engine.warm_steps(shape, work.scheduler)

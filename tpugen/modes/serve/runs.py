@@ -69,7 +69,11 @@ class SentRuns:
             most_steps: dict = {}
             for batch in plan.batches:
                 most_steps[batch.shape] = max(most_steps.get(batch.shape, 0), batch.steps)
-            cold = [str(shape) for shape, steps in most_steps.items() if not engine.is_warm(shape, None, steps)]
+            # Each step count its own program (engine.per_step_count): every count is checked, not the most.
+            asked = {(b.shape, b.steps) for b in plan.batches} if engine.per_step_count else most_steps.items()
+            cold = sorted(
+                {engine.program_key(shape, steps) for shape, steps in asked if not engine.is_warm(shape, None, steps)}
+            )
             if cold:
                 raise NotWarm(
                     f"the run needs {', '.join(cold)}, not warm (serve.new_shapes: reject); warm: {warm.summary()}"
