@@ -148,6 +148,8 @@ def test_the_controlnet_routes(controlnet_server):
         assert list(detail) == aliases  # the details under the names the list gives
         # The extension's control types: each type's preprocessors here ("none" first), its ControlNets by name.
         types = http.get("/controlnet/control_types").json()["control_types"]
+        # A query it does not take (a 6 kB one) changes nothing.
+        assert http.get("/controlnet/control_types", params={"x" * 2000: "y" * 4000}).json()["control_types"] == types
         assert list(types) == ["All", *CONTROL_TYPES]
         assert types["All"]["model_list"] == ["None", "tiny-sd-controlnet"] and types["All"]["module_list"] == aliases
         assert types["Canny"] == {

@@ -30,8 +30,7 @@ def jax_problems(config: RunConfig, family: Family) -> list[str]:
         )
     if config.model.controlnets and family.controlnet is not None and family.controlnet.loop_refusal:
         problems.append(
-            f"model.controlnets: ControlNet on execution.backend: jax: {family.title} models: "
-            f"{family.controlnet.loop_refusal}; execution.backend: xla runs them"
+            f"model.controlnets: {jax_family_refusal('ControlNet', family, family.controlnet.loop_refusal)}"
         )
     for key, tiled in (("tiling", config.tiling), ("serve.tiling", config.serve.tiling)):
         if tiled:
@@ -46,10 +45,12 @@ def jax_edit_refusal(family: Family) -> str | None:
     references' tokens joined to the latents' as on xla)."""
     if not family.loop_edit_refusal:
         return None
-    return (
-        f"edits by reference on execution.backend: jax: {family.title} models: {family.loop_edit_refusal}; "
-        "execution.backend: xla runs them"
-    )
+    return jax_family_refusal("edits by reference", family, family.loop_edit_refusal)
+
+
+def jax_family_refusal(what: str, family: Family, why: str) -> str:
+    """One line: `what` does not run on backend jax for this family's models, and why."""
+    return f"{what} on execution.backend: jax: {family.title} models: {why}; execution.backend: xla runs them"
 
 
 def jax_image_problems(family: Family, *, references: bool, tiling: bool) -> list[str]:
