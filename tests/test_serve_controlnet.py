@@ -89,6 +89,7 @@ def test_a_webuiapi_unit_steers_warm_as_a_run_config_does(controlnet_server, tmp
     # A fresh alwayson_scripts: webuiapi's txt2img puts the units into its default mapping, shared by every later
     # call in the process (another test's WebUIApi then sent them to a server without ControlNets).
     controlled = api.txt2img(controlnet_units=[unit], alwayson_scripts={}, **common)
+    assert len(controlled.images) == 2  # the image, then the unit's detected map
     with httpx.Client(base_url=url, headers=AUTH, timeout=120) as http:
         answer = http.post("/sdapi/v1/txt2img", json={**FIELDS, "sampler_name": "DDIM"})
     assert answer.status_code == 200, answer.text
@@ -123,6 +124,56 @@ def test_a_webuiapi_unit_steers_warm_as_a_run_config_does(controlnet_server, tmp
     assert run_cli("generate", write_config(tmp_path / "run.yaml", run), "--quiet").exit_code == 0
     (image,) = (tmp_path / "outputs" / "run").glob("00000-*.png")
     assert (pixels(Image.open(image)) == made).all()
+
+
+# The extension's own web API tests' unit (tests/web_api/template.py's default_unit), with this server's ControlNet.
+EXTENSION_UNIT = {
+    "control_mode": 0,
+    "enabled": True,
+    "guidance_end": 1,
+    "guidance_start": 0,
+    "pixel_perfect": True,
+    "processor_res": 512,
+    "resize_mode": 1,
+    "threshold_a": 64,
+    "threshold_b": 64,
+    "weight": 1,
+    "module": "canny",
+    "model": "tiny-sd-controlnet",
+}
+
+
+@pytest.mark.parametrize(
+    "fields, unit, count",
+    [
+        ({}, {}, 2),  # the image, then the unit's detected map
+        ({"n_iter": 2}, {}, 3),  # one map per unit and request
+        ({}, {"save_detected_map": False}, 1),
+        ({}, {"save_detected_map": True}, 2),
+        ({}, {"foo": True, "is_ui": False}, 2),  # keys the extension ignores (its test_unrecognized_param)
+        ({"enable_hr": False}, {"hr_option": "HiResFixOption.BOTH"}, 2),  # no hires fix: hr_option is moot
+        ({}, {"enabled": False}, 1),
+    ],
+)
+def test_detected_maps_follow_the_images(controlnet_server, fields, unit, count):
+    """The extension's replies carry each enabled unit's detected map after the images: its tests count them."""
+    import cv2
+
+    url, _ = controlnet_server
+    body = {**FIELDS, "width": 64, "height": 64, **fields}
+    body["alwayson_scripts"] = {"ControlNet": {"args": [{**EXTENSION_UNIT, "image": _b64(_disc()), **unit}]}}
+    with httpx.Client(base_url=url, headers=AUTH, timeout=120) as http:
+        answer = http.post("/sdapi/v1/txt2img", json=body)
+    assert answer.status_code == 200, answer.text
+    images = answer.json()["images"]
+    assert len(images) == count
+    if count > body.get("n_iter", 1) and unit.get("enabled", True):
+        # The map is the control the ControlNet took: the 64x64 disc (fitted to 64x64 as it is) through Canny at
+        # the unit's thresholds, white edges on black.
+        edges = cv2.Canny(np.asarray(_disc()), 64, 64)
+        assert np.array_equal(np.asarray(decode(images[-1]).convert("RGB")), np.repeat(edges[:, :, None], 3, axis=2))
+        assert edges.any()
+    assert metric(url, "tpugen_compiles_after_warmup_total") == 0
 
 
 def test_the_controlnet_routes(controlnet_server):
@@ -214,7 +265,20 @@ def test_the_controlnet_routes(controlnet_server):
         ({"controlnet": {"args": [_unit(image="%%%not base64")]}}, "args[0].image: not base64"),
         ({"controlnet": {"args": [_unit(image="bm90IGFuIGltYWdl")]}}, "args[0].image: is not an image PIL can read"),
         ({"controlnet": {"args": [_unit(image="")]}}, "args[0].image: give the control image"),
-        ({"controlnet": {"args": [_unit(mask=_b64(_disc()))]}}, "args[0].mask: a unit's own mask is not built"),
+        ({"controlnet": {"args": [_unit(mask=_b64(_disc()))]}}, "args[0].mask: a unit's own mask (where the unit"),
+        ({"controlnet": {"args": [_unit(mask_image=_b64(_disc()))]}}, "args[0].mask_image: a unit's own mask"),
+        (
+            {"controlnet": {"args": [_unit(image={"image": _b64(_disc()), "mask": _b64(_disc())})]}},
+            "args[0].image.mask: a unit's own mask",
+        ),
+        ({"controlnet": {"args": [_unit(advanced_weighting=[0.75] * 13)]}}, "args[0].advanced_weighting: per-layer"),
+        ({"controlnet": {"args": [_unit(effective_region_mask="x" * 64)]}}, "args[0].effective_region_mask: a unit's"),
+        ({"controlnet": {"args": [_unit(ipadapter_input=["x"])]}}, "args[0].ipadapter_input: IP-Adapter is not built"),
+        ({"controlnet": {"args": [_unit(union_control_type="Depth")]}}, "args[0].union_control_type: 'Depth'"),
+        ({"controlnet": {"args": [_unit(hr_option="Sometimes")]}}, "args[0].hr_option: 'Sometimes'; one of Both"),
+        ({"controlnet": {"args": [_unit(hr_option=[1] * 10_000)]}}, "args[0].hr_option: '[1, 1, 1"),
+        ({"controlnet": {"args": [_unit(save_detected_map="no")]}}, "args[0].save_detected_map: must be true or false"),
+        ({"controlnet": {"args": [_unit(input_image=_b64(_disc()))]}}, "args[0]: give image or input_image"),
         ({"controlnet": {"args": [_unit(control_mode=2)]}}, "args[0].control_mode: '2' is not built; Balanced"),
         ({"controlnet": {"args": [_unit(weight="heavy")]}}, "args[0].weight: must be a number"),
         ({"controlnet": {"args": [_unit(weight=1e300)]}}, "args[0].weight: must be from 0 to 2"),

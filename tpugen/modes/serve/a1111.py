@@ -19,7 +19,7 @@ from tpugen.config.loras import safetensors_header
 from tpugen.config.request import DEFAULT_STRENGTH, MAX_STEPS, seed_for, strength_ok
 from tpugen.errors import InputError
 from tpugen.modes.serve import sd_upscale
-from tpugen.modes.serve.controlnet_api import controls_for, script_problems
+from tpugen.modes.serve.controlnet_api import controls_for, detected_maps, script_problems
 from tpugen.modes.serve.progress import Job
 from tpugen.modes.serve.replies import base64_image, image_b64, image_record, json_response, parse
 from tpugen.modes.serve.service import Service
@@ -378,9 +378,12 @@ def _reply(
     }
     if note:
         info["note"] = note
+    encoded = [image_b64(p, r) for p, r in zip(pixels, records, strict=True)] if body.send_images else []
+    if encoded:  # the ControlNet extension's detected maps follow the images, one per unit
+        encoded += detected_maps(service, body.alwayson_scripts, first.controls, first.width, first.height)
     return json_response(
         {
-            "images": [image_b64(p, r) for p, r in zip(pixels, records, strict=True)] if body.send_images else [],
+            "images": encoded,
             "parameters": _echoed(body),
             "info": json.dumps(info, ensure_ascii=False),
         }

@@ -26,7 +26,7 @@ from tpugen.config.controls import module_problem as why_not_module
 from tpugen.config.images import InputImage
 from tpugen.config.schema import CONTROL_SCALE_MAX
 from tpugen.errors import InputError
-from tpugen.modes.serve.replies import base64_image, json_response, parse
+from tpugen.modes.serve.replies import base64_image, base64_png, json_response, parse
 from tpugen.modes.serve.service import Service
 
 router = APIRouter(prefix="/controlnet")
@@ -80,6 +80,83 @@ def _number(
     return float(value)
 
 
+# The extension's unit fields that change what a unit does and that tpugen does not run: each refused by name where
+# a request sets it (anything but null, false or empty), with why.
+UNBUILT_UNIT_FIELDS = {
+    "mask": "a unit's own mask (where the unit acts) is not built",
+    "mask_image": "a unit's own mask (where the unit acts) is not built",
+    "advanced_weighting": "per-layer ControlNet weights are not built; weight scales every layer",
+    "effective_region_mask": "a unit's effective region is not built",
+    "ipadapter_input": "IP-Adapter is not built",
+    "animatediff_batch": "AnimateDiff batches are not built",
+    "batch_images": "a unit's batch of images is not built; give one image",
+    "batch_image_files": "a unit's batch of images is not built; give one image",
+    "batch_mask_dir": "a unit's batch of masks is not built",
+}
+# union_control_type's values that ask for nothing (a Union ControlNet's type is refused where it is loaded).
+UNION_UNSET = {"unknown", "controlnetunioncontroltype.unknown"}
+# hr_option's values, as the extension reads them (it takes the enum's name, its value, or "HiResFixOption.NAME"). A
+# request without a hires fix ignores it, as the extension does; with one, units are refused (images_for).
+HR_OPTIONS = {"both", "low res only", "high res only", "low_res_only", "high_res_only"}
+
+
+def unit_field_problems(unit: dict, where: str) -> list[str]:
+    """What an enabled unit asks for beside what controls_for reads: the fields tpugen does not run, refused by name
+    (UNBUILT_UNIT_FIELDS); save_detected_map and hr_option checked. Fields the extension itself ignores (an
+    unknown key, its UI's own) are ignored here too, as its own tests expect."""
+    problems = [
+        f"{where}.{key}: {why}"
+        for key, why in UNBUILT_UNIT_FIELDS.items()
+        if unit.get(key) not in (None, False, "", [], {})
+    ]
+    image = unit.get("image")
+    if isinstance(image, dict) and image.get("mask"):
+        problems.append(f"{where}.image.mask: {UNBUILT_UNIT_FIELDS['mask']}")
+    if unit.get("image") and unit.get("input_image"):
+        problems.append(f"{where}: give image or input_image (its old name), not both")
+    save = unit.get("save_detected_map", True)
+    if not isinstance(save, bool):
+        problems.append(f"{where}.save_detected_map: must be true or false, got {str(save)[:40]!r}")
+    union = unit.get("union_control_type")
+    if union is not None and str(union).lower() not in UNION_UNSET:
+        problems.append(f"{where}.union_control_type: {str(union)[:60]!r}: ControlNet Union is not built")
+    option = unit.get("hr_option", "Both")
+    named = option.lower().removeprefix("hiresfixoption.") if isinstance(option, str) else None
+    if named not in HR_OPTIONS:
+        problems.append(f"{where}.hr_option: {str(option)[:60]!r}; one of Both, Low res only, High res only")
+    return problems
+
+
+def saves_maps(scripts: dict | None) -> dict[str, bool]:
+    """Whether each enabled unit's detected map goes back with the images (the extension's save_detected_map, true
+    unless a unit says false), by the ControlNet the unit names (a request has one unit per ControlNet). The units
+    were checked by controls_for."""
+    saves = {}
+    for unit in _units(scripts or {}):
+        if isinstance(unit, dict) and unit.get("enabled", True) is True:
+            model = str(unit.get("model") or "None").split(" [")[0].strip()
+            saves[model] = unit.get("save_detected_map", True) is not False
+    return saves
+
+
+def detected_maps(service: Service, scripts: dict | None, controls: Controls | None, width: int, height: int):
+    """The extension's detected maps, which its replies carry after the images: each enabled unit's control image
+    as the ControlNet took it (fitted to the request's size, then its preprocessor run), base64 PNG, one per unit
+    and request, in the server's ControlNet order (a unit with save_detected_map false has none)."""
+    if controls is None:
+        return []
+    from tpugen.engine.controls import control_image
+
+    saves = saves_maps(scripts)
+    names = [control_name(c.id) for c in service.run.config.model.controlnets]
+    annotators = service.run.config.model.annotators_dir
+    maps = []
+    for name, unit in zip(names, controls.units, strict=True):
+        if saves.get(name, True):
+            maps.append(base64_png(control_image(unit, width, height, annotators)))
+    return maps
+
+
 def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
     """A request's ControlNet units (None: it sends none that are enabled), ordered as the server's ControlNets;
     an InputError with every problem, one line each. `decode(text, where)`: a base64 image's bytes."""
@@ -117,8 +194,7 @@ def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
         mode = unit.get("control_mode", 0)
         if (mode.lower() if isinstance(mode, str) else mode) not in BALANCED:
             problems.append(f"{where}.control_mode: {str(mode)[:60]!r} is not built; Balanced (0) is")
-        if unit.get("mask"):
-            problems.append(f"{where}.mask: a unit's own mask is not built; send none")
+        problems.extend(unit_field_problems(unit, where))
         resize = unit.get("resize_mode", 1)
         resize = RESIZE_NAMES.get(resize.lower()) if isinstance(resize, str) else resize
         if resize not in (0, 1, 2) or isinstance(resize, bool):
@@ -139,7 +215,7 @@ def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
         if why := threshold_a_problem(named, thresholds[0]):
             problems.append(f"{where}.threshold_a: {why}")
         image = unit.get("image") or unit.get("input_image")
-        if isinstance(image, dict):  # the extension also takes {"image": ..., "mask": ...}
+        if isinstance(image, dict):  # the extension also takes {"image": ..., "mask": ...} (a mask is refused above)
             image = image.get("image")
         if not isinstance(image, str) or not image:
             problems.append(f"{where}.image: give the control image (base64 PNG or JPEG)")
@@ -229,9 +305,6 @@ async def detect(request: Request):
 
 
 def detect_reply(service: Service, body: Detect):
-    import base64
-    import io
-
     from tpugen.config.images import open_checked
     from tpugen.engine.controls import preprocess
 
@@ -264,8 +337,7 @@ def detect_reply(service: Service, body: Detect):
         image, why = open_checked(base64_image(text, where), lambda opened: opened.convert("RGB"))
         if why:
             raise InputError(f"{where}: {why}")
-        buffer = io.BytesIO()
-        preprocess(image, named, a, b, annotators).save(buffer, format="PNG")
+        made = preprocess(image, named, a, b, annotators)
         del image
-        out.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+        out.append(base64_png(made))
     return json_response({"images": out, "info": "Success"})

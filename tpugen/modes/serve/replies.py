@@ -74,6 +74,15 @@ def image_b64(pixels, record: dict) -> str:
     return base64.b64encode(png_bytes(Image.fromarray(pixels), record)).decode("ascii")
 
 
+def base64_png(image) -> str:
+    """A PIL image as base64 PNG bytes, nothing else in the file (a preprocessor's map)."""
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def image_record(service: Service, work: ImageWork) -> dict:
     """What made a server's image, as a run's PNG records it (there is no run file or batch here)."""
     engine = service.engines[0]
