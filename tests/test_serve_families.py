@@ -86,6 +86,20 @@ def test_a_z_image_server_runs_a_controlnet_unit_as_diffusers_does_and_refuses_a
             api.img2img(
                 denoising_strength=0.75, sampler_name="Euler", width=64, height=64, alwayson_scripts={}, **inpaint
             )
+        # A unit without an image of its own takes the init image, fitted by the request's resize_mode, as the
+        # extension's do: the image that unit makes given the init image itself; its detected map follows.
+        body = dict(fields, sampler_name="Euler", width=64, height=64, denoising_strength=1.0, resize_mode=1)
+        body.update(init_images=[_png64(disc)], mask=_png64(mask), inpaint_full_res=False)
+        own = {**unit.to_dict(), "resize_mode": 1}
+        with httpx.Client(base_url=url, headers=AUTH, timeout=120) as client:
+            given, taken = (
+                client.post("/sdapi/v1/img2img", json={**body, "alwayson_scripts": {"controlnet": {"args": [u]}}})
+                for u in (own, {**own, "image": ""})
+            )
+        assert given.status_code == 200 and taken.status_code == 200, (given.text, taken.text)
+        assert len(taken.json()["images"]) == 2  # the image, then the unit's detected map
+        assert (_unpng(taken.json()["images"][0]) == _unpng(given.json()["images"][0])).all()
+        assert (_unpng(taken.json()["images"][1]) == np.asarray(disc)).all()  # module none: the init image
         window = {**unit.to_dict(), "guidance_end": 0.5}
         with httpx.Client(base_url=url, headers=AUTH, timeout=120) as client:
             refused = client.post(
@@ -115,3 +129,13 @@ def test_a_z_image_server_runs_a_controlnet_unit_as_diffusers_does_and_refuses_a
         ).images[0]
     apart = np.abs(pixels(made.image) - (expected * 255).round().astype(np.int16)).max()
     assert apart <= 2, apart
+
+
+def _png64(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _unpng(text: str):
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(text))).convert("RGB"))

@@ -251,8 +251,9 @@ def with_styles(service: Service, body: Txt2Img) -> tuple[str, str | None]:
     return prompt, negative
 
 
-def images_for(service: Service, body: Txt2Img) -> list[ImageWork]:
-    """The request's images, or an InputError with every problem it has (one line each)."""
+def images_for(service: Service, body: Txt2Img, init: tuple[str, int] | None = None) -> list[ImageWork]:
+    """The request's images, or an InputError with every problem it has (one line each). `init`: an img2img
+    request's init image (base64) and resize_mode, which a ControlNet unit without an image of its own takes."""
     config = service.run.config
     height, width = service.sizes[0]
     problems: list[str] = []
@@ -268,7 +269,7 @@ def images_for(service: Service, body: Txt2Img) -> list[ImageWork]:
     seed = seed_for(body.seed)  # -1: a random one; another negative seed is refused with the request
     steps = body.steps if body.steps is not None else config.steps
     hires = collect(problems, hires_for, service, body, steps)
-    controls = collect(problems, controls_for, service, body.alwayson_scripts, base64_image)
+    controls = collect(problems, controls_for, service, body.alwayson_scripts, base64_image, init)
     if controls is not None and hires is not None:
         problems.append("enable_hr: a hires fix with ControlNet units is not built (its second pass would run without)")
 
@@ -454,7 +455,8 @@ def img2img_images(service: Service, body: Img2Img) -> tuple[list[ImageWork], di
         problems.append(
             f"inpaint_full_res_padding: must be from 0 to {MAX_INPAINT_PADDING} pixels, got {body.inpaint_full_res_padding}"
         )
-    txt = images_for(service, body) if not problems else None
+    init = (body.init_images[0], body.resize_mode) if body.init_images else None
+    txt = images_for(service, body, init) if not problems else None
     if problems or not txt:
         refuse(problems or ["init_images: missing"], service, None)
     first = txt[0]

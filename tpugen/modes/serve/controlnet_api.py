@@ -157,9 +157,10 @@ def detected_maps(service: Service, scripts: dict | None, controls: Controls | N
     return maps
 
 
-def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
+def controls_for(service: Service, scripts: dict, decode, init: tuple[str, int] | None = None) -> Controls | None:
     """A request's ControlNet units (None: it sends none that are enabled), ordered as the server's ControlNets;
-    an InputError with every problem, one line each. `decode(text, where)`: a base64 image's bytes."""
+    an InputError with every problem, one line each. `decode(text, where)`: a base64 image's bytes. `init`: an
+    img2img request's init image and resize_mode, which a unit without an image takes, as the extension's do."""
     units = _units(scripts or {})
     if not units:
         return None
@@ -217,6 +218,9 @@ def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
         image = unit.get("image") or unit.get("input_image")
         if isinstance(image, dict):  # the extension also takes {"image": ..., "mask": ...} (a mask is refused above)
             image = image.get("image")
+        image_where = f"{where}.image"
+        if not image and init is not None:
+            (image, resize), image_where = init, "init_images[0]"
         if not isinstance(image, str) or not image:
             problems.append(f"{where}.image: give the control image (base64 PNG or JPEG)")
             continue
@@ -227,7 +231,7 @@ def controls_for(service: Service, scripts: dict, decode) -> Controls | None:
         if problems:
             continue
         try:
-            stored = InputImage(*service.input_image(decode(image, f"{where}.image"), f"{where}.image"))
+            stored = InputImage(*service.input_image(decode(image, image_where), image_where))
         except InputError as exc:
             problems.extend(exc.lines)
             continue
