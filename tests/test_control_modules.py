@@ -103,3 +103,26 @@ def test_control_types_pick_controlnets_by_the_words_their_names_hold():
         "default_model": "None",
     }
     assert types["All"]["model_list"] == ["None", *names]
+
+
+def test_module_detail_gives_the_extensions_sliders_for_the_thresholds_read():
+    from tpugen.config.controls import ANNOTATORS, SLIDERS, THRESHOLD_A_RANGES, module_detail, module_thresholds
+
+    # The extension's canny sliders (its modules_test), less its resolution one: tpugen does not read processor_res.
+    assert module_detail("canny") == {
+        "model_free": False,
+        "sliders": [
+            {"name": "Low Threshold", "value": 100, "min": 1, "max": 255, "step": 1},
+            {"name": "High Threshold", "value": 200, "min": 1, "max": 255, "step": 1},
+        ],
+    }
+    assert module_detail("invert") == {"model_free": False, "sliders": []}
+    for name in [*CONTROL_MODULES, *ANNOTATORS]:
+        detail, defaults = module_detail(name), module_thresholds(name)
+        # One slider per threshold the module reads, none for one it does not; each default inside its range.
+        assert len(detail["sliders"]) == sum(value is not None for value in defaults), name
+        assert set(SLIDERS) <= {*CONTROL_MODULES, *ANNOTATORS}
+        for slider, value in zip(detail["sliders"], defaults, strict=False):
+            assert slider["value"] == value and slider["min"] <= value <= slider["max"], (name, slider)
+        if name in THRESHOLD_A_RANGES:  # the range a request is held to is the one the slider shows
+            assert THRESHOLD_A_RANGES[name][:2] == (detail["sliders"][0]["min"], detail["sliders"][0]["max"])

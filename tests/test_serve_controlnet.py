@@ -197,6 +197,10 @@ def test_the_controlnet_routes(controlnet_server):
         assert "t2ia_color_grid" in aliases and "lineart_standard (from white bg & black line)" in aliases
         detail = http.get("/controlnet/module_list", params={"alias_names": "true"}).json()["module_detail"]
         assert list(detail) == aliases  # the details under the names the list gives
+        assert detail["canny"]["model_free"] is False and [s["name"] for s in detail["canny"]["sliders"]] == [
+            "Low Threshold",
+            "High Threshold",
+        ]
         # The extension's control types: each type's preprocessors here ("none" first), its ControlNets by name.
         types = http.get("/controlnet/control_types").json()["control_types"]
         # A query it does not take (a 6 kB one) changes nothing.

@@ -178,6 +178,34 @@ def control_types(modules: list[str], controlnets: list[str]) -> dict:
     return {"control_types": found}
 
 
+# The sliders the extension's web UI shows for a preprocessor's thresholds (/controlnet/module_list's
+# module_detail), for the thresholds tpugen reads, in order (threshold_a's, threshold_b's): the extension's name,
+# range and step; the value is the module's own default (module_thresholds), and where THRESHOLD_A_RANGES bounds
+# threshold_a its range is that one (None here). There is no resolution slider: tpugen does not read processor_res.
+SLIDERS: dict[str, tuple[tuple[str, float | None, float | None, float], ...]] = {
+    "canny": (("Low Threshold", 1, 255, 1), ("High Threshold", 1, 255, 1)),
+    "scribble": (("Binarization Threshold", 0, 255, 1),),
+    "tile": (("Down Sampling Rate", None, None, 0.01),),
+    "threshold": (("Binarization Threshold", None, None, 0.01),),
+    "blur_gaussian": (("Sigma", None, None, 0.01),),
+    "recolor_luminance": (("Gamma Correction", None, None, 0.001),),
+    "recolor_intensity": (("Gamma Correction", None, None, 0.001),),
+    "scribble_xdog": (("XDoG Threshold", None, None, 0.01),),
+    "mlsd": (("MLSD Value Threshold", 0.01, 2.0, 0.01), ("MLSD Distance Threshold", 0.01, 20.0, 0.01)),
+}
+
+
+def module_detail(named: str) -> dict:
+    """A preprocessor's detail as the extension's /controlnet/module_list gives it: `model_free` (whether a unit
+    runs without a ControlNet model: never in tpugen) and its sliders ({name, value, min, max, step})."""
+    sliders = []
+    for (name, low, high, step), value in zip(SLIDERS.get(named, ()), module_thresholds(named), strict=False):
+        if low is None:
+            low, high, _ = THRESHOLD_A_RANGES[named]
+        sliders.append({"name": name, "value": value, "min": low, "max": high, "step": step})
+    return {"model_free": False, "sliders": sliders}
+
+
 def threshold_a_problem(named: str, value: float | None) -> str | None:
     """Why `value` is not a threshold_a module `named` takes (its range), or None."""
     if named not in THRESHOLD_A_RANGES or value is None:

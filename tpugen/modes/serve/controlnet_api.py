@@ -16,6 +16,7 @@ from tpugen.config.controls import (
     control_name,
     control_types,
     module_descriptions,
+    module_detail,
     module_label,
     module_name,
     module_thresholds,
@@ -272,13 +273,14 @@ def model_list(request: Request) -> dict:
 @router.get("/module_list")
 def module_list(request: Request, alias_names: bool = False) -> dict:
     """The preprocessors this server runs (the built-ins, and the annotators model.annotators_dir has the weights
-    of), by tpugen's names or (alias_names) the extension's labels; module_detail under the same names."""
+    of), by tpugen's names or (alias_names) the extension's labels; module_detail under the same names: the
+    extension's model_free and sliders (tpugen.config.controls.module_detail), and what the module makes."""
     service: Service = request.app.state.service
     modules = module_descriptions(service.run.config.model.annotators_dir)
     names = {name: module_label(name) if alias_names else name for name in modules}
     return {
         "module_list": list(names.values()),
-        "module_detail": {names[name]: {"description": text} for name, text in modules.items()},
+        "module_detail": {names[name]: {**module_detail(name), "description": text} for name, text in modules.items()},
     }
 
 
