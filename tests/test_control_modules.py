@@ -1,7 +1,7 @@
 """The ControlNet extension's weight-free preprocessors (sd-webui-controlnet 1.1.455) as tpugen runs them: each equal,
 byte for byte, to what the extension's own code made of the same pictures. tests/data/controlnet_extension_modules.npz
 holds three pictures (a drawing, a noisy gradient, flat shapes; sides not multiples of 64) and each module's output
-on each, made by running the extension's preprocessor classes (its scripts/preprocessor and annotator code at commit
+on each (tile_resample's smaller than the picture, as the extension's /controlnet/detect answers), made by running the extension's preprocessor classes (its scripts/preprocessor and annotator code at commit
 56cec5b, A1111 stubbed out) at the picture's own size, as /controlnet/detect returns them. Device-free."""
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ def test_a_weight_free_module_makes_what_the_extension_makes(module, threshold_a
     assert ours.shape == expected.shape, (ours.shape, expected.shape)
     apart = np.abs(ours.astype(np.int16) - expected.astype(np.int16))
     assert int(apart.max()) == 0, (module, threshold_a, picture, int(apart.max()), float((apart > 0).mean()))
-    if module not in ("blur_gaussian", "color"):  # these keep the picture's colours; the rest are drawn anew
-        assert not np.array_equal(ours, image)
+    if module == "tile_resample" and (threshold_a or 1.0) < 1.1:  # the picture as it is, at the default rate
+        assert np.array_equal(ours, image)
+    elif module not in ("blur_gaussian", "color"):  # these keep the picture's colours; the rest are drawn anew
+        assert ours.shape != image.shape or not np.array_equal(ours, image)
 
 
 @pytest.mark.parametrize(
@@ -126,3 +128,28 @@ def test_module_detail_gives_the_extensions_sliders_for_the_thresholds_read():
             assert slider["value"] == value and slider["min"] <= value <= slider["max"], (name, slider)
         if name in THRESHOLD_A_RANGES:  # the range a request is held to is the one the slider shows
             assert THRESHOLD_A_RANGES[name][:2] == (detail["sliders"][0]["min"], detail["sliders"][0]["max"])
+
+
+def test_tile_resamples_map_is_scaled_back_to_the_generations_size(tmp_path):
+    """The extension's tile_resample map is smaller than its image; the ControlNet takes it scaled back up to the
+    generation's size, by cubic interpolation (the extension's choice for a map of many colours)."""
+    import cv2
+
+    from tpugen.config.controls import ControlUnit
+    from tpugen.config.images import InputImage
+    from tpugen.engine.controls import control_image
+
+    with np.load(MADE) as made:
+        photo = made["image/photo"]  # 80x64
+    Image.fromarray(photo).save(tmp_path / "photo.png")
+    unit = ControlUnit(
+        InputImage(str(tmp_path / "photo.png"), "0" * 64), "tile_resample", threshold_a=3.7, resize_mode=0
+    )
+    control = np.asarray(control_image(unit, 80, 64))
+    small = cv2.resize(photo, (21, 17), interpolation=cv2.INTER_AREA)  # int(80 / 3.7), int(64 / 3.7)
+    assert np.array_equal(control, cv2.resize(small, (80, 64), interpolation=cv2.INTER_CUBIC))
+    # At the default rate the control is the image as it is.
+    same = ControlUnit(
+        InputImage(str(tmp_path / "photo.png"), "0" * 64), "tile_resample", threshold_a=1.0, resize_mode=0
+    )
+    assert np.array_equal(np.asarray(control_image(same, 80, 64)), photo)

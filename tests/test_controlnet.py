@@ -96,6 +96,7 @@ def test_the_other_preprocessors():
     assert tiled.shape == (32, 32, 3) and abs(tiled.mean() - 127.5) < 3 and tiled.std() < 10  # detail gone
     # And the extension's own weight-free ones (tests/test_control_modules.py checks each against its code).
     extension = {"threshold", "blur_gaussian", "color", "recolor_luminance", "recolor_intensity", "scribble_xdog"}
+    extension |= {"tile_resample"}
     assert set(CONTROL_MODULES) == {"none", "canny", "invert", "scribble", "tile", "lineart_standard", *extension}
 
 

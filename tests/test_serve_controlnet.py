@@ -213,7 +213,7 @@ def test_the_controlnet_routes(controlnet_server):
             "default_option": "canny",
             "default_model": "None",
         }
-        assert types["Tile"]["module_list"] == ["none", "tile_resample", "blur_gaussian"]
+        assert types["Tile"]["module_list"] == ["none", "tile", "blur_gaussian", "tile_resample"]
         assert types["Tile"]["default_option"] == "tile_resample"
         assert types["Recolor"]["default_option"] == "recolor_luminance"
         assert types["Depth"]["module_list"] == ["none"] and types["Depth"]["default_option"] == "none"  # no MiDaS

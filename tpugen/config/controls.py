@@ -32,6 +32,7 @@ CONTROL_MODULES: dict[str, tuple[str, float | None, float | None]] = {
     "recolor_intensity": ("the image's intensity (HSV's V) as grey (threshold_a: gamma, 0.1-2)", 1.0, None),
     "scribble_xdog": ("XDoG edges as scribbles, white on black (threshold_a: threshold, 1-64)", 32.0, None),
     "lineart_standard": ("dark lines on a light ground as white line art on black (a difference of blurs)", None, None),
+    "tile_resample": ("the image scaled down by threshold_a (1-8, area-averaged; under 1.1 as it is)", 1.0, None),
 }
 # Where a module's threshold_a must lie (the extension's slider), for those that bound it.
 THRESHOLD_A_RANGES: dict[str, tuple[float, float, str]] = {
@@ -41,12 +42,12 @@ THRESHOLD_A_RANGES: dict[str, tuple[float, float, str]] = {
     "recolor_luminance": (0.1, 2, "gamma"),
     "recolor_intensity": (0.1, 2, "gamma"),
     "scribble_xdog": (1, 64, "threshold"),
+    "tile_resample": (1, 8, "down sampling rate"),
 }
 # The web UI extension's own module names that are these (its requests send them).
 MODULE_ALIASES = {
     "invert (from white bg & black line)": "invert",
     "scribble_thr": "scribble",
-    "tile_resample": "tile",
     "t2ia_color_grid": "color",
     "lineart_standard (from white bg & black line)": "lineart_standard",
 }
@@ -89,6 +90,7 @@ MODULE_TAGS: dict[str, tuple[str, ...]] = {
     "recolor_intensity": ("Recolor",),
     "scribble_xdog": ("Scribble", "SparseCtrl"),
     "lineart_standard": ("Lineart",),
+    "tile_resample": ("Tile",),
     "softedge_hed": ("SoftEdge",),
     "softedge_hedsafe": ("SoftEdge",),
     "scribble_hed": ("Scribble", "SparseCtrl"),
@@ -117,7 +119,7 @@ TYPE_DEFAULTS = {
     "SoftEdge": "softedge_pidinet",
     "SparseCtrl": "scribble_pidinet",
     "T2I-Adapter": "color",
-    "Tile": "tile",
+    "Tile": "tile_resample",
 }
 # The words a ControlNet's name holds for each type (the extension's filters: the type's own name, its aliases,
 # and "union" for the types a ControlNet-Union covers).
@@ -185,7 +187,8 @@ def control_types(modules: list[str], controlnets: list[str]) -> dict:
 SLIDERS: dict[str, tuple[tuple[str, float | None, float | None, float], ...]] = {
     "canny": (("Low Threshold", 1, 255, 1), ("High Threshold", 1, 255, 1)),
     "scribble": (("Binarization Threshold", 0, 255, 1),),
-    "tile": (("Down Sampling Rate", None, None, 0.01),),
+    "tile": (("Down Sampling Factor", None, None, 0.01),),
+    "tile_resample": (("Down Sampling Rate", None, None, 0.01),),
     "threshold": (("Binarization Threshold", None, None, 0.01),),
     "blur_gaussian": (("Sigma", None, None, 0.01),),
     "recolor_luminance": (("Gamma Correction", None, None, 0.001),),

@@ -113,7 +113,14 @@ def control_image(unit: ControlUnit, width: int, height: int, annotators: str | 
     from tpugen.engine import images
 
     fitted = images.load(unit.image.path, width, height, unit.resize_mode)
-    return preprocess(fitted, unit.module, unit.threshold_a, unit.threshold_b, annotators)
+    made = preprocess(fitted, unit.module, unit.threshold_a, unit.threshold_b, annotators)
+    if made.size != (width, height):  # a map smaller than its image (tile_resample's): cubic, as the extension's
+        import cv2
+        import numpy as np
+        from PIL import Image
+
+        made = Image.fromarray(cv2.resize(np.asarray(made), (width, height), interpolation=cv2.INTER_CUBIC))
+    return made
 
 
 def preprocess(
@@ -124,7 +131,8 @@ def preprocess(
     annotators: str | None = None,
 ):
     """The control a preprocessor makes of a PIL image (tpugen.config.controls.CONTROL_MODULES, or ANNOTATORS from
-    the weights in the folder `annotators`), as PIL RGB of the image's size."""
+    the weights in the folder `annotators`), as PIL RGB of the image's size (tile_resample's smaller, as the
+    extension's /controlnet/detect gives it)."""
     import numpy as np
     from PIL import Image
 
@@ -241,6 +249,18 @@ def _lineart_standard(rgb, a):
     return np.repeat(grey[:, :, None], 3, axis=2)
 
 
+def _tile_resample(rgb, a):
+    """The extension's tile_resample: the image as it is below a rate of 1.1, else area-averaged down to its sides
+    over the rate (truncated). Smaller than the image: control_image scales it back to the generation's size."""
+    import cv2
+
+    rate = 1.0 if a is None else float(a)
+    if rate < 1.1:
+        return rgb
+    height, width = rgb.shape[:2]
+    return cv2.resize(rgb, (int(float(width) / rate), int(float(height) / rate)), interpolation=cv2.INTER_AREA)
+
+
 EXTENSION_MODULES = {
     "threshold": _threshold,
     "blur_gaussian": _blur_gaussian,
@@ -249,6 +269,7 @@ EXTENSION_MODULES = {
     "recolor_intensity": _recolor("intensity"),
     "scribble_xdog": _scribble_xdog,
     "lineart_standard": _lineart_standard,
+    "tile_resample": _tile_resample,
 }
 
 
