@@ -410,11 +410,12 @@ def _diffusers_controlled(
     init: Image.Image | None = None,
     model: str = "tiny-sd",
     mask: Image.Image | None = None,
+    residual_hook=None,
 ) -> np.ndarray:
     """The image diffusers' own ControlNet pipeline (txt2img, img2img from `init`, or inpainting of `init` under
     `mask`) makes on the CPU, eager and unpatched, from the record's prompt, seed and settings, with `control` as
     its control image; `model`'s built-in ControlNet is `model`-controlnet. The unit's scale is always passed: SD's
-    ControlNet inpainting pipeline's default is 0.5, not 1."""
+    ControlNet inpainting pipeline's default is 0.5, not 1. `residual_hook`: a forward hook on the ControlNet."""
     import diffusers
     import torch
     from diffusers import (
@@ -431,6 +432,8 @@ def _diffusers_controlled(
     base = DiffusionPipeline.from_pretrained(str(builtin_path(model)))
     controlnet_class = getattr(diffusers, family.controlnet.model_class)
     controlnet = controlnet_class.from_pretrained(str(builtin_path(f"{model}-controlnet")))
+    if residual_hook is not None:  # what its outputs become before the denoiser takes them
+        controlnet.register_forward_hook(residual_hook)
     auto = AutoPipelineForInpainting if mask else AutoPipelineForImage2Image if init else AutoPipelineForText2Image
     if mask and "inpaint" in family.controlnet.pipelines:  # Z-Image's, which AutoPipeline does not make
         auto = getattr(diffusers, family.controlnet.pipelines["inpaint"])
@@ -927,7 +930,7 @@ def test_two_rows_of_two_units_reach_the_pipeline_in_its_own_layout(tmp_path, mo
     assert (
         family.controlnet.multi_layout if task == "txt2img" else family.controlnet.multi_layout_from_image
     ) == layout
-    loaded = SimpleNamespace(family=family, annotators=None)
+    loaded = SimpleNamespace(family=family, annotators=None, _residual_weights=[])
     arguments = LoadedPipeline._control_arguments(loaded, batch, "image")
     images = arguments["image"]
     assert arguments.get("control_mode") == (None if task == "txt2img" else [None, None])

@@ -694,7 +694,17 @@ def test_a_jax_server_answers_webuiapi_and_openai_warm_and_refuses_what_jax_lack
                 refused = client.post("/sdapi/v1/txt2img", json={**BASE, "prompt": "a cat", **extra})
                 assert refused.status_code == 422, (what, refused.text)
                 assert f"{what} is not built on execution.backend: jax yet" in " ".join(refused.json()["detail"])
-            # A ControlNet unit naming one the server has not loaded (this config loads none).
+            # The extension's control modes but Balanced are not built on jax yet: one line.
+            moded = {"image": _b64(init), "model": "tiny-sd-controlnet", "control_mode": 1}
+            refused = client.post(
+                "/sdapi/v1/txt2img",
+                json={**BASE, "prompt": "a cat", "alwayson_scripts": {"controlnet": {"args": [moded]}}},
+            )
+            assert refused.status_code == 422 and refused.json()["detail"] == [
+                "a ControlNet unit's control mode but Balanced, or its advanced_weighting, is not built on "
+                "execution.backend: jax yet; execution.backend: xla runs it"
+            ], refused.text
+            # A ControlNet unit naming one the server has not loaded.
             unit = {"alwayson_scripts": {"controlnet": {"args": [{"image": _b64(init), "model": "anything"}]}}}
             refused = client.post("/sdapi/v1/txt2img", json={**BASE, "prompt": "a cat", **unit})
             assert refused.status_code == 422 and "is not loaded on this server" in refused.text

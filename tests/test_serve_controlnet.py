@@ -176,6 +176,68 @@ def test_detected_maps_follow_the_images(controlnet_server, fields, unit, count)
     assert metric(url, "tpugen_compiles_after_warmup_total") == 0
 
 
+def _weighing(mode: int, weights: list | None = None):
+    """A forward hook that weighs a UNet ControlNet's residuals as the extension's hook.py does: per-residual weights
+    in place of the scale; in the modes but Balanced the i-th residual (the mid block's last) times 0.825 ** (12 - i),
+    and in "ControlNet is more important" only the conditional rows keep them (diffusers' CFG batch puts the
+    unconditional half first)."""
+    import torch
+
+    def hook(module, args, out):
+        down, mid = out
+        factors = list(weights) if weights is not None else [0.825 ** float(12 - i) for i in range(len(down) + 1)]
+        keep = torch.ones(mid.shape[0], 1, 1, 1, dtype=mid.dtype)
+        if mode == 2:
+            keep[: mid.shape[0] // 2] = 0
+        return tuple(d * factors[i] * keep for i, d in enumerate(down)), mid * factors[len(down)] * keep
+
+    return hook
+
+
+def test_control_modes_and_per_residual_weights_weigh_the_residuals_as_the_extension_does(controlnet_server):
+    """The extension's control_mode (all three) and advanced_weighting: each image within 2/255 of diffusers' own
+    pipeline on the CPU with its ControlNet's residuals weighed as the extension's hook weighs them, each apart from
+    Balanced's, none compiling after warmup."""
+    from test_controlnet import WITHIN, _diffusers_controlled
+
+    url, _ = controlnet_server
+    weights = [0.2, 1.5, 0.0, 0.7, 1.1, 0.4, 1.9]  # tiny-sd-controlnet's 7 residuals (the hostile case's count)
+    control = preprocess(_disc(), "canny", 100, 200)
+    record = {
+        **FIELDS,
+        "guidance_scale": FIELDS["cfg_scale"],
+        "controlnet_units": [{"scale": 0.8, "start": 0, "end": 1}],
+    }
+    made = {}
+    with httpx.Client(base_url=url, headers=AUTH, timeout=120) as http:
+        for name, unit in (
+            ("balanced", {"control_mode": "Balanced"}),
+            ("prompt", {"control_mode": "My prompt is more important"}),
+            ("control", {"control_mode": 2}),
+            ("weights", {"advanced_weighting": weights}),
+        ):
+            body = {**FIELDS, "sampler_name": "DDIM", "alwayson_scripts": {"controlnet": {"args": [_unit(**unit)]}}}
+            answer = http.post("/sdapi/v1/txt2img", json=body)
+            assert answer.status_code == 200, answer.text
+            made[name] = pixels(decode(answer.json()["images"][0]))
+            infotext = json.loads(answer.json()["info"])["infotexts"][0]
+            if name in ("prompt", "control"):
+                assert (
+                    f'Control Mode: {unit["control_mode"] if name == "prompt" else "ControlNet is more important"}"'
+                    in infotext
+                )
+    for name, hook, scale in (
+        ("prompt", _weighing(1), 0.8),
+        ("control", _weighing(2), 0.8),
+        ("weights", _weighing(0, weights), 1.0),  # the weights stand in for the scale
+    ):
+        units = [{**record["controlnet_units"][0], "scale": scale}]
+        expected = _diffusers_controlled({**record, "controlnet_units": units}, control, residual_hook=hook)
+        assert int(np.abs(made[name] - expected.astype(np.int16)).max()) <= WITHIN, name
+        assert np.abs(made[name] - made["balanced"]).mean() > 0.5, name  # the mode changes the image
+    assert metric(url, "tpugen_compiles_after_warmup_total") == 0
+
+
 def test_the_controlnet_routes(controlnet_server):
     import cv2
 
@@ -275,7 +337,10 @@ def test_the_controlnet_routes(controlnet_server):
             {"controlnet": {"args": [_unit(image={"image": _b64(_disc()), "mask": _b64(_disc())})]}},
             "args[0].image.mask: a unit's own mask",
         ),
-        ({"controlnet": {"args": [_unit(advanced_weighting=[0.75] * 13)]}}, "args[0].advanced_weighting: per-layer"),
+        (
+            {"controlnet": {"args": [_unit(advanced_weighting=[0.75] * 13)]}},
+            "ControlNet 0 takes 7 residual weights, one",
+        ),
         ({"controlnet": {"args": [_unit(effective_region_mask="x" * 64)]}}, "args[0].effective_region_mask: a unit's"),
         ({"controlnet": {"args": [_unit(ipadapter_input=["x"])]}}, "args[0].ipadapter_input: IP-Adapter is not built"),
         ({"controlnet": {"args": [_unit(union_control_type="Depth")]}}, "args[0].union_control_type: 'Depth'"),
@@ -283,7 +348,12 @@ def test_the_controlnet_routes(controlnet_server):
         ({"controlnet": {"args": [_unit(hr_option=[1] * 10_000)]}}, "args[0].hr_option: '[1, 1, 1"),
         ({"controlnet": {"args": [_unit(save_detected_map="no")]}}, "args[0].save_detected_map: must be true or false"),
         ({"controlnet": {"args": [_unit(input_image=_b64(_disc()))]}}, "args[0]: give image or input_image"),
-        ({"controlnet": {"args": [_unit(control_mode=2)]}}, "args[0].control_mode: '2' is not built; Balanced"),
+        ({"controlnet": {"args": [_unit(control_mode=3)]}}, "args[0].control_mode: '3'; one of Balanced (0), My"),
+        ({"controlnet": {"args": [_unit(control_mode="Louder")]}}, "args[0].control_mode: 'Louder'; one of Balanced"),
+        ({"controlnet": {"args": [_unit(advanced_weighting=[True])]}}, "args[0].advanced_weighting: each weight must"),
+        ({"controlnet": {"args": [_unit(advanced_weighting=[1] * 65)]}}, "args[0].advanced_weighting: a list of 1 to"),
+        ({"controlnet": {"args": [_unit(advanced_weighting="all")]}}, "args[0].advanced_weighting: a list of 1 to"),
+        ({"controlnet": {"args": [_unit(advanced_weighting=[10**400])]}}, "args[0].advanced_weighting: each weight"),
         ({"controlnet": {"args": [_unit(weight="heavy")]}}, "args[0].weight: must be a number"),
         ({"controlnet": {"args": [_unit(weight=1e300)]}}, "args[0].weight: must be from 0 to 2"),
         ({"controlnet": {"args": [_unit(weight=10**400)]}}, "args[0].weight: must be a number"),

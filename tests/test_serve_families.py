@@ -110,6 +110,18 @@ def test_a_z_image_server_runs_a_controlnet_unit_as_diffusers_does_and_refuses_a
         assert line.startswith(
             "ControlNet units' guidance_start and guidance_end: Z-Image models: the ControlNet runs at every step"
         ), line
+        # The extension's control modes weigh a UNet ControlNet's residuals: refused in one line for Z-Image's.
+        with httpx.Client(base_url=url, headers=AUTH, timeout=120) as client:
+            refused = client.post(
+                "/sdapi/v1/txt2img",
+                json={**fields, "alwayson_scripts": {"controlnet": {"args": [{**unit.to_dict(), "control_mode": 1}]}}},
+            )
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["detail"] == [
+            "ControlNet units' control_mode and advanced_weighting: Z-Image models: the control modes but Balanced and "
+            "per-residual weights (advanced_weighting) weigh a UNet ControlNet's residuals (SD 1.x/2.x's and SDXL's); "
+            "this family's ControlNets are built otherwise"
+        ]
         assert metric(url, "tpugen_compiles_after_warmup_total") == 0
     base = DiffusionPipeline.from_pretrained(str(builtin_path("tiny-z-image")))
     controlnet = ZImageControlNetModel.from_pretrained(str(builtin_path("tiny-z-image-controlnet")))

@@ -313,25 +313,35 @@ class ControlUnit:
     threshold_a: float | None = None
     threshold_b: float | None = None
     resize_mode: int = 1  # how the image is fitted to the size (tpugen.config.request.RESIZE_MODES): crop and resize
+    # The web UI extension's control mode (CONTROL_MODES: 0 Balanced, 1 My prompt is more important, 2 ControlNet is
+    # more important) and per-residual weights (its advanced_weighting, in place of the scale), for UNet ControlNets.
+    mode: int = 0
+    layer_weights: tuple[float, ...] | None = None
 
     def record(self) -> dict:
-        """What an image record says of it: the image by content."""
+        """What an image record says of it: the image by content (the mode and per-residual weights where set)."""
+        weighed = {"control_mode": self.mode} if self.mode else {}
+        if self.layer_weights is not None:
+            weighed["layer_weights"] = list(self.layer_weights)
         return {
-            "image_sha256": self.image.sha256,
-            "module": self.module,
-            "scale": self.scale,
-            "start": self.start,
-            "end": self.end,
-            "threshold_a": self.threshold_a,
-            "threshold_b": self.threshold_b,
-            "resize_mode": self.resize_mode,
+            **weighed,
+            **{
+                "image_sha256": self.image.sha256,
+                "module": self.module,
+                "scale": self.scale,
+                "start": self.start,
+                "end": self.end,
+                "threshold_a": self.threshold_a,
+                "threshold_b": self.threshold_b,
+                "resize_mode": self.resize_mode,
+            },
         }
 
     @property
     def call_key(self) -> tuple:
         """What a pipeline call takes once for all its rows (diffusers' controlnet_conditioning_scale,
-        control_guidance_start and _end), so a batch has one."""
-        return (self.scale, self.start, self.end)
+        control_guidance_start and _end; the mode and per-residual weights), so a batch has one."""
+        return (self.scale, self.start, self.end, self.mode, self.layer_weights)
 
 
 @dataclass(frozen=True)
@@ -362,6 +372,8 @@ class Controls:
         for unit in fields["units"]:
             unit = dict(unit)
             unit["image"] = InputImage(**unit["image"])
+            if unit.get("layer_weights") is not None:
+                unit["layer_weights"] = tuple(unit["layer_weights"])
             units.append(ControlUnit(**unit))
         return cls(tuple(units))
 
@@ -369,7 +381,7 @@ class Controls:
 def controlled_problems(family, controls: Controls, source=None, controlnets: list[dict] | tuple = ()) -> dict:
     """Why an image with these units (and the image it starts from, `source`) cannot run for a model of `family`,
     whose ControlNets' configs are `controlnets` (those known), by what each reason is about: "image" (its task),
-    "strength", "window" (the units' start and end). Empty: it can. A run config and a server word them apart."""
+    "strength", "window" (the units' start and end), "weights" (their modes and per-residual weights). Empty: it can. A run config and a server word them apart."""
     found, parts = {}, family.controlnet
     if parts is None:  # a family without ControlNets: model.controlnets is refused at the door
         return found
@@ -381,7 +393,32 @@ def controlled_problems(family, controls: Controls, source=None, controlnets: li
     refusal = parts.window_refusal
     if refusal and any(unit.start > 0 or unit.end < 1 for unit in controls.units):
         found["window"] = f"{family.title} models: {refusal}"
+    weighed = [n for n, unit in enumerate(controls.units) if unit.mode or unit.layer_weights is not None]
+    if weighed and parts.residual_weights_refusal:
+        found["weights"] = f"{family.title} models: {parts.residual_weights_refusal}"
+    for n, config in zip(weighed, [controlnets[n] for n in weighed if n < len(controlnets)], strict=False):
+        weights, count = controls.units[n].layer_weights, parts.residual_count(config)
+        if weights is not None and count is not None and len(weights) != count:
+            found["weights"] = f"ControlNet {n} takes {count} residual weights, one per residual; got {len(weights)}"
     return found
+
+
+# The web UI extension's control modes, by number (its units' control_mode: the number, or the name).
+CONTROL_MODES = ("Balanced", "My prompt is more important", "ControlNet is more important")
+# Each residual's share of a unit's scale in the modes but Balanced (the extension's soft injection): the i-th of a
+# UNet ControlNet's residuals (the stem's first, the mid block's last) weighs this to the power 12 - i.
+SOFT_INJECTION = 0.825
+
+
+def residual_factors(unit: ControlUnit, count: int) -> tuple[float, ...]:
+    """What each of a ControlNet's `count` residuals is multiplied by beside the scale diffusers applies, as the
+    extension weighs them: per-residual weights in place of the scale (the scale is then 1), Balanced 1 each, the
+    other modes 0.825 ** (12 - i) (SDXL's 10 residuals take the first 10 of those, as the extension's zip does)."""
+    if unit.layer_weights is not None:
+        return tuple(float(w) for w in unit.layer_weights)
+    if unit.mode:
+        return tuple(SOFT_INJECTION ** float(12 - i) for i in range(count))
+    return (1.0,) * count
 
 
 def recorded_name(controlnet_id: str) -> str:

@@ -53,9 +53,12 @@ def jax_family_refusal(what: str, family: Family, why: str) -> str:
     return f"{what} on execution.backend: jax: {family.title} models: {why}; execution.backend: xla runs them"
 
 
-def jax_image_problems(family: Family, *, references: bool, tiling: bool) -> list[str]:
-    """What one image of a request asks of backend jax that it does not run yet, one line each."""
+def jax_image_problems(family: Family, *, references: bool, tiling: bool, weighed: bool = False) -> list[str]:
+    """What one image of a request asks of backend jax that it does not run yet, one line each (`weighed`: its
+    ControlNet units ask for a control mode but Balanced or per-residual weights)."""
     problems = [f"seamless tiling {JAX_NOT_YET}"] if tiling else []
+    if weighed:
+        problems.append(f"a ControlNet unit's control mode but Balanced, or its advanced_weighting, {JAX_NOT_YET}")
     if references and (why := jax_edit_refusal(family)):
         problems.append(why)
     return problems

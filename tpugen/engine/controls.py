@@ -66,19 +66,70 @@ def combined(controlnets: list, family):
     return getattr(diffusers, family.controlnet.multi_class)(controlnets)
 
 
-def install_scale_as_data(controlnets: list, hooks) -> None:
+class ResidualWeights:
+    """What one ControlNet's residuals are multiplied by beside its scale in a pipeline call, as the web UI
+    extension weighs them (tpugen.config.controls.residual_factors): set before each call (`unit`, the call's unit
+    of this ControlNet, and `rows`, the batch's rows), read at each of its steps. `always`: weigh them at Balanced
+    too (by ones), so that every mode runs the same graph (a UNet ControlNet on XLA); otherwise only a unit that
+    asks for it is weighed."""
+
+    def __init__(self, always: bool) -> None:
+        self.always = always
+        self.unit = None
+        self.rows = 0
+        self._on_device: dict = {}  # (what, dtype, device): its tensor there, moved once, not at every step
+
+    def apply(self, out):
+        """The ControlNet's (down residuals, mid residual), each weighed; anything else as it is."""
+        weighed = self.unit is not None and (self.unit.mode or self.unit.layer_weights is not None)
+        if not (weighed or self.always) or not (isinstance(out, tuple) and len(out) == 2):
+            return out
+        down, mid = out
+        if not isinstance(down, (list, tuple)) or not hasattr(mid, "shape"):
+            return out
+        from tpugen.config.controls import residual_factors
+
+        count, batch = len(down) + 1, mid.shape[0]
+        unit = self.unit
+        factors = residual_factors(unit, count) if unit is not None else (1.0,) * count
+        # "ControlNet is more important": the conditional rows of a CFG batch (diffusers puts them second) alone
+        # keep the residuals, as the extension's cfg injection does.
+        half = unit is not None and unit.mode == 2 and self.rows and batch == 2 * self.rows
+        rows = (0.0,) * (batch // 2) + (1.0,) * (batch // 2) if half else (1.0,) * batch
+        weights = self._tensor(factors, mid)
+        mask = self._tensor(rows, mid).reshape(batch, *([1] * (mid.ndim - 1)))
+        down = tuple(d * (weights[i] * mask) for i, d in enumerate(down))
+        return down, mid * (weights[count - 1] * mask)
+
+    def _tensor(self, values: tuple, like):
+        import torch
+
+        key = (values, like.dtype, str(like.device))
+        if key not in self._on_device:
+            if len(self._on_device) >= SCALES_KEPT:
+                self._on_device.clear()
+            self._on_device[key] = torch.tensor(values, dtype=like.dtype).to(like.device)
+        return self._on_device[key]
+
+
+def install_scale_as_data(controlnets: list, hooks, *, weigh_always: bool = False) -> list[ResidualWeights]:
     """Each ControlNet's `conditioning_scale` (a Python number diffusers computes per step: the unit's scale, or 0
     on the steps outside its start and end) moved to the device as a 0-d tensor. A number would be baked into the
     step's graph by torch_xla where it is 0 or 1 (any other is data): another step graph for the steps a unit sits
-    out, and for a scale of 1 against any other."""
+    out, and for a scale of 1 against any other. Its residuals then weighed (ResidualWeights, one per ControlNet,
+    returned: a call sets them)."""
+    weights = [ResidualWeights(weigh_always) for _ in controlnets]
     for n, controlnet in enumerate(controlnets):
-        hooks.wrap(controlnet, "forward", f"{SCALE_AS_DATA} ({n})", _scale_as_data)
+        hooks.wrap(
+            controlnet, "forward", f"{SCALE_AS_DATA} ({n})", functools.partial(_scale_as_data, weighs=weights[n])
+        )
+    return weights
 
 
 SCALES_KEPT = 16  # device copies of scales kept per ControlNet (a run's units use a few: each scale, and 0)
 
 
-def _scale_as_data(forward):
+def _scale_as_data(forward, weighs: ResidualWeights | None = None):
     on_device: dict = {}  # (scale, dtype, device): its one-element tensor there, moved once, not at every step
 
     @functools.wraps(forward)
@@ -98,7 +149,8 @@ def _scale_as_data(forward):
                     on_device.clear()
                 on_device[key] = torch.tensor([key[0]], dtype=sample.dtype).to(sample.device)
             conditioning_scale = on_device[key].reshape(())
-        return forward(*args, conditioning_scale=conditioning_scale, **kwargs)
+        out = forward(*args, conditioning_scale=conditioning_scale, **kwargs)
+        return out if weighs is None else weighs.apply(out)
 
     return forward_with_scale_as_data
 

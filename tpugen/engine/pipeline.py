@@ -72,6 +72,7 @@ class LoadedPipeline:
         # model.controlnets on the device: the controlled pipelines (task_pipe) are made from the loaded
         # components with them, so they run inside the step graph beside the denoiser.
         self.controlnets = list(controlnets or [])
+        self._residual_weights: list = []  # per ControlNet, what a call weighs its residuals by (controlnet_hooks)
         self.annotators: str | None = None  # model.annotators_dir: the weights of the control modules that need them
         self.backend = backend
         self.family = family
@@ -195,7 +196,9 @@ class LoadedPipeline:
             label = f"controlnet {n}" if len(self.controlnets) > 1 else "controlnet"
             self.family.controlnet_hooks(controlnet, self.backend.device, self.hooks, label)
             self.backend.trace_beside(controlnet, label, self.hooks, self.family.controlnet.traced_method)
-        install_scale_as_data(self.controlnets, self.hooks)
+        on_xla = str(self.backend.device).startswith("xla")
+        weighs = on_xla and self.family.controlnet.residual_weights_refusal is None
+        self._residual_weights = install_scale_as_data(self.controlnets, self.hooks, weigh_always=weighs)
 
     def _scheduler_hooks(self) -> None:
         """The scheduler's patches: the family's, and a loop that starts at step 0, so the scheduler never
@@ -373,6 +376,10 @@ class LoadedPipeline:
             return made[unit]
 
         per_row = [[control(unit) for unit in row.controls.units] for row in batch.rows]
+        for weighs, unit in zip(self._residual_weights, units, strict=False):
+            weighs.unit, weighs.rows = unit, len(batch.rows)
+        # Per-residual weights stand in for the scale (tpugen.config.controls.residual_factors).
+        scales = [1.0 if unit.layer_weights is not None else unit.scale for unit in units]
         single = len(units) == 1
         if single:
             images = [row[0] for row in per_row]
@@ -383,7 +390,7 @@ class LoadedPipeline:
             images = multi_control_images(per_row, layout)
         arguments = {
             image_key: images,
-            "controlnet_conditioning_scale": units[0].scale if single else [u.scale for u in units],
+            "controlnet_conditioning_scale": scales[0] if single else scales,
             "control_guidance_start": units[0].start if single else [u.start for u in units],
             "control_guidance_end": units[0].end if single else [u.end for u in units],
         }

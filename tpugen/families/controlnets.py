@@ -6,6 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Why the extension's control modes and per-residual weights do not run for a family whose ControlNets are not UNets.
+RESIDUALS_OF_A_UNET = (
+    "the control modes but Balanced and per-residual weights (advanced_weighting) weigh a UNet ControlNet's residuals "
+    "(SD 1.x/2.x's and SDXL's); this family's ControlNets are built otherwise"
+)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ControlNets:
@@ -56,6 +62,16 @@ class ControlNets:
     # How its multi-ControlNet img2img and inpaint pipelines take them (SD's and SDXL's: a batch tensor per
     # ControlNet; Flux.1's: a list per ControlNet).
     multi_layout_from_image: str = "controlnet batches"
+    # Why a unit's control mode other than Balanced, or its own weight per residual (the web UI extension's
+    # control_mode and advanced_weighting, which weigh a UNet ControlNet's residuals), cannot run for this family
+    # (None: they can).
+    residual_weights_refusal: str | None = None
+
+    def residual_count(self, config: dict) -> int | None:
+        """How many residuals one of this family's ControlNets (its config.json) hands the denoiser: the stem's, each
+        down block's resnets' and downsampler's, the mid block's (SD 1.5's 13, SDXL's 10). None: not counted."""
+        channels = config.get("block_out_channels") or (320, 640, 1280, 1280)
+        return 1 + len(channels) * config.get("layers_per_block", 2) + len(channels) - 1 + 1
 
     def unsupported(self, config: dict) -> str | None:
         """Why a ControlNet of this family with this config cannot run on tpugen (None: it can)."""
@@ -94,6 +110,10 @@ class TransformerControlNets(ControlNets):
     patch: int = 2  # latent pixels per token side of the ControlNet's patches
     loop_sample: int | str = "hidden_states"
     loop_timestep: int | str = "timestep"
+    residual_weights_refusal: str | None = RESIDUALS_OF_A_UNET
+
+    def residual_count(self, config: dict) -> int | None:
+        return None
 
     def residuals(self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int) -> int | None:
         """A transformer ControlNet's hints: one per block of it, over the image's patches at its inner width."""

@@ -89,7 +89,7 @@ def a1111_parameters(record: dict) -> str:
 def controlnet_unit_text(unit: dict) -> str:
     """A ControlNet unit as the web UI's ControlNet extension writes it into `parameters` (its value then quoted,
     since it holds ':' and ','): the model by its folder's or built-in's name."""
-    from tpugen.config.controls import control_name
+    from tpugen.config.controls import CONTROL_MODES, control_name
     from tpugen.config.request import RESIZE_MODES
 
     resize = RESIZE_MODES[unit.get("resize_mode", 1)].title().replace(" And ", " and ")
@@ -99,7 +99,8 @@ def controlnet_unit_text(unit: dict) -> str:
         parts["Threshold A"] = unit["threshold_a"]
     if unit.get("threshold_b") is not None:
         parts["Threshold B"] = unit["threshold_b"]
-    parts.update({"Guidance Start": unit["start"], "Guidance End": unit["end"], "Control Mode": "Balanced"})
+    parts.update({"Guidance Start": unit["start"], "Guidance End": unit["end"]})
+    parts["Control Mode"] = CONTROL_MODES[unit.get("control_mode", 0)]
     return ", ".join(f"{key}: {value}" for key, value in parts.items())
 
 

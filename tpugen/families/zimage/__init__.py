@@ -17,7 +17,7 @@ from tpugen.families.base import (
     keys_start,
 )
 from tpugen.families.components import VAE_16
-from tpugen.families.controlnets import ControlNets
+from tpugen.families.controlnets import RESIDUALS_OF_A_UNET, ControlNets
 from tpugen.sharding import COLUMN, ROW
 
 _TRANSFORMER = {
@@ -61,6 +61,11 @@ def _build_controlnet(target):
 @dataclass(frozen=True, kw_only=True)
 class ZImageControlNets(ControlNets):
     """Z-Image's ControlNets (Z-Image-Turbo-Fun-Controlnet-Union): one beside each control layer of the DiT."""
+
+    residual_weights_refusal: str | None = RESIDUALS_OF_A_UNET
+
+    def residual_count(self, config: dict) -> int | None:
+        return None
 
     def refusal(self, task: str, controlnets: list[dict] | tuple = ()) -> str | None:
         """ZImageControlNetInpaintPipeline takes a 2.x ControlNet (33 channels: the mask and the masked image beside

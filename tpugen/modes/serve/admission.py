@@ -24,6 +24,7 @@ CONTROLLED_WHAT = {
     "image": "ControlNet units with an image",
     "strength": "denoising_strength with ControlNet units",
     "window": "ControlNet units' guidance_start and guidance_end",
+    "weights": "ControlNet units' control_mode and advanced_weighting",
 }
 
 
@@ -77,6 +78,8 @@ class Admission:
                     family,
                     references=bool(image.references),
                     tiling=image.tiling,
+                    weighed=bool(image.controls)
+                    and any(u.mode or u.layer_weights is not None for u in image.controls.units),
                 )
             )
         # The family's refusals (its hires fix's are the request's hires field's: a1111.hires_for).

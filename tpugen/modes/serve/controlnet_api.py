@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from tpugen.config.controls import (
+    CONTROL_MODES,
     Controls,
     ControlUnit,
     control_name,
@@ -34,8 +35,16 @@ router = APIRouter(prefix="/controlnet")
 
 # The extension's resize modes, by name and number (tpugen.config.request.RESIZE_MODES numbers them the same).
 RESIZE_NAMES = {"just resize": 0, "crop and resize": 1, "resize and fill": 2, "envelope (outer fit)": 2}
-# The control modes tpugen runs: the extension's Balanced (diffusers' guess_mode off).
-BALANCED = (0, "balanced")
+# The extension's control modes by what its units send: the number, the name, or its enum's (ControlMode.PROMPT).
+MODE_NAMES = {
+    **{name.lower(): n for n, name in enumerate(CONTROL_MODES)},
+    **{
+        f"{prefix}{name}": n
+        for n, name in enumerate(("balanced", "prompt", "control"))
+        for prefix in ("", "controlmode.")
+    },
+}
+MAX_LAYER_WEIGHTS = 64  # a UNet ControlNet has 13 residuals (SDXL's 10); the count is checked against it
 MAX_UNITS = 4  # more than the web UI's default of three unit tabs
 MAX_DETECT_IMAGES = 4
 SCRIPT = "controlnet"
@@ -86,7 +95,6 @@ def _number(
 UNBUILT_UNIT_FIELDS = {
     "mask": "a unit's own mask (where the unit acts) is not built",
     "mask_image": "a unit's own mask (where the unit acts) is not built",
-    "advanced_weighting": "per-layer ControlNet weights are not built; weight scales every layer",
     "effective_region_mask": "a unit's effective region is not built",
     "ipadapter_input": "IP-Adapter is not built",
     "animatediff_batch": "AnimateDiff batches are not built",
@@ -99,6 +107,28 @@ UNION_UNSET = {"unknown", "controlnetunioncontroltype.unknown"}
 # hr_option's values, as the extension reads them (it takes the enum's name, its value, or "HiResFixOption.NAME"). A
 # request without a hires fix ignores it, as the extension does; with one, units are refused (images_for).
 HR_OPTIONS = {"both", "low res only", "high res only", "low_res_only", "high_res_only"}
+
+
+def _control_mode(value) -> int | None:
+    """A unit's control_mode as the extension reads it (0-2, or a name), or None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if 0 <= value < len(CONTROL_MODES) else None
+    return MODE_NAMES.get(value.strip().lower()) if isinstance(value, str) else None
+
+
+def _layer_weights(value, where: str, problems: list[str]) -> tuple[float, ...] | None:
+    """A unit's advanced_weighting (a weight per residual of its ControlNet, in place of its weight), or None."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_LAYER_WEIGHTS:
+        problems.append(f"{where}.advanced_weighting: a list of 1 to {MAX_LAYER_WEIGHTS} numbers, one per residual")
+        return None
+    if not all(number_in(w, 0, CONTROL_SCALE_MAX) for w in value):
+        problems.append(f"{where}.advanced_weighting: each weight must be a number from 0 to {CONTROL_SCALE_MAX:g}")
+        return None
+    return tuple(float(w) for w in value)
 
 
 def unit_field_problems(unit: dict, where: str) -> list[str]:
@@ -193,9 +223,13 @@ def controls_for(service: Service, scripts: dict, decode, init: tuple[str, int] 
         if named is None:
             problems.append(f"{where}.module: {why_not_module(str(module)[:80], annotators)}")
             continue
-        mode = unit.get("control_mode", 0)
-        if (mode.lower() if isinstance(mode, str) else mode) not in BALANCED:
-            problems.append(f"{where}.control_mode: {str(mode)[:60]!r} is not built; Balanced (0) is")
+        mode = _control_mode(unit.get("control_mode", 0))
+        if mode is None:
+            problems.append(
+                f"{where}.control_mode: {str(unit.get('control_mode'))[:60]!r}; one of "
+                + ", ".join(f"{name} ({n})" for n, name in enumerate(CONTROL_MODES))
+            )
+        layer_weights = _layer_weights(unit.get("advanced_weighting"), where, problems)
         problems.extend(unit_field_problems(unit, where))
         resize = unit.get("resize_mode", 1)
         resize = RESIZE_NAMES.get(resize.lower()) if isinstance(resize, str) else resize
@@ -236,7 +270,9 @@ def controls_for(service: Service, scripts: dict, decode, init: tuple[str, int] 
         except InputError as exc:
             problems.extend(exc.lines)
             continue
-        by_model[index] = ControlUnit(stored, named, scale, start, end, *thresholds, resize_mode=resize)
+        by_model[index] = ControlUnit(
+            stored, named, scale, start, end, *thresholds, resize_mode=resize, mode=mode, layer_weights=layer_weights
+        )
     if not problems and by_model and len(by_model) < len(loaded):
         missing = ", ".join(names[i] for i in range(len(loaded)) if i not in by_model)
         problems.append(
