@@ -197,7 +197,8 @@ class LoadedPipeline:
             self.family.controlnet_hooks(controlnet, self.backend.device, self.hooks, label)
             self.backend.trace_beside(controlnet, label, self.hooks, self.family.controlnet.traced_method)
         on_xla = str(self.backend.device).startswith("xla")
-        weighs = on_xla and self.family.controlnet.residual_weights_refusal is None
+        parts = self.family.controlnet  # None: a family without ControlNets (then there are none to weigh)
+        weighs = on_xla and parts is not None and parts.residual_weights_refusal is None
         self._residual_weights = install_scale_as_data(self.controlnets, self.hooks, weigh_always=weighs)
 
     def _scheduler_hooks(self) -> None:
