@@ -320,22 +320,21 @@ class ControlUnit:
 
     def record(self) -> dict:
         """What an image record says of it: the image by content (the mode and per-residual weights where set)."""
-        weighed = {"control_mode": self.mode} if self.mode else {}
-        if self.layer_weights is not None:
-            weighed["layer_weights"] = list(self.layer_weights)
-        return {
-            **weighed,
-            **{
-                "image_sha256": self.image.sha256,
-                "module": self.module,
-                "scale": self.scale,
-                "start": self.start,
-                "end": self.end,
-                "threshold_a": self.threshold_a,
-                "threshold_b": self.threshold_b,
-                "resize_mode": self.resize_mode,
-            },
+        record = {
+            "image_sha256": self.image.sha256,
+            "module": self.module,
+            "scale": self.scale,
+            "start": self.start,
+            "end": self.end,
+            "threshold_a": self.threshold_a,
+            "threshold_b": self.threshold_b,
+            "resize_mode": self.resize_mode,
         }
+        if self.mode:
+            record["control_mode"] = self.mode
+        if self.layer_weights is not None:
+            record["layer_weights"] = list(self.layer_weights)
+        return record
 
     @property
     def call_key(self) -> tuple:
@@ -381,7 +380,8 @@ class Controls:
 def controlled_problems(family, controls: Controls, source=None, controlnets: list[dict] | tuple = ()) -> dict:
     """Why an image with these units (and the image it starts from, `source`) cannot run for a model of `family`,
     whose ControlNets' configs are `controlnets` (those known), by what each reason is about: "image" (its task),
-    "strength", "window" (the units' start and end), "weights" (their modes and per-residual weights). Empty: it can. A run config and a server word them apart."""
+    "strength", "window" (the units' start and end), "weights" (their modes and per-residual weights). Empty: it
+    can. A run config and a server word them apart."""
     found, parts = {}, family.controlnet
     if parts is None:  # a family without ControlNets: model.controlnets is refused at the door
         return found
