@@ -232,6 +232,14 @@ def test_the_config_hash_counts_the_annotator_weights_a_run_reads_by_content(tmp
         (None, {"control_image": "nothere.png"}, "prompts[0]: control_image: "),
         (None, {"control_image": "disc.png", "control_module": "none", "control_threshold_a": 5}, "takes no"),
         (None, {"control_image": "disc.png", "control_module": "tile", "control_threshold_a": 0}, "factor must be"),
+        (None, {"control_image": "disc.png", "control_mode": 3}, "control_mode must be one of Balanced (0), My prompt"),
+        (None, {"control_image": "disc.png", "control_mode": "Louder"}, "control_mode must be one of Balanced (0)"),
+        (None, {"control_image": "disc.png", "control_mode": True}, "control_mode must be one of Balanced (0)"),
+        (
+            {"id": "tiny-z-image", "controlnets": [{"id": "tiny-z-image-controlnet"}]},
+            {"control_image": "disc.png", "control_mode": 1},
+            "prompts[0].control_mode: Z-Image models: the control modes but Balanced and per-residual weights",
+        ),
         (
             {"id": "tiny-sd3", "controlnets": [{"id": "tiny-sd-controlnet"}]},
             {"control_image": "disc.png"},
@@ -467,6 +475,53 @@ def _diffusers_controlled(
             **true_cfg,
         ).images[0]
     return (made * 255).round().clip(0, 255).astype(np.uint8)
+
+
+def weighing(mode: int, weights: list | None = None):
+    """A forward hook that weighs a UNet ControlNet's residuals as the web UI extension's hook.py does: per-residual
+    weights in place of the scale; in the modes but Balanced the i-th residual (the mid block's last) times
+    0.825 ** (12 - i), and in "ControlNet is more important" only the conditional rows keep them (diffusers' CFG
+    batch puts the unconditional half first)."""
+    import torch
+
+    def hook(module, args, out):
+        down, mid = out
+        factors = list(weights) if weights is not None else [0.825 ** float(12 - i) for i in range(len(down) + 1)]
+        keep = torch.ones(mid.shape[0], 1, 1, 1, dtype=mid.dtype)
+        if mode == 2:
+            keep[: mid.shape[0] // 2] = 0
+        return tuple(d * factors[i] * keep for i, d in enumerate(down)), mid * factors[len(down)] * keep
+
+    return hook
+
+
+@pytest.mark.xla
+def test_a_prompts_control_mode_weighs_the_residuals_as_the_extension_does(tmp_path):
+    """A run config's control_mode: the image diffusers' pipeline makes with its ControlNet's residuals weighed as
+    the extension weighs them (within 2/255), recorded and written into the PNG's parameters; on jax, one line."""
+    _control_images(tmp_path)
+    prompt = {"prompt": "a red circle", "seed": 3, "control_image": "disc.png", "control_module": "canny"}
+    prompt.update(control_scale=0.8, control_mode="ControlNet is more important")
+    config = _config(tmp_path, [prompt], height=64, width=64, steps=2)
+    assert run_cli("generate", write_config(tmp_path / "run.yaml", config), "--quiet").exit_code == 0
+    record = json.loads((tmp_path / "outputs" / "run" / "manifest.jsonl").read_text().splitlines()[0])
+    assert record["controlnet_units"][0]["control_mode"] == 2
+    made = np.asarray(Image.open(tmp_path / "outputs" / "run" / record["file"]).convert("RGB")).astype(np.int16)
+    assert (
+        "Control Mode: ControlNet is more important"
+        in Image.open(tmp_path / "outputs" / "run" / record["file"]).info["parameters"]
+    )
+    control = Image.open(tmp_path / "disc.png").convert("RGB")
+    from tpugen.engine.controls import preprocess
+
+    expected = _diffusers_controlled(record, preprocess(control, "canny", 100, 200), residual_hook=weighing(2))
+    assert int(np.abs(made - expected).max()) <= WITHIN
+    config["execution"] = {"backend": "jax"}
+    refused = run_cli("validate", write_config(tmp_path / "jax.yaml", config))
+    assert (
+        refused.exit_code == 2
+        and "prompts[0].control_mode: a ControlNet unit's control mode but Balanced" in refused.stderr
+    )
 
 
 @pytest.mark.xla

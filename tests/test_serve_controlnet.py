@@ -176,29 +176,11 @@ def test_detected_maps_follow_the_images(controlnet_server, fields, unit, count)
     assert metric(url, "tpugen_compiles_after_warmup_total") == 0
 
 
-def _weighing(mode: int, weights: list | None = None):
-    """A forward hook that weighs a UNet ControlNet's residuals as the extension's hook.py does: per-residual weights
-    in place of the scale; in the modes but Balanced the i-th residual (the mid block's last) times 0.825 ** (12 - i),
-    and in "ControlNet is more important" only the conditional rows keep them (diffusers' CFG batch puts the
-    unconditional half first)."""
-    import torch
-
-    def hook(module, args, out):
-        down, mid = out
-        factors = list(weights) if weights is not None else [0.825 ** float(12 - i) for i in range(len(down) + 1)]
-        keep = torch.ones(mid.shape[0], 1, 1, 1, dtype=mid.dtype)
-        if mode == 2:
-            keep[: mid.shape[0] // 2] = 0
-        return tuple(d * factors[i] * keep for i, d in enumerate(down)), mid * factors[len(down)] * keep
-
-    return hook
-
-
 def test_control_modes_and_per_residual_weights_weigh_the_residuals_as_the_extension_does(controlnet_server):
     """The extension's control_mode (all three) and advanced_weighting: each image within 2/255 of diffusers' own
     pipeline on the CPU with its ControlNet's residuals weighed as the extension's hook weighs them, each apart from
     Balanced's, none compiling after warmup."""
-    from test_controlnet import WITHIN, _diffusers_controlled
+    from test_controlnet import WITHIN, _diffusers_controlled, weighing
 
     url, _ = controlnet_server
     weights = [0.2, 1.5, 0.0, 0.7, 1.1, 0.4, 1.9]  # tiny-sd-controlnet's 7 residuals (the hostile case's count)
@@ -227,9 +209,9 @@ def test_control_modes_and_per_residual_weights_weigh_the_residuals_as_the_exten
                     in infotext
                 )
     for name, hook, scale in (
-        ("prompt", _weighing(1), 0.8),
-        ("control", _weighing(2), 0.8),
-        ("weights", _weighing(0, weights), 1.0),  # the weights stand in for the scale
+        ("prompt", weighing(1), 0.8),
+        ("control", weighing(2), 0.8),
+        ("weights", weighing(0, weights), 1.0),  # the weights stand in for the scale
     ):
         units = [{**record["controlnet_units"][0], "scale": scale}]
         expected = _diffusers_controlled({**record, "controlnet_units": units}, control, residual_hook=hook)

@@ -297,6 +297,7 @@ CONTROL_KEYS = (
     "control_end",
     "control_threshold_a",
     "control_threshold_b",
+    "control_mode",
 )
 
 
@@ -357,6 +358,11 @@ class Controls:
     def call_key(self) -> tuple:
         return tuple(unit.call_key for unit in self.units)
 
+    @property
+    def weighed(self) -> bool:
+        """Whether a unit asks for a control mode but Balanced or per-residual weights."""
+        return any(unit.mode or unit.layer_weights is not None for unit in self.units)
+
     def record(self) -> dict:
         return {"controlnet_units": [unit.record() for unit in self.units]}
 
@@ -405,6 +411,27 @@ def controlled_problems(family, controls: Controls, source=None, controlnets: li
 
 # The web UI extension's control modes, by number (its units' control_mode: the number, or the name).
 CONTROL_MODES = ("Balanced", "My prompt is more important", "ControlNet is more important")
+# Each by what a unit or a prompt may say: the number, the name, or the extension's enum's name (ControlMode.PROMPT).
+MODE_NAMES = {
+    **{name.lower(): n for n, name in enumerate(CONTROL_MODES)},
+    **{
+        f"{prefix}{name}": n
+        for n, name in enumerate(("balanced", "prompt", "control"))
+        for prefix in ("", "controlmode.")
+    },
+}
+MODES_WANTED = "one of " + ", ".join(f"{name} ({n})" for n, name in enumerate(CONTROL_MODES))
+
+
+def control_mode_number(value) -> int | None:
+    """A control mode as a unit or a prompt gives it (0-2, or a name), by number; None: not one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if 0 <= value < len(CONTROL_MODES) else None
+    return MODE_NAMES.get(value.strip().lower()) if isinstance(value, str) else None
+
+
 # Each residual's share of a unit's scale in the modes but Balanced (the extension's soft injection): the i-th of a
 # UNet ControlNet's residuals (the stem's first, the mid block's last) weighs this to the power 12 - i.
 SOFT_INJECTION = 0.825
@@ -620,11 +647,14 @@ def read_controls(entry: dict, run: RunConfig, base_dir: Path, where: str, probl
             thresholds.append(None if value is None else float(value))
         if why := threshold_a_problem(named, thresholds[0]):
             bad.append(f"control_threshold_a: {why}")
+        mode = control_mode_number(lists.get("control_mode", [0] * count)[n])
+        if mode is None:
+            bad.append(f"control_mode must be {MODES_WANTED}, got {lists['control_mode'][n]!r}")
         if bad:
             problems.extend(f"{where}: {problem}" for problem in bad)
             continue
         image = read_input_image(path, base_dir, at, problems)
         if image is None:
             continue
-        units.append(ControlUnit(image, named, float(scale), float(start), float(end), *thresholds))
+        units.append(ControlUnit(image, named, float(scale), float(start), float(end), *thresholds, mode=mode))
     return Controls(tuple(units)) if len(units) == count and len(problems) == before else None

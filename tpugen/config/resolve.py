@@ -26,7 +26,7 @@ from tpugen.config.messages import format_error
 from tpugen.config.overrides import apply_overrides
 from tpugen.config.prompts import PromptSpec, planned_images, resolve_prompts, run_sizes
 from tpugen.config.request import cannot_edit_by_reference, references_too_small, too_many_references
-from tpugen.config.rules import jax_edit_refusal, run_problems
+from tpugen.config.rules import JAX_WEIGHED, jax_edit_refusal, run_problems
 from tpugen.config.schema import RunConfig
 from tpugen.config.yamlio import dump_yaml, read_yaml
 from tpugen.errors import InputError
@@ -137,6 +137,9 @@ def resolve(
         known = controlnet_configs(config.model.controlnets) if not problems else []
         problems.extend(_controlnet_kind_problems(known, len(config.model.controlnets), family))
         problems.extend(_controlled_prompt_problems(resolved_prompts, family, known))
+        if config.execution.backend == "jax":
+            moded = (n for n, spec in enumerate(resolved_prompts) if spec.controls and spec.controls.weighed)
+            problems.extend(f"prompts[{n}].control_mode: {JAX_WEIGHED}" for n in list(moded)[:1])
     planned = planned_images(resolved_prompts, config.images_per_prompt)
     if planned > MAX_IMAGES_PER_RUN:  # a plan of 10**8 items took minutes and gigabytes before any check
         problems.append(
@@ -347,6 +350,8 @@ def _controlled_prompt_problems(prompts: list[PromptSpec], family: Family, contr
             problems.append(f"prompts[{n}].control_image: {what}, {why}")
         elif kind == "strength":
             problems.append(f"prompts[{n}].strength: with a control_image, {why}")
+        elif kind == "weights":
+            problems.append(f"prompts[{n}].control_mode: {why}")
         else:
             problems.append(f"prompts[{n}]: control_start and control_end: {why}")
     return problems

@@ -12,6 +12,7 @@ CLIP_SKIP_NEEDS_WEBUI = "a clip skip needs prompt_syntax webui (tpugen's reading
 # What execution.backend: jax does not run yet (each refused in one line naming it): the features that change
 # what a denoising step does.
 JAX_NOT_YET = "is not built on execution.backend: jax yet; execution.backend: xla runs it"
+JAX_WEIGHED = f"a ControlNet unit's control mode but Balanced, or its advanced_weighting, {JAX_NOT_YET}"
 
 
 def jax_problems(config: RunConfig, family: Family) -> list[str]:
@@ -58,7 +59,7 @@ def jax_image_problems(family: Family, *, references: bool, tiling: bool, weighe
     ControlNet units ask for a control mode but Balanced or per-residual weights)."""
     problems = [f"seamless tiling {JAX_NOT_YET}"] if tiling else []
     if weighed:
-        problems.append(f"a ControlNet unit's control mode but Balanced, or its advanced_weighting, {JAX_NOT_YET}")
+        problems.append(JAX_WEIGHED)
     if references and (why := jax_edit_refusal(family)):
         problems.append(why)
     return problems

@@ -78,8 +78,7 @@ class Admission:
                     family,
                     references=bool(image.references),
                     tiling=image.tiling,
-                    weighed=bool(image.controls)
-                    and any(u.mode or u.layer_weights is not None for u in image.controls.units),
+                    weighed=bool(image.controls) and image.controls.weighed,
                 )
             )
         # The family's refusals (its hires fix's are the request's hires field's: a1111.hires_for).

@@ -11,9 +11,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from tpugen.config.controls import (
-    CONTROL_MODES,
+    MODES_WANTED,
     Controls,
     ControlUnit,
+    control_mode_number,
     control_name,
     control_types,
     module_descriptions,
@@ -35,15 +36,6 @@ router = APIRouter(prefix="/controlnet")
 
 # The extension's resize modes, by name and number (tpugen.config.request.RESIZE_MODES numbers them the same).
 RESIZE_NAMES = {"just resize": 0, "crop and resize": 1, "resize and fill": 2, "envelope (outer fit)": 2}
-# The extension's control modes by what its units send: the number, the name, or its enum's (ControlMode.PROMPT).
-MODE_NAMES = {
-    **{name.lower(): n for n, name in enumerate(CONTROL_MODES)},
-    **{
-        f"{prefix}{name}": n
-        for n, name in enumerate(("balanced", "prompt", "control"))
-        for prefix in ("", "controlmode.")
-    },
-}
 MAX_LAYER_WEIGHTS = 64  # a UNet ControlNet has 13 residuals (SDXL's 10); the count is checked against it
 MAX_UNITS = 4  # more than the web UI's default of three unit tabs
 MAX_DETECT_IMAGES = 4
@@ -107,15 +99,6 @@ UNION_UNSET = {"unknown", "controlnetunioncontroltype.unknown"}
 # hr_option's values, as the extension reads them (it takes the enum's name, its value, or "HiResFixOption.NAME"). A
 # request without a hires fix ignores it, as the extension does; with one, units are refused (images_for).
 HR_OPTIONS = {"both", "low res only", "high res only", "low_res_only", "high_res_only"}
-
-
-def _control_mode(value) -> int | None:
-    """A unit's control_mode as the extension reads it (0-2, or a name), or None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if 0 <= value < len(CONTROL_MODES) else None
-    return MODE_NAMES.get(value.strip().lower()) if isinstance(value, str) else None
 
 
 def _layer_weights(value, where: str, problems: list[str]) -> tuple[float, ...] | None:
@@ -223,12 +206,9 @@ def controls_for(service: Service, scripts: dict, decode, init: tuple[str, int] 
         if named is None:
             problems.append(f"{where}.module: {why_not_module(str(module)[:80], annotators)}")
             continue
-        mode = _control_mode(unit.get("control_mode", 0))
+        mode = control_mode_number(unit.get("control_mode", 0))
         if mode is None:
-            problems.append(
-                f"{where}.control_mode: {str(unit.get('control_mode'))[:60]!r}; one of "
-                + ", ".join(f"{name} ({n})" for n, name in enumerate(CONTROL_MODES))
-            )
+            problems.append(f"{where}.control_mode: {str(unit.get('control_mode'))[:60]!r}; {MODES_WANTED}")
         layer_weights = _layer_weights(unit.get("advanced_weighting"), where, problems)
         problems.extend(unit_field_problems(unit, where))
         resize = unit.get("resize_mode", 1)
