@@ -402,8 +402,8 @@ def controlled_problems(family, controls: Controls, source=None, controlnets: li
     weighed = [n for n, unit in enumerate(controls.units) if unit.mode or unit.layer_weights is not None]
     if weighed and parts.residual_weights_refusal:
         found["weights"] = f"{family.title} models: {parts.residual_weights_refusal}"
-    for n, config in zip(weighed, [controlnets[n] for n in weighed if n < len(controlnets)], strict=False):
-        weights, count = controls.units[n].layer_weights, parts.residual_count(config)
+    for n in (n for n in weighed if n < len(controlnets)):  # the configs known (a hub one's: once it is loaded)
+        weights, count = controls.units[n].layer_weights, parts.residual_count(controlnets[n])
         if weights is not None and count is not None and len(weights) != count:
             found["weights"] = f"ControlNet {n} takes {count} residual weights, one per residual; got {len(weights)}"
     return found

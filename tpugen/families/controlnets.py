@@ -69,9 +69,11 @@ class ControlNets:
 
     def residual_count(self, config: dict) -> int | None:
         """How many residuals one of this family's ControlNets (its config.json) hands the denoiser: the stem's, each
-        down block's resnets' and downsampler's, the mid block's (SD 1.5's 13, SDXL's 10). None: not counted."""
-        channels = config.get("block_out_channels") or (320, 640, 1280, 1280)
-        return 1 + len(channels) * config.get("layers_per_block", 2) + len(channels) - 1 + 1
+        down block's resnets' and downsampler's, the mid block's (SD 1.5's 13, SDXL's 10). None: not a UNet's."""
+        if self.residual_weights_refusal:
+            return None
+        channels, layers = _unet_levels(config)
+        return 1 + len(channels) * layers + len(channels) - 1 + 1
 
     def unsupported(self, config: dict) -> str | None:
         """Why a ControlNet of this family with this config cannot run on tpugen (None: it can)."""
@@ -91,8 +93,7 @@ class ControlNets:
         this size, held until the denoiser has added it: a UNet ControlNet's residuals, one per down-block output
         (the stem's, each resnet's, each downsampler's) and the mid block's, at their levels' channels and sizes.
         None: not counted for this family."""
-        channels = config.get("block_out_channels") or (320, 640, 1280, 1280)
-        layers = config.get("layers_per_block", 2)
+        channels, layers = _unet_levels(config)
         height, width = height // vae_scale, width // vae_scale
         total = channels[0] * height * width  # the stem
         for level, width_ in enumerate(channels):
@@ -112,9 +113,6 @@ class TransformerControlNets(ControlNets):
     loop_timestep: int | str = "timestep"
     residual_weights_refusal: str | None = RESIDUALS_OF_A_UNET
 
-    def residual_count(self, config: dict) -> int | None:
-        return None
-
     def residuals(self, config: dict, height: int, width: int, *, vae_scale: int, text_tokens: int) -> int | None:
         """A transformer ControlNet's hints: one per block of it, over the image's patches at its inner width."""
         if "num_layers" not in config:
@@ -124,3 +122,8 @@ class TransformerControlNets(ControlNets):
         return (
             blocks * (height // side) * (width // side) * config["num_attention_heads"] * config["attention_head_dim"]
         )
+
+
+def _unet_levels(config: dict) -> tuple[tuple[int, ...], int]:
+    """A UNet ControlNet's config.json: its levels' channels and resnets per level (diffusers' defaults if unset)."""
+    return tuple(config.get("block_out_channels") or (320, 640, 1280, 1280)), config.get("layers_per_block", 2)

@@ -64,9 +64,6 @@ class ZImageControlNets(ControlNets):
 
     residual_weights_refusal: str | None = RESIDUALS_OF_A_UNET
 
-    def residual_count(self, config: dict) -> int | None:
-        return None
-
     def refusal(self, task: str, controlnets: list[dict] | tuple = ()) -> str | None:
         """ZImageControlNetInpaintPipeline takes a 2.x ControlNet (33 channels: the mask and the masked image beside
         the control); a 1.0 one's control is the latents alone (16 channels, the transformer's own)."""
